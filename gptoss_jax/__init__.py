@@ -1,0 +1,6 @@
+"""gptoss-jax: JAX/XLA serving for OpenAI's gpt-oss models."""
+
+from gptoss_jax.llm import LLM, CompletionOutput, RequestOutput
+from gptoss_jax.sampling import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]

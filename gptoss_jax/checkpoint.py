@@ -1,0 +1,234 @@
+"""Load gpt-oss checkpoints into `Params`: Hugging Face layout or OpenAI's `original/` layout.
+
+Tensors stream from memory-mapped safetensors straight into preallocated device buffers (one tensor
+in host memory at a time; layer slices written in place by a donated update). Expert weights stay
+MXFP4-packed. Every mismatch is an error naming the tensor and the file. Converted parameters can be
+saved with orbax so that a second start skips the conversion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from gptoss_jax import params as params_lib
+from gptoss_jax.config import ModelConfig, load_config
+from gptoss_jax.safetensors_io import Reader
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing a file or tensor, or a tensor has the wrong shape or dtype."""
+
+
+# (field path in Params, HF name, original name); "{l}" is the layer index.
+LAYER_TENSORS = [
+    (("attn_norm",), "model.layers.{l}.input_layernorm.weight", "block.{l}.attn.norm.scale"),
+    (("q_w",), "model.layers.{l}.self_attn.q_proj.weight", None),
+    (("q_b",), "model.layers.{l}.self_attn.q_proj.bias", None),
+    (("k_w",), "model.layers.{l}.self_attn.k_proj.weight", None),
+    (("k_b",), "model.layers.{l}.self_attn.k_proj.bias", None),
+    (("v_w",), "model.layers.{l}.self_attn.v_proj.weight", None),
+    (("v_b",), "model.layers.{l}.self_attn.v_proj.bias", None),
+    (("o_w",), "model.layers.{l}.self_attn.o_proj.weight", "block.{l}.attn.out.weight"),
+    (("o_b",), "model.layers.{l}.self_attn.o_proj.bias", "block.{l}.attn.out.bias"),
+    (("sinks",), "model.layers.{l}.self_attn.sinks", "block.{l}.attn.sinks"),
+    (("mlp_norm",), "model.layers.{l}.post_attention_layernorm.weight", "block.{l}.mlp.norm.scale"),
+    (("router_w",), "model.layers.{l}.mlp.router.weight", "block.{l}.mlp.gate.weight"),
+    (("router_b",), "model.layers.{l}.mlp.router.bias", "block.{l}.mlp.gate.bias"),
+    (("experts", "gate_up_blocks"), "model.layers.{l}.mlp.experts.gate_up_proj_blocks",
+     "block.{l}.mlp.mlp1_weight.blocks"),
+    (("experts", "gate_up_scales"), "model.layers.{l}.mlp.experts.gate_up_proj_scales",
+     "block.{l}.mlp.mlp1_weight.scales"),
+    (("experts", "gate_up_bias"), "model.layers.{l}.mlp.experts.gate_up_proj_bias", "block.{l}.mlp.mlp1_bias"),
+    (("experts", "down_blocks"), "model.layers.{l}.mlp.experts.down_proj_blocks",
+     "block.{l}.mlp.mlp2_weight.blocks"),
+    (("experts", "down_scales"), "model.layers.{l}.mlp.experts.down_proj_scales",
+     "block.{l}.mlp.mlp2_weight.scales"),
+    (("experts", "down_bias"), "model.layers.{l}.mlp.experts.down_proj_bias", "block.{l}.mlp.mlp2_bias"),
+]
+GLOBAL_TENSORS = [
+    (("embed",), "model.embed_tokens.weight", "embedding.weight"),
+    (("final_norm",), "model.norm.weight", "norm.scale"),
+    (("unembed",), "lm_head.weight", "unembedding.weight"),
+]
+# The original layout fuses q, k, v row-wise ([q | k | v]); HF splits it with no permutation.
+ORIGINAL_QKV = {"weight": ("q_w", "k_w", "v_w"), "bias": ("q_b", "k_b", "v_b")}
+PACKED_FIELDS = {"gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where (part of) a file tensor goes: a Params field, a layer (or None), and a row range."""
+    field: tuple[str, ...]
+    layer: int | None
+    rows: tuple[int, int] | None = None
+
+
+def tensor_targets(cfg: ModelConfig, layout: str) -> dict[str, list[Target]]:
+    """File tensor name -> where it lands, for layout 'hf' or 'original'."""
+    col = 1 if layout == "hf" else 2
+    out: dict[str, list[Target]] = {}
+    for entry in GLOBAL_TENSORS:
+        out[entry[col]] = [Target(entry[0], None)]
+    nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    bounds = [(0, nq), (nq, nq + nkv), (nq + nkv, nq + 2 * nkv)]
+    for l in range(cfg.num_layers):
+        for entry in LAYER_TENSORS:
+            if entry[col] is not None:
+                out[entry[col].format(l=l)] = [Target(entry[0], l)]
+        if layout == "original":
+            for kind, fields in ORIGINAL_QKV.items():
+                out[f"block.{l}.attn.qkv.{kind}"] = [Target((f,), l, b) for f, b in zip(fields, bounds)]
+    return out
+
+
+def find_files(path: Path) -> tuple[str, list[Path]]:
+    """Layout ('hf' or 'original') and the safetensors files of a checkpoint folder."""
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: checkpoint folder not found")
+    for layout, folder in (("hf", path), ("original", path / "original")):
+        if layout == "original" and (path / "config.json").exists():
+            break
+        index = folder / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index}: invalid index file ({e!r})") from None
+            files = [folder / f for f in sorted(set(weight_map.values()))]
+            for f in files:
+                if not f.exists():
+                    raise CheckpointError(f"{index}: lists shard '{f.name}', which is missing from {folder}")
+            return layout, files
+        files = sorted(folder.glob("*.safetensors"))
+        if files:
+            return layout, files
+    raise CheckpointError(f"{path}: no *.safetensors files (looked in {path} and {path / 'original'})")
+
+
+def _get_field(tree, field):
+    for name in field:
+        tree = getattr(tree, name)
+    return tree
+
+
+def _with_field(tree, field, value):
+    if len(field) == 1:
+        return tree.replace(**{field[0]: value})
+    return tree.replace(**{field[0]: _with_field(getattr(tree, field[0]), field[1:], value)})
+
+
+@jax.jit
+def _put_rows(buf, x, layer):
+    return jax.lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), layer, 0)
+
+
+_put_rows_donated = jax.jit(_put_rows.__wrapped__, donate_argnums=0)
+
+
+def load_params(path: str | Path, dtype=jnp.bfloat16, *, progress: bool = True
+                ) -> tuple[ModelConfig, params_lib.Params]:
+    """Read a checkpoint folder into device `Params` (float weights in `dtype`, experts packed)."""
+    path = Path(path)
+    layout, files = find_files(path)
+    cfg = load_config(path)
+    shapes = params_lib.shapes(cfg, dtype)
+    targets = tensor_targets(cfg, layout)
+    pending = {(t.field, t.layer) for ts in targets.values() for t in ts}
+    where: dict[tuple, str] = {}
+    layered = {f: jnp.zeros(_get_field(shapes, f).shape, _get_field(shapes, f).dtype)
+               for f in params_lib.field_paths(shapes) if f[0] == "layers"}
+    flat: dict[tuple, jax.Array] = {}
+    unknown = []
+    total = sum(f.stat().st_size for f in files)
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"Loading {path.name}", disable=not progress) as bar:
+        for file in files:
+            reader = Reader(file)
+            for name in reader.names():
+                array = reader.get(name)
+                bar.update(array.nbytes)
+                if name not in targets:
+                    unknown.append(name)
+                    continue
+                for t in targets[name]:
+                    full = ("layers",) + t.field if t.layer is not None else t.field
+                    want = _get_field(shapes, full)
+                    want_shape = want.shape[1:] if t.layer is not None else want.shape
+                    _check_tensor(name, file, reader.dtype_name(name), array.shape, want_shape, t, full)
+                    part = array[t.rows[0]:t.rows[1]] if t.rows else array
+                    if (t.field, t.layer) in where:
+                        raise CheckpointError(f"{file}: tensor '{name}' also appears in {where[(t.field, t.layer)]}")
+                    where[(t.field, t.layer)] = str(file)
+                    if t.layer is None:
+                        flat[full] = jnp.asarray(np.asarray(part), dtype=want.dtype)
+                    else:
+                        layered[full] = _put_rows_donated(layered[full], jnp.asarray(np.asarray(part)), t.layer)
+                    pending.discard((t.field, t.layer))
+    if unknown:
+        log.warning("%s: ignored %d tensors not used by gpt-oss, e.g. %s", path, len(unknown), unknown[:3])
+    if pending:
+        names = sorted(n for n, ts in targets.items() for t in ts if (t.field, t.layer) in pending)
+        raise CheckpointError(f"{path}: missing {len(names)} tensor(s), e.g. {names[:5]} "
+                              f"(searched {[f.name for f in files]})")
+    tree = shapes
+    for field, value in {**layered, **flat}.items():
+        tree = _with_field(tree, field, value)
+    return cfg, tree
+
+
+def _check_tensor(name, file, dtype_name, shape, want_shape, t: Target, field) -> None:
+    packed = field[-1] in PACKED_FIELDS
+    if packed and dtype_name != "U8":
+        raise CheckpointError(f"{file}: tensor '{name}' has dtype {dtype_name}, expected U8 (MXFP4 packed)")
+    if not packed and dtype_name not in ("BF16", "F16", "F32"):
+        raise CheckpointError(f"{file}: tensor '{name}' has dtype {dtype_name}, expected a float type (BF16)")
+    if t.rows:
+        ok = len(shape) == len(want_shape) and shape[1:] == tuple(want_shape[1:]) and shape[0] >= t.rows[1]
+    else:
+        ok = tuple(shape) == tuple(want_shape)
+    if not ok:
+        raise CheckpointError(f"{file}: tensor '{name}' has shape {list(shape)}, expected {list(want_shape)}"
+                              + (f" rows {t.rows} of the fused tensor" if t.rows else ""))
+
+
+# ---- orbax cache of converted parameters -------------------------------------------------------
+
+def fingerprint(path: Path, dtype) -> str:
+    """Identifies a checkpoint's files and the load dtype, so a stale cache is never restored."""
+    _, files = find_files(path)
+    h = hashlib.sha256(jnp.dtype(dtype).name.encode())
+    for f in files + [p for p in (path / "config.json", path / "original" / "config.json") if p.exists()]:
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def load(path: str | Path, dtype=jnp.bfloat16, *, cache_dir: str | Path | None = None,
+         progress: bool = True) -> tuple[ModelConfig, params_lib.Params]:
+    """`load_params`, restoring from / saving to an orbax cache under `cache_dir` when given."""
+    path = Path(path)
+    if cache_dir is None:
+        return load_params(path, dtype, progress=progress)
+    import orbax.checkpoint as ocp
+
+    cfg = load_config(path)
+    target = Path(cache_dir).resolve() / f"{path.name}-{fingerprint(path, dtype)}"
+    checkpointer = ocp.StandardCheckpointer()
+    if target.exists():
+        log.info("restoring converted parameters from %s", target)
+        return cfg, checkpointer.restore(target, params_lib.shapes(cfg, dtype))
+    cfg, params = load_params(path, dtype, progress=progress)
+    checkpointer.save(target, params)
+    checkpointer.wait_until_finished()
+    log.info("saved converted parameters to %s", target)
+    return cfg, params

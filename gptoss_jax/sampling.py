@@ -1,0 +1,75 @@
+"""Sampling parameters and the jitted batched sampler (per-row temperature, top-k, top-p, min-p)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gptoss_jax.tokenizer import ASSISTANT_STOPS
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """vLLM-style sampling settings. `temperature=0` is greedy; `top_k=0` / `top_p=1` / `min_p=0`
+    disable those filters; `seed=None` draws from the engine's generator."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] | list[int] = ASSISTANT_STOPS
+
+    def __post_init__(self):
+        def bad(field, why):
+            raise ValueError(f"SamplingParams.{field}={getattr(self, field)!r}: {why}")
+
+        if not isinstance(self.temperature, (int, float)) or not np.isfinite(self.temperature) or self.temperature < 0:
+            bad("temperature", "must be a finite number >= 0")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            bad("top_k", "must be an integer >= 0 (0 disables it)")
+        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            bad("seed", "must be an integer or None")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            bad("max_tokens", "must be an integer >= 1")
+        if any(not isinstance(t, (int, np.integer)) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative integers")
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+
+
+def sample(logits_BV: jax.Array, keys_B: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array,
+           top_p_B: jax.Array, min_p_B: jax.Array) -> jax.Array:
+    """One token per row. Rows with temperature 0 take the argmax; others sample after the filters.
+
+    Each row has its own PRNG key, so a request's draws do not depend on its batch neighbours.
+    """
+    logits = logits_BV.astype(jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    # The sort below costs a pass over the vocabulary per row; all-greedy batches skip it.
+    return jax.lax.cond(jnp.any(temperature_B > 0),
+                        lambda: _filtered_draw(logits, keys_B, temperature_B, top_k_B, top_p_B, min_p_B, greedy),
+                        lambda: greedy)
+
+
+def _filtered_draw(logits, keys_B, temperature_B, top_k_B, top_p_B, min_p_B, greedy):
+    V = logits.shape[-1]
+    scaled = logits / jnp.maximum(temperature_B, 1e-6)[:, None]
+    sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
+    probs_sorted = jax.nn.softmax(sorted_logits, axis=-1)
+    rank = jnp.arange(V)[None, :]
+    k = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, V), V)[:, None]
+    cum_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
+    keep_sorted = (rank < k) & (cum_before < top_p_B[:, None])
+    keep_sorted &= probs_sorted >= min_p_B[:, None] * probs_sorted[:, :1]
+    keep_sorted = keep_sorted.at[:, 0].set(True)
+    threshold = jnp.min(jnp.where(keep_sorted, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+    filtered = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    drawn = jax.vmap(jax.random.categorical)(keys_B, filtered)
+    return jnp.where(temperature_B > 0, drawn, greedy).astype(jnp.int32)

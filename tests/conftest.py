@@ -1,0 +1,31 @@
+import os
+from pathlib import Path
+
+import pytest
+
+from gptoss_jax import random_weights
+from parity_configs import PARITY
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_TOKENIZER = REPO.parent / "shared" / "tokenizer"
+
+# Tests never download: the rank file comes from ../shared/tokenizer (see its README).
+if SHARED_TOKENIZER.exists():
+    os.environ.setdefault("TIKTOKEN_ENCODINGS_BASE", str(SHARED_TOKENIZER))
+
+
+@pytest.fixture(scope="session")
+def parity_checkpoints(tmp_path_factory):
+    """name -> folder of each PARITY checkpoint, written exactly as the golden fixtures were."""
+    out = {}
+    for name, spec in PARITY.items():
+        path = tmp_path_factory.mktemp(f"parity-{name}")
+        random_weights.write_checkpoint(path, spec["config"], seed=spec["seed"], sink_scale=spec["sink_scale"],
+                                        progress=False)
+        out[name] = path
+    return out
+
+
+@pytest.fixture(scope="session")
+def small_checkpoint(parity_checkpoints):
+    return parity_checkpoints["small"]

@@ -1,0 +1,127 @@
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gptoss_jax import checkpoint, random_weights, safetensors_io
+from gptoss_jax.checkpoint import CheckpointError
+from parity_configs import PARITY
+
+CFG = PARITY["small"]["config"]
+
+
+def _leaves_equal(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _to_original(src, dst):
+    """Rewrite a HF-layout checkpoint in OpenAI's original layout (fused qkv, reference names)."""
+    reader = safetensors_io.Reader(src / "model.safetensors")
+    cfg = checkpoint.load_config(src)
+    hf_to_orig = {}
+    for entry in checkpoint.GLOBAL_TENSORS:
+        hf_to_orig[entry[1]] = entry[2]
+    for l in range(cfg.num_layers):
+        for entry in checkpoint.LAYER_TENSORS:
+            if entry[2]:
+                hf_to_orig[entry[1].format(l=l)] = entry[2].format(l=l)
+    tensors = {hf_to_orig[n]: np.asarray(reader.get(n)) for n in reader.names() if n in hf_to_orig}
+    for l in range(cfg.num_layers):
+        for kind in ("weight", "bias"):
+            parts = [np.asarray(reader.get(f"model.layers.{l}.self_attn.{p}_proj.{kind}")) for p in "qkv"]
+            tensors[f"block.{l}.attn.qkv.{kind}"] = np.concatenate(parts, axis=0)
+    (dst / "original").mkdir(parents=True)
+    specs = {n: (t.shape, t.dtype) for n, t in tensors.items()}
+    safetensors_io.write(dst / "original" / "model.safetensors", tensors.items(), specs)
+    (dst / "original" / "config.json").write_text(json.dumps(random_weights.to_original_config(CFG)))
+
+
+def test_hf_single_sharded_and_original_layouts_agree(small_checkpoint, tmp_path):
+    _, ref = checkpoint.load_params(small_checkpoint, jnp.float32, progress=False)
+    sharded = random_weights.write_checkpoint(tmp_path / "sharded", CFG, seed=PARITY["small"]["seed"],
+                                              sink_scale=PARITY["small"]["sink_scale"], max_shard_bytes=60_000,
+                                              progress=False)
+    assert len(list(sharded.glob("*.safetensors"))) > 2 and (sharded / "model.safetensors.index.json").exists()
+    _, p_sharded = checkpoint.load_params(sharded, jnp.float32, progress=False)
+    _leaves_equal(ref, p_sharded)
+    _to_original(small_checkpoint, tmp_path / "orig")
+    _, p_orig = checkpoint.load_params(tmp_path / "orig", jnp.float32, progress=False)
+    _leaves_equal(ref, p_orig)
+
+
+def test_experts_stay_packed_and_dtypes(small_checkpoint):
+    _, p = checkpoint.load_params(small_checkpoint, jnp.bfloat16, progress=False)
+    assert p.layers.experts.gate_up_blocks.dtype == jnp.uint8
+    assert p.layers.experts.gate_up_blocks.shape == (2, 4, 128, 2, 16)
+    assert p.layers.q_w.dtype == jnp.bfloat16 and p.layers.attn_norm.dtype == jnp.float32
+    assert p.layers.sinks.dtype == jnp.float32
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _rewrite(path, edit):
+    """Rewrite model.safetensors after `edit(dict name -> array)`."""
+    r = safetensors_io.Reader(path / "model.safetensors")
+    tensors = {n: np.array(r.get(n)) for n in r.names()}
+    del r
+    edit(tensors)
+    specs = {n: (t.shape, t.dtype) for n, t in tensors.items()}
+    safetensors_io.write(path / "model.safetensors", tensors.items(), specs)
+
+
+def test_missing_tensor_named(small_checkpoint, tmp_path):
+    p = _copy(small_checkpoint, tmp_path / "c")
+    _rewrite(p, lambda t: t.pop("model.layers.1.self_attn.sinks"))
+    with pytest.raises(CheckpointError, match=r"missing 1 tensor.*model\.layers\.1\.self_attn\.sinks"):
+        checkpoint.load_params(p, progress=False)
+
+
+def test_wrong_shape_named(small_checkpoint, tmp_path):
+    p = _copy(small_checkpoint, tmp_path / "c")
+    _rewrite(p, lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": t["model.layers.0.self_attn.q_proj.bias"][:10]}))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor 'model\.layers\.0\.self_attn\.q_proj\.bias' "
+                                              r"has shape \[10\], expected \[64\]"):
+        checkpoint.load_params(p, progress=False)
+
+
+def test_wrong_dtype_named(small_checkpoint, tmp_path):
+    p = _copy(small_checkpoint, tmp_path / "c")
+    name = "model.layers.0.mlp.experts.down_proj_blocks"
+    _rewrite(p, lambda t: t.update({name: t[name].astype(np.float32)}))
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' has dtype F32, expected U8"):
+        checkpoint.load_params(p, progress=False)
+
+
+def test_missing_files(small_checkpoint, tmp_path):
+    with pytest.raises(CheckpointError, match="checkpoint folder not found"):
+        checkpoint.load_params(tmp_path / "nope", progress=False)
+    sharded = random_weights.write_checkpoint(tmp_path / "s", CFG, max_shard_bytes=60_000, progress=False)
+    victim = sorted(sharded.glob("*.safetensors"))[1]
+    victim.unlink()
+    with pytest.raises(CheckpointError, match=f"lists shard '{victim.name}', which is missing"):
+        checkpoint.load_params(sharded, progress=False)
+    p = _copy(small_checkpoint, tmp_path / "c")
+    (p / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{broken")
+    with pytest.raises(ValueError, match="corrupt header"):
+        checkpoint.load_params(p, progress=False)
+
+
+def test_orbax_cache_skips_conversion(small_checkpoint, tmp_path, monkeypatch):
+    cfg, first = checkpoint.load(small_checkpoint, jnp.float32, cache_dir=tmp_path, progress=False)
+    assert len(list(tmp_path.iterdir())) == 1
+
+    def fail(*a, **k):
+        raise AssertionError("conversion ran again")
+
+    monkeypatch.setattr(checkpoint, "load_params", fail)
+    cfg2, second = checkpoint.load(small_checkpoint, jnp.float32, cache_dir=tmp_path, progress=False)
+    assert cfg2 == cfg
+    _leaves_equal(first, second)
+    assert second.layers.experts.gate_up_blocks.dtype == jnp.uint8

@@ -1,0 +1,72 @@
+import json
+
+import pytest
+
+from gptoss_jax import config
+from gptoss_jax.config import ConfigError, from_hf_dict, load_config, preset
+
+
+def _hf():
+    return json.loads((config.PRESETS_DIR / "gpt-oss-20b.json").read_text())
+
+
+def test_presets_match_published_shapes():
+    c20, c120 = preset("gpt-oss-20b"), preset("gpt-oss-120b")
+    assert (c20.num_layers, c20.num_experts, c120.num_layers, c120.num_experts) == (24, 32, 36, 128)
+    assert round(c20.param_count / 1e9, 2) == 20.91 and round(c120.param_count / 1e9, 2) == 116.83
+    assert c20.rope_factor == 32 and c20.rope_truncate is False and c20.sliding_window == 128
+    assert c20.eos_token_ids == (200002, 200012)  # <|call|> added: config.json lists only <|return|>
+
+
+def test_rope_parameters_layout_equals_rope_scaling_layout():
+    old = _hf()
+    new = {k: v for k, v in old.items() if k not in ("rope_scaling", "rope_theta")}
+    new["rope_parameters"] = dict(old["rope_scaling"], rope_theta=old["rope_theta"])
+    assert from_hf_dict(new) == from_hf_dict(old)
+
+
+def test_original_config_equals_hf(tmp_path):
+    from gptoss_jax.random_weights import to_original_config
+    (tmp_path / "original").mkdir()
+    (tmp_path / "original" / "config.json").write_text(json.dumps(to_original_config(_hf())))
+    a, b = load_config(tmp_path), from_hf_dict(_hf())
+    assert a.rope_beta_fast == 32 and a.rope_beta_slow == 1  # crossed ntk_alpha/ntk_beta naming
+    assert {k: v for k, v in vars(a).items() if k != "pad_token_id"} == \
+        {k: v for k, v in vars(b).items() if k != "pad_token_id"}
+
+
+def test_unknown_keys_tolerated():
+    raw = _hf() | {"some_future_key": 1, "rope_scaling": dict(_hf()["rope_scaling"], extra=2)}
+    assert from_hf_dict(raw).num_layers == 24
+
+
+def test_missing_key_names_key_and_file(tmp_path):
+    raw = _hf()
+    del raw["num_local_experts"]
+    f = tmp_path / "config.json"
+    f.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=r"config.json: missing required key 'num_local_experts'"):
+        load_config(tmp_path)
+    raw = _hf()
+    del raw["rope_theta"]
+    with pytest.raises(ConfigError, match="rope_theta"):
+        from_hf_dict(raw)
+
+
+def test_bad_files_and_values(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        load_config(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="invalid JSON"):
+        load_config(tmp_path)
+    with pytest.raises(ConfigError, match="multiple of num_key_value_heads"):
+        from_hf_dict(_hf() | {"num_key_value_heads": 7})
+    with pytest.raises(ConfigError, match="layer_types"):
+        from_hf_dict(_hf() | {"layer_types": ["full_attention", "sliding_attention"] * 12})
+    with pytest.raises(ConfigError, match="unknown preset"):
+        preset("gpt-oss-7b")
+
+
+def test_layer_parity_layer0_sliding():
+    c = preset("gpt-oss-20b")
+    assert [c.is_sliding(i) for i in range(4)] == [True, False, True, False]
