@@ -4,7 +4,14 @@ Each differs in head counts, KV heads, expert counts and top-k; windows are shor
 sequences, and sinks are large so a wrong sink treatment shows. `tools/make_parity_fixtures.py`
 writes each checkpoint with `random_weights.write_checkpoint(seed=...)` and records transformers'
 logits for it; the tests rebuild the identical checkpoint from the same seed.
+
+Seeds are chosen so that no routing decision is a near-tie: the gap between the k-th and (k+1)-th
+router logit is at least `MIN_ROUTER_MARGIN` everywhere (checked by tests/test_parity.py). bf16
+rounds router logits by ~0.004, so a smaller gap lets any bf16 implementation (transformers' own
+included) pick a different expert, a discrete jump that says nothing about the arithmetic.
 """
+
+MIN_ROUTER_MARGIN = 0.008
 
 import copy
 
@@ -31,5 +38,5 @@ PARITY = {
                        vocab_size=384, hidden_size=128, intermediate_size=96, head_dim=16,
                        num_attention_heads=8, num_key_value_heads=4, sliding_window=16,
                        eos_token_id=1, pad_token_id=0),
-        seed=23, sink_scale=4.0, seq_len=48),
+        seed=226, sink_scale=4.0, seq_len=48),
 }
