@@ -1,0 +1,27 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from gptoss_jax import checkpoint
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _run(*args):
+    res = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def test_make_checkpoint_then_convert_then_restore(tmp_path):
+    cfg = REPO / "tests" / "tiny_config.json"
+    _run(REPO / "tools" / "make_checkpoint.py", "--config", cfg, "--out", tmp_path / "ck", "--layout", "original")
+    assert (tmp_path / "ck" / "original" / "model.safetensors").exists()
+    out = _run(REPO / "tools" / "convert_checkpoint.py", "--model", tmp_path / "ck", "--cache-dir", tmp_path / "cache")
+    assert "ready" in out and len(list((tmp_path / "cache").iterdir())) == 1
+    _, direct = checkpoint.load_params(tmp_path / "ck", jnp.bfloat16, progress=False)
+    _, restored = checkpoint.load(tmp_path / "ck", jnp.bfloat16, cache_dir=tmp_path / "cache", progress=False)
+    assert (direct.layers.experts.down_blocks == restored.layers.experts.down_blocks).all()
+    assert (direct.unembed == restored.unembed).all()

@@ -1,0 +1,35 @@
+"""Convert a safetensors checkpoint to an orbax checkpoint of `Params`, so later starts skip conversion.
+
+    python tools/convert_checkpoint.py --model /models/gpt-oss-20b --cache-dir /models/converted
+
+Afterwards `LLM(model, cache_dir=...)` and `--cache-dir` restore the converted parameters directly.
+The cache key covers the source files (names, sizes, mtimes) and the dtype, so a changed checkpoint
+is converted again rather than restored stale.
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax.numpy as jnp  # noqa: E402
+
+from gptoss_jax import checkpoint  # noqa: E402
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--cache-dir", required=True)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    checkpoint.load(args.model, jnp.dtype(args.dtype), cache_dir=args.cache_dir)
+    target = Path(args.cache_dir).resolve() / f"{Path(args.model).name}-{checkpoint.fingerprint(Path(args.model), jnp.dtype(args.dtype))}"
+    print(f"{target} ready in {time.perf_counter() - t0:.1f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""Write a random gpt-oss checkpoint of any size in the exact published layout.
+
+    python tools/make_checkpoint.py --preset gpt-oss-20b --out /tmp/gpt-oss-20b-random
+    python tools/make_checkpoint.py --config my_config.json --out DIR --layout original
+
+MXFP4 expert blocks/scales, bf16 elsewhere, sharded with an index past --max-shard-gb. Streams one
+tensor at a time, so the 120b shape needs little host memory.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gptoss_jax import config, random_weights  # noqa: E402
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", help="gpt-oss-20b or gpt-oss-120b")
+    src.add_argument("--config", help="a Hugging Face config.json to follow")
+    ap.add_argument("--out", required=True, help="checkpoint folder to write")
+    ap.add_argument("--layout", choices=["hf", "original"], default="hf")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-shard-gb", type=float, default=4.0)
+    ap.add_argument("--sink-scale", type=float, default=1.0, help="std of the random sink logits")
+    args = ap.parse_args(argv)
+    file = Path(args.config) if args.config else config.PRESETS_DIR / f"{args.preset}.json"
+    hf = json.loads(file.read_text())
+    config.from_hf_dict(hf, str(file))  # validate before writing gigabytes
+    path = random_weights.write_checkpoint(args.out, hf, seed=args.seed, layout=args.layout,
+                                           max_shard_bytes=int(args.max_shard_gb * 2**30), sink_scale=args.sink_scale)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
