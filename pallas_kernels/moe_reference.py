@@ -33,10 +33,19 @@ def swiglu(z: jax.Array, limit: float, alpha: float) -> jax.Array:
 def moe(x_TD: jax.Array, router_w_ED: jax.Array, router_b_E: jax.Array, experts, *, top_k: int,
         swiglu_limit: float, swiglu_alpha: float) -> jax.Array:
     """`experts` is a `params.Experts` of one layer (no leading layer axis). Returns `[T, D]`."""
-    T, _ = x_TD.shape
-    E = router_w_ED.shape[0]
-    dtype = x_TD.dtype
     idx_TK, w_TK, _ = route(x_TD, router_w_ED, router_b_E, top_k)
+    y = apply_experts(x_TD, idx_TK, w_TK, experts, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
+    return y.astype(x_TD.dtype)
+
+
+def apply_experts(x_TD: jax.Array, idx_TK: jax.Array, w_TK: jax.Array, experts, *, swiglu_limit: float,
+                  swiglu_alpha: float) -> jax.Array:
+    """`sum_k w[t, k] * expert_{idx[t, k]}(x[t])` in fp32. Entries with weight 0 contribute nothing,
+    which is how expert parallelism masks the experts another device holds."""
+    T, _ = x_TD.shape
+    E = experts.gate_up_blocks.shape[0]
+    top_k = idx_TK.shape[1]
+    dtype = x_TD.dtype
     f32 = jnp.float32
 
     if T * top_k <= E:
@@ -47,7 +56,7 @@ def moe(x_TD: jax.Array, router_w_ED: jax.Array, router_b_E: jax.Array, experts,
         dn = mxfp4.dequantize(experts.down_blocks[idx_TK], experts.down_scales[idx_TK], dtype)
         y = jnp.einsum("tki,tkdi->tkd", a, dn, preferred_element_type=f32)
         y = y + experts.down_bias[idx_TK].astype(f32)
-        return jnp.einsum("tkd,tk->td", y, w_TK).astype(dtype)
+        return jnp.einsum("tkd,tk->td", y, w_TK)
 
     def one_expert(acc_TD, e):
         gu = mxfp4.dequantize(experts.gate_up_blocks[e], experts.gate_up_scales[e], dtype)
@@ -60,4 +69,4 @@ def moe(x_TD: jax.Array, router_w_ED: jax.Array, router_b_E: jax.Array, experts,
         return acc_TD + w_T[:, None] * y, None
 
     acc, _ = jax.lax.scan(one_expert, jnp.zeros(x_TD.shape, f32), jnp.arange(E))
-    return acc.astype(dtype)
+    return acc

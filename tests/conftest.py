@@ -1,6 +1,9 @@
 import os
 from pathlib import Path
 
+# Sharding tests need several devices; on CPU XLA simulates them. Must precede the first jax import.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
 import pytest
 
 from gptoss_jax import random_weights

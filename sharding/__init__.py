@@ -1,0 +1,1 @@
+"""Meshes, the logical-to-mesh axis table, and expert parallelism for gpt-oss."""
