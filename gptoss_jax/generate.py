@@ -1,6 +1,7 @@
 """Command line generation: `python -m gptoss_jax.generate --model DIR --prompt TEXT`.
 
-Without `--model` it runs the built-in demo checkpoint.
+Without `--model` it runs the built-in demo checkpoint. `--input in.jsonl --output out.jsonl` runs a
+resumable offline batch job instead (see `gptoss_jax.batch`).
 """
 
 import argparse
@@ -8,6 +9,8 @@ import json
 import sys
 import time
 
+from gptoss_jax import batch
+from gptoss_jax.engine import Engine
 from gptoss_jax.llm import LLM
 from gptoss_jax.sampling import SamplingParams
 
@@ -18,6 +21,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (tokenised as is, special tokens allowed)")
     src.add_argument("--prompt-ids", help="comma-separated prompt token ids, e.g. 1,2,3")
+    src.add_argument("--input", help="JSONL of requests for a batch job (needs --output)")
+    p.add_argument("--output", help="JSONL results of a batch job; existing ids are skipped (resume)")
+    p.add_argument("--engine-config", help="engine profile (low_latency, max_throughput) or YAML file")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -33,6 +39,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if (args.input is None) != (args.output is None):
+        print("error: --input and --output go together", file=sys.stderr)
+        return 2
+    if args.input is not None:
+        return _batch(args)
     ids = None
     if args.prompt_ids is not None:
         try:
@@ -45,7 +56,7 @@ def main(argv=None) -> int:
                             seed=args.seed, max_tokens=args.max_tokens)
         t0 = time.perf_counter()
         llm = LLM(args.model, dtype=args.dtype, tokenizer=args.tokenizer, cache_dir=args.cache_dir,
-                  progress=not args.json)
+                  progress=not args.json, engine_config=args.engine_config)
         t1 = time.perf_counter()
         if ids is not None:
             out = llm.generate(prompt_token_ids=[ids], sampling_params=sp, use_tqdm=not args.json)[0]
@@ -64,6 +75,20 @@ def main(argv=None) -> int:
         print(c.text if c.text is not None else " ".join(map(str, c.token_ids)))
         print(f"[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}, load {t1 - t0:.1f}s, "
               f"generate {t2 - t1:.1f}s]", file=sys.stderr)
+    return 0
+
+
+def _batch(args) -> int:
+    defaults = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                    seed=args.seed, max_tokens=args.max_tokens)
+    try:
+        engine = Engine(args.model, dtype=args.dtype, config=args.engine_config, tokenizer=args.tokenizer,
+                        cache_dir=args.cache_dir)
+        summary = batch.run(engine, args.input, args.output, defaults)
+    except (ValueError, OSError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary))
     return 0
 
 

@@ -1,30 +1,23 @@
 """Offline generation API, vLLM-style: `LLM(model=PATH).generate(prompts, SamplingParams(...))`.
 
-Prompts run as one padded batch: a jitted prefill writes the KV cache, then a jitted decode step
-(cache donated, so updated in place) produces one token per sequence per call. Shapes are bucketed
-to powers of two so repeated calls reuse compiled steps.
+A thin synchronous loop over the serving `Engine` (paged KV cache, continuous batching, chunked
+prefill, compiled steps): every prompt becomes a request and `generate` steps the engine until all
+are done, so offline and online generation share one path.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import logging
 import os
 from pathlib import Path
 from typing import Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from gptoss_jax import checkpoint, demo, model, tokenizer as tokenizer_lib
-from gptoss_jax.config import ModelConfig
-from gptoss_jax.sampling import SamplingParams, sample
-
-log = logging.getLogger(__name__)
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+from gptoss_jax.engine import DTYPES, Engine
+from gptoss_jax.engine_config import EngineConfig
+from gptoss_jax.sampling import SamplingParams, find_stop_string
 
 
 @dataclasses.dataclass
@@ -32,8 +25,9 @@ class CompletionOutput:
     index: int
     text: str | None
     token_ids: list[int]
-    finish_reason: str          # "stop" (a stop token was sampled) or "length"
-    stop_reason: int | None     # the stop token id, not included in `token_ids`
+    finish_reason: str          # "stop" (a stop token or string) or "length"
+    stop_reason: int | str | None  # the stop token id (not in `token_ids`) or the stop string (not in `text`)
+    logprobs: list | None = None   # per token: (logprob, [(token_id, logprob), ...])
 
 
 @dataclasses.dataclass
@@ -41,35 +35,7 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
-
-
-def _bucket(n: int, minimum: int) -> int:
-    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
-def prefill_step(params, cache, tokens_BT, lengths_B, cfg: ModelConfig, impl: str):
-    positions = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
-    x, cache = model.forward(params, cache, tokens_BT, positions, cfg, impl)
-    last = jnp.take_along_axis(x, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
-    return model.unembed(params, last), cache
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
-def decode_step(params, cache, tokens_B, positions_B, keys_B, temperature_B, top_k_B, top_p_B, min_p_B,
-            cfg: ModelConfig, impl: str):
-    x, cache = model.forward(params, cache, tokens_B[:, None], positions_B[:, None], cfg, impl)
-    logits = model.unembed(params, x[:, 0])
-    keys = jax.vmap(jax.random.fold_in)(keys_B, positions_B)
-    return sample(logits, keys, temperature_B, top_k_B, top_p_B, min_p_B), cache
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "impl"))
-def _all_logits(params, tokens_BT, cfg: ModelConfig, impl: str):
-    cache = model.KVCache.zeros(cfg, tokens_BT.shape[0], tokens_BT.shape[1], params.embed.dtype)
-    positions = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
-    x, _ = model.forward(params, cache, tokens_BT, positions, cfg, impl)
-    return model.unembed(params, x)
+    num_cached_tokens: int = 0
 
 
 class LLM:
@@ -78,20 +44,19 @@ class LLM:
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "bfloat16", *,
                  tokenizer: str | os.PathLike | None = None, max_model_len: int | None = None,
                  cache_dir: str | os.PathLike | None = None, impl: str = "reference", seed: int = 0,
-                 progress: bool = True):
+                 progress: bool = True, engine_config: EngineConfig | str | None = None, **engine_overrides):
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
-        self.model_path = Path(model) if model is not None else demo.checkpoint_path()
-        self.dtype = DTYPES[dtype]
-        self.impl = impl
-        self.config, self.params = checkpoint.load(self.model_path, self.dtype, cache_dir=cache_dir,
-                                                   progress=progress)
-        self.max_model_len = max_model_len or self.config.max_position_embeddings
-        # Only a model with the real vocabulary can use the real tokenizer; tiny test models take ids.
-        self.tokenizer = None
-        if self.config.vocab_size == tokenizer_lib.VOCAB_SIZE or tokenizer is not None:
-            self.tokenizer = tokenizer_lib.load(tokenizer, self.model_path)
-        self._rng = np.random.default_rng(seed)
+        if max_model_len is not None:
+            engine_overrides["max_model_len"] = max_model_len
+        self.engine = Engine(model, dtype=dtype, config=engine_config, tokenizer=tokenizer, impl=impl, seed=seed,
+                             cache_dir=cache_dir, progress=progress, **engine_overrides)
+        self.model_path = self.engine.model_path
+        self.config = self.engine.model_config
+        self.params = self.engine.params
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
+        self._next_id = 0
 
     # ---- helpers -------------------------------------------------------------------------------
     def _encode(self, prompt: str) -> list[int]:
@@ -118,12 +83,7 @@ class LLM:
     # ---- public API ----------------------------------------------------------------------------
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Prefill logits `[len, vocab]` (float32) for every position of one token sequence."""
-        ids = self._check_ids(token_ids, "logits")
-        T = _bucket(len(ids), 16)
-        tokens = np.zeros((1, T), np.int32)
-        tokens[0, :len(ids)] = ids
-        out = _all_logits(self.params, jnp.asarray(tokens), self.config, self.impl)
-        return np.asarray(out[0, :len(ids)], np.float32)
+        return self.engine.prompt_logits(self._check_ids(token_ids, "logits"))
 
     def generate(self, prompts: str | Sequence[str] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -147,56 +107,38 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params[{i}] is {type(p).__name__}, expected SamplingParams")
         outs = self._run_batch(ids, params, use_tqdm)
-        return [RequestOutput(t, i, [o]) for t, i, o in zip(texts, ids, outs)]
+        return [RequestOutput(t, i, [o], cached) for t, i, (o, cached) in zip(texts, ids, outs)]
 
-    def _run_batch(self, ids: list[list[int]], params: list[SamplingParams], use_tqdm: bool):
-        n = len(ids)
-        B = _bucket(n, 1)
-        lengths = np.array([len(x) for x in ids] + [1] * (B - n), np.int32)
-        budgets = [min(p.max_tokens, self.max_model_len - len(x)) for p, x in zip(params, ids)]
-        T = _bucket(int(lengths.max()), 16)
-        S = _bucket(max(len(x) + b for x, b in zip(ids, budgets)), 16)
-        S = max(S, T)
-        tokens = np.zeros((B, T), np.int32)
-        for i, x in enumerate(ids):
-            tokens[i, :len(x)] = x
-        pad = [SamplingParams(temperature=0.0)] * (B - n)
-        allp = params + pad
-        temperature = jnp.asarray([p.temperature for p in allp], jnp.float32)
-        top_k = jnp.asarray([p.top_k for p in allp], jnp.int32)
-        top_p = jnp.asarray([p.top_p for p in allp], jnp.float32)
-        min_p = jnp.asarray([p.min_p for p in allp], jnp.float32)
-        seeds = [p.seed if p.seed is not None else int(self._rng.integers(2**31)) for p in allp]
-        keys = jnp.stack([jax.random.PRNGKey(s) for s in seeds])
-
-        cache = model.KVCache.zeros(self.config, B, S, self.dtype)
-        logits, cache = prefill_step(self.params, cache, jnp.asarray(tokens), jnp.asarray(lengths), self.config,
-                                 self.impl)
-        first_keys = jax.vmap(jax.random.fold_in)(keys, jnp.asarray(lengths - 1))
-        next_tok = np.asarray(sample(logits, first_keys, temperature, top_k, top_p, min_p))
-
-        generated: list[list[int]] = [[] for _ in range(n)]
-        finish: list[tuple[str, int | None] | None] = [None] * n
-        positions = lengths.copy()
-        bar = tqdm(total=sum(budgets), desc="Generating", unit="tok", disable=not use_tqdm)
-        while True:
-            for i in range(n):
-                if finish[i] is not None:
-                    continue
-                tok = int(next_tok[i])
-                if tok in params[i].stop_token_ids:
-                    finish[i] = ("stop", tok)
-                    bar.update(budgets[i] - len(generated[i]))
-                    continue
-                generated[i].append(tok)
-                bar.update(1)
-                if len(generated[i]) >= budgets[i]:
-                    finish[i] = ("length", None)
-            if all(f is not None for f in finish):
-                break
-            next_tok, cache = decode_step(self.params, cache, jnp.asarray(next_tok), jnp.asarray(positions), keys,
-                                      temperature, top_k, top_p, min_p, self.config, self.impl)
-            next_tok = np.asarray(next_tok)
-            positions = np.minimum(positions + 1, S - 1)
-        bar.close()
-        return [CompletionOutput(0, self._decode_text(g), g, f[0], f[1]) for g, f in zip(generated, finish)]
+    def _run_batch(self, ids: list[list[int]], params: list[SamplingParams], use_tqdm: bool
+                   ) -> list[tuple[CompletionOutput, int]]:
+        rids = [f"llm-{self._next_id + i}" for i in range(len(ids))]
+        self._next_id += len(ids)
+        tokens: dict[str, list[int]] = {r: [] for r in rids}
+        logprobs: dict[str, list] = {r: [] for r in rids}
+        done: dict[str, tuple] = {}
+        try:
+            for r, x, p in zip(rids, ids, params):
+                self.engine.add_request(r, x, p)
+            with tqdm(total=len(rids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+                while len(done) < len(rids):
+                    for out in self.engine.step():
+                        tokens[out.request_id] += out.new_token_ids
+                        logprobs[out.request_id] += out.logprobs or []
+                        if out.finished:
+                            done[out.request_id] = (out.finish_reason, out.stop_reason, out.num_cached_prompt_tokens)
+                            bar.update(1)
+        finally:
+            for r in rids:
+                if r not in done:
+                    self.engine.abort_request(r)
+            while self.engine.has_unfinished_requests():  # drain abort notices
+                self.engine.step()
+        outs = []
+        for r, x, p in zip(rids, ids, params):
+            reason, stop_reason, cached = done[r]
+            text = self._decode_text(tokens[r])
+            if isinstance(stop_reason, str) and text is not None:
+                text = text[:find_stop_string(text, (stop_reason,))[0]]
+            outs.append((CompletionOutput(0, text, tokens[r], reason, stop_reason,
+                                          logprobs[r] if p.logprobs is not None else None), cached))
+        return outs

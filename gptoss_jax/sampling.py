@@ -1,4 +1,5 @@
-"""Sampling parameters and the jitted batched sampler (per-row temperature, top-k, top-p, min-p)."""
+"""Sampling parameters and the batched on-device sampler (per-row temperature, top-k, top-p, min-p,
+seed) with optional log-probabilities."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from gptoss_jax.tokenizer import ASSISTANT_STOPS
 @dataclasses.dataclass
 class SamplingParams:
     """vLLM-style sampling settings. `temperature=0` is greedy; `top_k=0` / `top_p=1` / `min_p=0`
-    disable those filters; `seed=None` draws from the engine's generator."""
+    disable those filters; `seed=None` draws from the engine's generator. `stop` strings end the
+    output (the text excludes them; needs a tokenizer); `logprobs=n` returns each new token's
+    log-probability and the `n` most likely alternatives (0 = the sampled token's only)."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -22,6 +25,8 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 256
     stop_token_ids: tuple[int, ...] | list[int] = ASSISTANT_STOPS
+    stop: tuple[str, ...] | list[str] | str | None = None
+    logprobs: int | None = None
 
     def __post_init__(self):
         def bad(field, why):
@@ -42,6 +47,13 @@ class SamplingParams:
         if any(not isinstance(t, (int, np.integer)) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        if any(not isinstance(x, str) or not x for x in stop):
+            bad("stop", "must be a string or a list of non-empty strings")
+        self.stop = tuple(stop)
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or self.logprobs < 0):
+            bad("logprobs", "must be an integer >= 0 or None")
 
 
 def sample(logits_BV: jax.Array, keys_B: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array,
@@ -73,3 +85,23 @@ def _filtered_draw(logits, keys_B, temperature_B, top_k_B, top_p_B, min_p_B, gre
     filtered = jnp.where(scaled >= threshold, scaled, -jnp.inf)
     drawn = jax.vmap(jax.random.categorical)(keys_B, filtered)
     return jnp.where(temperature_B > 0, drawn, greedy).astype(jnp.int32)
+
+
+def logprobs(logits_BV: jax.Array, tokens_B: jax.Array, num_top: int
+             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Log-probabilities of the model's own distribution (before temperature and filters): of the
+    sampled tokens `[B]`, and the `num_top` most likely ids and values `[B, num_top]`."""
+    lp = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(lp, tokens_B[:, None], axis=-1)[:, 0]
+    top_vals, top_ids = jax.lax.top_k(lp, num_top)
+    return chosen, top_ids.astype(jnp.int32), top_vals
+
+
+def find_stop_string(text: str, stops: tuple[str, ...], start: int = 0) -> tuple[int, str] | None:
+    """Earliest stop string in `text` ending at or after `start`: `(index where it begins, stop)`."""
+    best = None
+    for stop in stops:
+        i = text.find(stop, max(0, start - len(stop) + 1))
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, stop)
+    return best

@@ -13,9 +13,12 @@ def _check(impl: str) -> None:
         raise ValueError(f"unknown kernel implementation '{impl}'; choose one of {IMPLS}")
 
 
-def attention(q_BTNH, k_BSKH, v_BSKH, sinks_N, q_pos_BT, window, *, impl: str = "reference"):
+def attention(q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sinks_N, window: int, *,
+              impl: str = "reference"):
+    """Paged attention with sinks; the contract is in docs/engine.md ("Kernel interface")."""
     _check(impl)
-    return attention_reference.attention(q_BTNH, k_BSKH, v_BSKH, sinks_N, q_pos_BT, window)
+    return attention_reference.attention(q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sinks_N,
+                                         window)
 
 
 def moe(x_TD, router_w_ED, router_b_E, experts, *, top_k, swiglu_limit, swiglu_alpha,

@@ -1,35 +1,56 @@
-"""Pure-JAX attention with learned sinks, GQA and an optional sliding window (the reference path).
+"""Pure-JAX paged attention with learned sinks, GQA and an optional sliding window (the reference).
 
-Materialises the full `[queries, keys]` logits, so it is for correctness and small shapes; the
-Pallas kernels beside it must compute the same function.
+Keys and values live in a page pool read through a per-row block table (docs/engine.md, "Kernel
+interface"). The reference gathers the visible pages into a contiguous `[B, keys]` view and
+materialises the full logits, so it is for correctness and modest shapes; the Pallas kernels beside
+it must compute the same function. For a sliding window it gathers only the pages that can hold a
+visible key, so sliding layers cost O(window), not O(context).
 """
 
 import jax
 import jax.numpy as jnp
 
 
-def attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, sinks_N: jax.Array,
-              q_pos_BT: jax.Array, window: jax.Array | int) -> jax.Array:
-    """Causal attention of queries at absolute positions `q_pos_BT` over a contiguous cache whose slot
-    `j` holds the key at position `j`. A query at position `p` sees keys `p-window+1 .. p`.
+def _visible_pages(block_tables_BM: jax.Array, q_pos_BT: jax.Array, page_size: int, window: int, T: int):
+    """Block-table columns `[B, n]` a row's queries can see: all of them for full attention, else the
+    `n` columns covering `[first query - window + 1, last query]` (queries are consecutive)."""
+    B, M = block_tables_BM.shape
+    n = min(M, (T + window + page_size - 3) // page_size + 1)
+    if n == M:
+        return jnp.broadcast_to(jnp.arange(M), (B, M))
+    first_q = jnp.min(jnp.where(q_pos_BT >= 0, q_pos_BT, jnp.iinfo(jnp.int32).max), axis=1)
+    start = jnp.clip((first_q - window + 1) // page_size, 0, M - n)
+    return start[:, None] + jnp.arange(n)
 
-    Each head's sink logit joins the softmax denominator only, so probabilities sum to less than 1
-    and a row with no visible key yields 0.
+
+def attention(q_BTNH: jax.Array, k_pages_PSKH: jax.Array, v_pages_PSKH: jax.Array, block_tables_BM: jax.Array,
+              q_pos_BT: jax.Array, sinks_N: jax.Array, window: int) -> jax.Array:
+    """Causal attention of queries at absolute positions `q_pos_BT` (-1 = padding) over paged keys.
+
+    A query at position `p` sees keys `p-window+1 .. p`. Each head's sink logit joins the softmax
+    denominator only, so probabilities sum to less than 1 and a row with no visible key yields 0.
     """
     B, T, N, H = q_BTNH.shape
-    S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+    S, K = k_pages_PSKH.shape[1], k_pages_PSKH.shape[2]
     G = N // K
+    cols_Bn = _visible_pages(block_tables_BM, q_pos_BT, S, window, T)
+    pages_Bn = jnp.take_along_axis(block_tables_BM, cols_Bn, axis=1)
+    n = cols_Bn.shape[1]
+    k_BJKH = k_pages_PSKH[pages_Bn].reshape(B, n * S, K, H)
+    v_BJKH = v_pages_PSKH[pages_Bn].reshape(B, n * S, K, H)
+    kv_pos_BJ = (cols_Bn[:, :, None] * S + jnp.arange(S)).reshape(B, n * S)
+
     q = q_BTNH.reshape(B, T, K, G, H)
-    logits = jnp.einsum("btkgh,bskh->bkgts", q, k_BSKH, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("btkgh,bjkh->bkgtj", q, k_BJKH, preferred_element_type=jnp.float32)
     logits = logits * (H ** -0.5)
-    kv_pos = jnp.arange(S)
     qp = q_pos_BT[:, None, None, :, None]
-    visible = (kv_pos <= qp) & (qp - kv_pos < window)
+    kp = kv_pos_BJ[:, None, None, None, :]
+    visible = (kp <= qp) & (qp - kp < window)
     logits = jnp.where(visible, logits, -jnp.inf)
     sinks = sinks_N.astype(jnp.float32).reshape(1, K, G, 1, 1)
     m = jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sinks)
     p = jnp.exp(logits - m)
     denom = jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sinks - m)
     p = p / denom
-    out = jnp.einsum("bkgts,bskh->btkgh", p, v_BSKH.astype(jnp.float32))
+    out = jnp.einsum("bkgtj,bjkh->btkgh", p, v_BJKH.astype(jnp.float32))
     return out.reshape(B, T, N, H).astype(q_BTNH.dtype)

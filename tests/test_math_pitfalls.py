@@ -65,16 +65,29 @@ def _attn_inputs(T, N=2, K=1, H=8, seed=0):
             jax.random.normal(k[2], (1, T, K, H)))
 
 
+def _paged(q, k, v, sinks, pos, window, page_size=4):
+    """The reference over a contiguous `[1, T, K, H]` cache laid out in shuffled pages (page 0 null)."""
+    T = k.shape[1]
+    n = -(-T // page_size)
+    pad = ((0, 0), (0, n * page_size - T), (0, 0), (0, 0))
+    order = np.random.default_rng(T).permutation(n) + 1  # page of block i
+    def pages(x):
+        blocks = jnp.pad(x, pad)[0].reshape(n, page_size, *x.shape[2:])
+        return jnp.zeros((n + 1, *blocks.shape[1:]), x.dtype).at[order].set(blocks)
+    return attention_reference.attention(q, pages(k), pages(v), jnp.asarray(order[None], jnp.int32), pos, sinks,
+                                         window)
+
+
 def test_window_boundary_128_keys_including_self():
     T, W = 300, 128
     q, k, v = _attn_inputs(T)
     sinks = jnp.zeros(2)
     pos = jnp.arange(T)[None]
-    base = attention_reference.attention(q, k, v, sinks, pos, W)
+    base = _paged(q, k, v, sinks, pos, W)
     i = 290
     for j, seen in ((i - 127, True), (i - 128, False)):
         v2 = v.at[0, j].add(100.0)
-        out = attention_reference.attention(q, k, v2, sinks, pos, W)
+        out = _paged(q, k, v2, sinks, pos, W)
         changed = not np.allclose(out[0, i], base[0, i])
         assert changed == seen, (j, seen)
 
@@ -82,10 +95,10 @@ def test_window_boundary_128_keys_including_self():
 def test_sinks_enter_denominator_only():
     q, k, v = _attn_inputs(4)
     pos = jnp.arange(4)[None]
-    big = attention_reference.attention(q, k, v, jnp.full(2, 30.0), pos, 128)
+    big = _paged(q, k, v, jnp.full(2, 30.0), pos, 128)
     assert float(jnp.abs(big).max()) < 1e-6  # a dominant sink takes almost all the mass, adds no value
     # one visible key (position 0): out = v0 * e^z / (e^z + e^s)
-    out = attention_reference.attention(q[:, :1], k, v, jnp.full(2, 0.7), pos[:, :1], 128)
+    out = _paged(q[:, :1], k, v, jnp.full(2, 0.7), pos[:, :1], 128)
     z = float(jnp.dot(q[0, 0, 0], k[0, 0, 0])) / math.sqrt(8)
     expect = np.asarray(v[0, 0, 0]) * math.exp(z) / (math.exp(z) + math.exp(0.7))
     np.testing.assert_allclose(np.asarray(out[0, 0, 0]), expect, rtol=1e-5)

@@ -1,8 +1,8 @@
 """Baseline of the pure-JAX reference path on one GPU: write, load, prefill and decode at a real shape.
 
 Writes a random MXFP4 checkpoint at the 20b (or 120b) shape to local disk, loads it through the
-real loader (time, device memory), then times the jitted prefill and decode steps the `LLM` API
-uses. Ceilings are measured in the same run: device copy bandwidth (XLA, and torch if present) and
+real loader (time, device memory), then times the engine's jitted prefill and decode steps (paged cache,
+identity block tables). Ceilings are measured in the same run: device copy bandwidth (XLA, and torch if present) and
 the bf16 matmul rate. Usage (on the GPU machine):
 
     python tools/bench_reference.py --preset gpt-oss-20b --out $OUT/reference.json
@@ -24,7 +24,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from gptoss_jax import checkpoint, config, llm, model, random_weights  # noqa: E402
+from gptoss_jax import checkpoint, config, model, random_weights, steps  # noqa: E402
 
 
 def timeit(fn, warmup=2, reps=10) -> float:
@@ -119,16 +119,30 @@ def main() -> None:
     result["device_peak_bytes_during_load"] = stats.get("peak_bytes_in_use")
     print(f"loaded in {result['load_s']:.1f}s; params {result['param_bytes'] / 2**30:.2f} GiB", flush=True)
 
+    def paged(B: int, S: int, page: int = 16):
+        """A cache and identity block tables for B rows of S positions (page 0 is the null page)."""
+        n = -(-S // page)
+        table = 1 + jnp.arange(B * n, dtype=jnp.int32).reshape(B, n)
+        tables = model.PageTables(table, table, jnp.zeros((B,), jnp.int32))
+        return model.PagedKVCache.zeros(cfg, B * n + 1, B * n + 1, page, jnp.bfloat16), tables
+
+    def greedy(B: int) -> steps.SamplingBatch:
+        z = jnp.zeros((B,), jnp.float32)
+        return steps.SamplingBatch(z, jnp.zeros((B,), jnp.int32), z + 1, z, jnp.zeros((B, 2), jnp.uint32),
+                                   jnp.zeros((B,), bool))
+
     result["prefill"] = []
     for T in [int(t) for t in args.prefill.split(",")]:
-        cache = model.KVCache.zeros(cfg, 1, T, jnp.bfloat16)
+        cache, tables = paged(1, T)
         tokens = jax.random.randint(jax.random.PRNGKey(T), (1, T), 0, cfg.vocab_size)
-        lengths = jnp.asarray([T], jnp.int32)
+        positions = jnp.arange(T, dtype=jnp.int32)[None]
         state = {"cache": cache}
 
         def run():
-            logits, state["cache"] = llm.prefill_step(params, state["cache"], tokens, lengths, cfg, "reference")
-            logits.block_until_ready()
+            out, state["cache"] = steps.prefill(params, state["cache"], tokens, positions, tables,
+                                                jnp.asarray([T - 1], jnp.int32), greedy(1), cfg=cfg,
+                                                impl="reference", num_top=1)
+            out.tokens.block_until_ready()
 
         t = timeit(run, warmup=1, reps=5)
         result["prefill"].append({"tokens": T, "step_s": t, "tokens_per_s": T / t})
@@ -138,17 +152,15 @@ def main() -> None:
     result["decode"] = []
     bw = max(result["ceilings"].get("torch_copy_TBps", 0), result["ceilings"]["xla_u32_add_TBps"]) * 1e12
     for B in [int(b) for b in args.decode_batch.split(",")]:
-        S = args.context + 16
-        state = {"cache": model.KVCache.zeros(cfg, B, S, jnp.bfloat16)}
+        cache, tables = paged(B, args.context + 16)
+        state = {"cache": cache}
         toks = jnp.zeros((B,), jnp.int32)
         pos = jnp.full((B,), args.context, jnp.int32)
-        keys = jnp.stack([jax.random.PRNGKey(i) for i in range(B)])
-        zf, zi, one = jnp.zeros(B), jnp.zeros(B, jnp.int32), jnp.ones(B)
 
         def run():
-            nxt, state["cache"] = llm.decode_step(params, state["cache"], toks, pos, keys, zf, zi, one, zf, cfg,
-                                                  "reference")
-            nxt.block_until_ready()
+            out, state["cache"] = steps.decode(params, state["cache"], toks, pos, tables, greedy(B), cfg=cfg,
+                                               impl="reference", num_steps=1, num_top=1)
+            out.tokens.block_until_ready()
 
         t = timeit(run)
         need = decode_bytes(cfg, B, args.context)
@@ -157,7 +169,7 @@ def main() -> None:
         result["decode"].append(row)
         print(f"decode B={B} ctx={args.context}: {t * 1e3:.2f} ms/step, {B / t:.0f} tok/s total, "
               f"{100 * row['roofline_fraction']:.1f}% of copy-bandwidth roofline", flush=True)
-        del state
+        del state, cache
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
 

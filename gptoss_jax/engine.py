@@ -1,0 +1,339 @@
+"""The serving engine: requests in, tokens out, one scheduler + device step at a time.
+
+`Engine.step()` asks the scheduler for this step's work (prefill chunks and decoding sequences),
+dispatches one compiled prefill call and one compiled (multi-step) decode call — both enqueued
+before the host waits on either — then appends the sampled tokens, applies stop tokens, stop
+strings and length limits, and reports what each request gained. The offline `LLM` API and the
+server's `AsyncEngine` both drive this loop. Design notes: docs/engine.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Sequence as Seq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gptoss_jax import checkpoint, demo, engine_config, kv_cache, steps, tokenizer as tokenizer_lib
+from gptoss_jax import model as model_lib
+from gptoss_jax.config import ModelConfig
+from gptoss_jax.engine_config import EngineConfig, bucket
+from gptoss_jax.params import Params
+from gptoss_jax.sampling import SamplingParams, find_stop_string
+from gptoss_jax.scheduler import PrefillChunk, Scheduler, Sequence
+
+log = logging.getLogger(__name__)
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+CPU_KV_BYTES = 64 << 20  # devices without memory statistics (CPU) get this much KV cache
+# CPU and some backends cannot reuse donated buffers; that only costs a copy.
+warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+
+
+@dataclasses.dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None         # "stop" | "length" | "abort"
+    stop_reason: int | str | None     # the stop token id (not in the output) or stop string
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None
+    num_prompt_tokens: int
+    num_cached_prompt_tokens: int
+
+
+@dataclasses.dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of full-layer pages held by requests
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_compiles: int      # process-wide compiled step programs
+
+
+class Engine:
+    """Continuous-batching engine over a paged KV cache. `model=None` loads the built-in demo checkpoint;
+    `loaded=(model_config, params)` uses parameters already on device. `config` is an `EngineConfig`, a
+    YAML path or a profile name ('low_latency', 'max_throughput'); `overrides` replace its fields."""
+
+    def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "bfloat16",
+                 config: EngineConfig | str | os.PathLike | None = None, tokenizer: Any = None,
+                 impl: str = "reference", seed: int = 0, loaded: tuple[ModelConfig, Params] | None = None,
+                 cache_dir: str | os.PathLike | None = None, progress: bool = True, **overrides: Any):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
+        self.config = engine_config.load(config, **overrides)
+        self.impl = impl
+        if loaded is None:
+            self.model_path: Path | None = Path(model) if model is not None else demo.checkpoint_path()
+            self.model_config, self.params = checkpoint.load(self.model_path, DTYPES[dtype], cache_dir=cache_dir,
+                                                             progress=progress)
+        else:
+            self.model_path = Path(model) if model is not None else None
+            self.model_config, self.params = loaded
+        self.dtype = self.params.embed.dtype
+        self.tokenizer = tokenizer
+        if isinstance(tokenizer, (str, os.PathLike)) or (
+                tokenizer is None and self.model_config.vocab_size == tokenizer_lib.VOCAB_SIZE):
+            self.tokenizer = tokenizer_lib.load(tokenizer, self.model_path)
+
+        mc, ec = self.model_config, self.config
+        kv_bytes = None
+        if ec.num_pages is None and ec.kv_cache_tokens is None:
+            stats = jax.devices()[0].memory_stats() or {}
+            if "bytes_limit" in stats:
+                kv_bytes = int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * ec.kv_cache_memory_fraction)
+            else:
+                kv_bytes = CPU_KV_BYTES
+        full_tokens = ec.kv_cache_tokens if ec.num_pages is None else (ec.num_pages - 1) * ec.page_size
+        n_full, n_sliding = kv_cache.pool_sizes(
+            mc.num_layers, mc.num_kv_heads, mc.head_dim, jnp.dtype(self.dtype).itemsize, mc.sliding_window,
+            ec.page_size, ec.max_num_seqs, max(ec.prefill_chunk_size, ec.decode_steps_per_call), kv_bytes,
+            full_tokens)
+        self.kv = kv_cache.KVCacheManager(n_full, n_sliding, ec.page_size, mc.sliding_window,
+                                          (mc.num_layers + 1) // 2, ec.enable_prefix_caching)
+        limit = ec.max_model_len or mc.max_position_embeddings
+        if ec.max_model_len and ec.max_model_len > self.kv.capacity_tokens:
+            raise ValueError(f"max_model_len={ec.max_model_len} exceeds the KV cache capacity of "
+                             f"{self.kv.capacity_tokens} tokens ({n_full - 1} pages of {ec.page_size})")
+        self.max_model_len = min(limit, self.kv.capacity_tokens)
+        self.cache = model_lib.PagedKVCache.zeros(mc, n_sliding, n_full, ec.page_size, self.dtype)
+        self.scheduler = Scheduler(ec, self.kv)
+        self.num_top = max(1, ec.max_logprobs)
+        self._ctx_buckets = ec.context_buckets(self.max_model_len)
+        self._requests: dict[str, Sequence] = {}
+        self._aborted: list[StepOutput] = []
+        self._rng = np.random.default_rng(seed)
+        self._prompt_tokens = self._generation_tokens = 0
+        log.info("KV cache: %d full-layer pages, %d sliding pages of %d tokens; max_model_len %d",
+                 n_full, n_sliding, ec.page_size, self.max_model_len)
+        if ec.warmup:
+            self.warmup()
+
+    # ---- requests --------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], sampling_params: SamplingParams) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params is {type(sampling_params).__name__}, expected SamplingParams")
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise ValueError(f"request {request_id}: empty prompt")
+        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"request {request_id}: token id {bad[0]} is outside the vocabulary "
+                             f"[0, {self.model_config.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"request {request_id}: prompt has {len(ids)} tokens; the context limit is "
+                             f"{self.max_model_len} (max_model_len) including at least one generated token")
+        sp = sampling_params
+        if sp.logprobs is not None and sp.logprobs > self.config.max_logprobs:
+            raise ValueError(f"SamplingParams.logprobs={sp.logprobs}: at most max_logprobs="
+                             f"{self.config.max_logprobs} are served")
+        if sp.stop and self.tokenizer is None:
+            raise ValueError(f"SamplingParams.stop={list(sp.stop)!r}: stop strings need a tokenizer, and this "
+                             "model has none (use stop_token_ids)")
+        seed = sp.seed if sp.seed is not None else int(self._rng.integers(2**31))
+        key = ((seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF)
+        seq = Sequence(request_id, ids, len(ids), sp, key, min(len(ids) + sp.max_tokens, self.max_model_len))
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+        self._prompt_tokens += len(ids)
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return
+        self.scheduler.remove(seq)
+        self._aborted.append(StepOutput(request_id, [], True, "abort", None, None, seq.num_prompt_tokens,
+                                        seq.num_cached_prompt_tokens))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or bool(self._aborted)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage(),
+                           self.scheduler.num_preemptions, self._prompt_tokens, self._generation_tokens,
+                           sum(steps.TRACES.values()))
+
+    # ---- the step --------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        outputs, self._aborted = self._aborted, []
+        work = self.scheduler.schedule()
+        if work.empty:
+            return outputs
+        # Both calls are enqueued before the host blocks on either result.
+        pre = self._dispatch_prefill(work.prefills) if work.prefills else None
+        dec = self._dispatch_decode(work.decodes) if work.decodes else None
+        if pre is not None:
+            sampled = _to_host(pre, any(c.seq.params.logprobs is not None for c in work.prefills))
+            for row, chunk in enumerate(work.prefills):
+                seq = chunk.seq
+                self.scheduler.advance(seq, chunk.start + chunk.num_tokens)
+                if seq.num_computed == len(seq.token_ids):
+                    outputs.append(self._append(seq, [_pick(sampled, (row,))]))
+        if dec is not None:
+            sampled = _to_host(dec, any(s.params.logprobs is not None for s in work.decodes))
+            for row, seq in enumerate(work.decodes):
+                picks = [_pick(sampled, (k, row)) for k in range(sampled[0].shape[0])]
+                outputs.append(self._append(seq, picks))
+        return outputs
+
+    def _append(self, seq: Sequence, picks: list[tuple[int, float, list[tuple[int, float]]]]) -> StepOutput:
+        """Add sampled tokens (fed one after another on device) until a stop or length limit."""
+        sp = seq.params
+        new, lps, reason, stop_reason = [], [], None, None
+        for tok, lp, top in picks:
+            if tok in sp.stop_token_ids:
+                reason, stop_reason = "stop", tok
+                break
+            seq.token_ids.append(tok)
+            new.append(tok)
+            lps.append((lp, top[:sp.logprobs]))
+            if sp.stop:
+                stop_reason = self._stop_string(seq, tok)
+                if stop_reason is not None:
+                    reason = "stop"
+                    break
+            if len(seq.token_ids) >= seq.max_len:
+                reason = "length"
+                break
+        self._generation_tokens += len(new)
+        if reason is None:
+            self.scheduler.advance(seq, len(seq.token_ids) - 1)
+        else:
+            seq.finished = True
+            self.scheduler.remove(seq)
+            del self._requests[seq.request_id]
+        return StepOutput(seq.request_id, new, reason is not None, reason, stop_reason,
+                          lps if sp.logprobs is not None else None, seq.num_prompt_tokens,
+                          seq.num_cached_prompt_tokens)
+
+    def _stop_string(self, seq: Sequence, tok: int) -> str | None:
+        before = len(seq.text_bytes.decode("utf-8", errors="replace"))
+        seq.text_bytes += self.tokenizer.decode_single_token_bytes(tok)
+        found = find_stop_string(seq.text_bytes.decode("utf-8", errors="replace"), seq.params.stop, before)
+        return found[1] if found else None
+
+    # ---- device calls ------------------------------------------------------------------------------
+    def _tables(self, seqs: list[Sequence], rows: int, width: int) -> model_lib.PageTables:
+        sliding = np.zeros((rows, width), np.int32)
+        full = np.zeros((rows, width), np.int32)
+        cached = np.zeros((rows,), np.int32)
+        for i, seq in enumerate(seqs):
+            s, f = seq.pages.sliding[:width], seq.pages.full[:width]
+            sliding[i, :len(s)], full[i, :len(f)], cached[i] = s, f, seq.full_cached
+        return model_lib.PageTables(jnp.asarray(sliding), jnp.asarray(full), jnp.asarray(cached))
+
+    def _sampling(self, seqs: list[Sequence], rows: int) -> steps.SamplingBatch:
+        pad = rows - len(seqs)
+        sps = [s.params for s in seqs]
+        f32 = np.float32
+        return steps.SamplingBatch(
+            temperature_B=jnp.asarray([p.temperature for p in sps] + [0.0] * pad, f32),
+            top_k_B=jnp.asarray([p.top_k for p in sps] + [0] * pad, np.int32),
+            top_p_B=jnp.asarray([p.top_p for p in sps] + [1.0] * pad, f32),
+            min_p_B=jnp.asarray([p.min_p for p in sps] + [0.0] * pad, f32),
+            keys_B2=jnp.asarray(np.array([s.key for s in seqs] + [(0, 0)] * pad, np.uint32).reshape(rows, 2)),
+            want_logprobs_B=jnp.asarray([p.logprobs is not None for p in sps] + [False] * pad))
+
+    def _width(self, end_positions: list[int]) -> int:
+        pages = math.ceil(max(end_positions) / self.config.page_size)
+        return bucket(min(pages, self._ctx_buckets[-1]), self._ctx_buckets)
+
+    def _dispatch_prefill(self, chunks: list[PrefillChunk]) -> steps.Sampled:
+        ec = self.config
+        rows = bucket(len(chunks), ec.prefill_row_buckets())
+        T = bucket(max(c.num_tokens for c in chunks), ec.prefill_token_buckets())
+        tokens = np.zeros((rows, T), np.int32)
+        positions = np.full((rows, T), -1, np.int32)
+        last = np.zeros((rows,), np.int32)
+        for i, c in enumerate(chunks):
+            tokens[i, :c.num_tokens] = c.seq.token_ids[c.start:c.start + c.num_tokens]
+            positions[i, :c.num_tokens] = np.arange(c.start, c.start + c.num_tokens)
+            last[i] = c.num_tokens - 1
+        seqs = [c.seq for c in chunks]
+        tables = self._tables(seqs, rows, self._width([c.start + c.num_tokens for c in chunks]))
+        out, self.cache = steps.prefill(self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions), tables,
+                                        jnp.asarray(last), self._sampling(seqs, rows), cfg=self.model_config,
+                                        impl=self.impl, num_top=self.num_top)
+        return out
+
+    def _dispatch_decode(self, seqs: list[Sequence]) -> steps.Sampled:
+        K = self.config.decode_steps_per_call
+        rows = bucket(len(seqs), self.config.decode_buckets())
+        tokens = np.zeros((rows,), np.int32)
+        positions = np.full((rows,), -1, np.int32)
+        for i, s in enumerate(seqs):
+            tokens[i], positions[i] = s.token_ids[-1], len(s.token_ids) - 1
+        tables = self._tables(seqs, rows, self._width([len(s.token_ids) - 1 + K for s in seqs]))
+        out, self.cache = steps.decode(self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions), tables,
+                                       self._sampling(seqs, rows), cfg=self.model_config, impl=self.impl,
+                                       num_steps=K, num_top=self.num_top)
+        return out
+
+    def warmup(self) -> None:
+        """Compile every (batch, tokens, block-table width) bucket now, with all-padding inputs."""
+        ec = self.config
+        for width in self._ctx_buckets:
+            for rows in ec.decode_buckets():
+                tables = self._tables([], rows, width)
+                out, self.cache = steps.decode(
+                    self.params, self.cache, jnp.zeros((rows,), jnp.int32), jnp.full((rows,), -1, jnp.int32), tables,
+                    self._sampling([], rows), cfg=self.model_config, impl=self.impl,
+                    num_steps=ec.decode_steps_per_call, num_top=self.num_top)
+            for rows in ec.prefill_row_buckets():
+                tables = self._tables([], rows, width)
+                for T in ec.prefill_token_buckets():
+                    out, self.cache = steps.prefill(
+                        self.params, self.cache, jnp.zeros((rows, T), jnp.int32), jnp.full((rows, T), -1, jnp.int32),
+                        tables, jnp.zeros((rows,), jnp.int32), self._sampling([], rows), cfg=self.model_config,
+                        impl=self.impl, num_top=self.num_top)
+        jax.block_until_ready(self.cache)
+
+    def prompt_logits(self, token_ids: Seq[int]) -> np.ndarray:
+        """Logits `[len, vocab]` (fp32) at every position of one prompt, computed through the paged cache
+        in prefill chunks (pages are returned afterwards)."""
+        ids = [int(t) for t in token_ids]
+        ec, pages = self.config, kv_cache.SequencePages()
+        probe = Sequence("", ids, len(ids), SamplingParams(), (0, 0), len(ids), pages)
+        out = []
+        try:
+            for start in range(0, len(ids), ec.prefill_chunk_size):
+                n = min(ec.prefill_chunk_size, len(ids) - start)
+                if not self.kv.can_allocate(pages, start, start + n):
+                    raise ValueError(f"prompt of {len(ids)} tokens does not fit in the free KV cache")
+                self.kv.allocate(pages, start, start + n)
+                T = bucket(n, ec.prefill_token_buckets())
+                tokens = np.zeros((1, T), np.int32)
+                positions = np.full((1, T), -1, np.int32)
+                tokens[0, :n], positions[0, :n] = ids[start:start + n], np.arange(start, start + n)
+                logits, self.cache = steps.prompt_logits(
+                    self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
+                    self._tables([probe], 1, self._width([start + n])), cfg=self.model_config, impl=self.impl)
+                out.append(np.asarray(logits[0, :n], np.float32))
+                self.kv.slide(pages, start + n)
+        finally:
+            self.kv.free(pages)
+        return np.concatenate(out)
+
+
+def _to_host(s: steps.Sampled, with_logprobs: bool) -> tuple[np.ndarray, ...]:
+    if with_logprobs:
+        return tuple(np.asarray(a) for a in (s.tokens, s.logprob, s.top_ids, s.top_lps))
+    return (np.asarray(s.tokens),)
+
+
+def _pick(sampled: tuple[np.ndarray, ...], index: tuple[int, ...]) -> tuple[int, float, list[tuple[int, float]]]:
+    if len(sampled) == 1:
+        return int(sampled[0][index]), 0.0, []
+    tokens, lp, ids, vals = sampled
+    return int(tokens[index]), float(lp[index]), [(int(i), float(v)) for i, v in zip(ids[index], vals[index])]

@@ -1,0 +1,134 @@
+"""Engine settings (`EngineConfig`) and the two shipped profiles, `configs/low_latency.yaml` and
+`configs/max_throughput.yaml`.
+
+Every shape the compiled steps see comes from a bucket list derived here, so a running server
+compiles a fixed set of programs (all of them at start-up with `warmup: true`) and never one per
+request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gptoss_jax.config import PRESETS_DIR, ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 64                 # sequences in the running batch
+    max_num_batched_tokens: int = 2048     # tokens computed per step (decode rows count one each)
+    prefill_chunk_size: int = 512          # most prompt tokens of one sequence per step
+    max_prefill_seqs: int = 4              # sequences packed into one prefill call
+    decode_steps_per_call: int = 1         # tokens per decode call, sampled on device (multi-step)
+    page_size: int = 16
+    kv_cache_memory_fraction: float = 0.9  # of free device memory after the weights
+    num_pages: int | None = None           # full-layer pages, overrides the memory fraction
+    kv_cache_tokens: int | None = None     # same, in tokens
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None       # default: the model's limit, capped by the cache
+    decode_batch_buckets: tuple[int, ...] | None = None  # default: powers of two up to max_num_seqs
+    min_prefill_bucket: int = 16           # smallest padded prefill chunk
+    min_context_bucket: int = 1024         # smallest padded block-table width, in tokens
+    max_logprobs: int = 20                 # largest `SamplingParams.logprobs` accepted
+    warmup: bool = False                   # compile every bucket at start-up
+
+    def __post_init__(self):
+        positive = ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "max_prefill_seqs",
+                    "decode_steps_per_call", "page_size", "min_prefill_bucket", "min_context_bucket")
+        for name in positive:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"EngineConfig.{name}={v!r}: must be an integer >= 1")
+        for name in ("num_pages", "kv_cache_tokens", "max_model_len"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 2):
+                raise ConfigError(f"EngineConfig.{name}={v!r}: must be an integer >= 2 or null")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ConfigError(f"EngineConfig.max_logprobs={self.max_logprobs!r}: must be an integer >= 0")
+        f = self.kv_cache_memory_fraction
+        if not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise ConfigError(f"EngineConfig.kv_cache_memory_fraction={f!r}: must be in (0, 1]")
+        if self.prefill_chunk_size > self.max_num_batched_tokens:
+            raise ConfigError(f"EngineConfig.prefill_chunk_size={self.prefill_chunk_size} exceeds "
+                              f"max_num_batched_tokens={self.max_num_batched_tokens}")
+        if self.decode_batch_buckets is not None:
+            b = self.decode_batch_buckets
+            if not b or any(not isinstance(x, int) or x < 1 for x in b) or max(b) < self.max_num_seqs:
+                raise ConfigError(f"EngineConfig.decode_batch_buckets={b!r}: positive integers whose largest "
+                                  f"is at least max_num_seqs={self.max_num_seqs}")
+            object.__setattr__(self, "decode_batch_buckets", tuple(sorted(set(b))))
+        if not isinstance(self.enable_prefix_caching, bool) or not isinstance(self.warmup, bool):
+            raise ConfigError("EngineConfig.enable_prefix_caching and .warmup must be true or false")
+
+    # ---- buckets -------------------------------------------------------------------------------
+    def decode_buckets(self) -> tuple[int, ...]:
+        return self.decode_batch_buckets or pow2_buckets(1, self.max_num_seqs)
+
+    def prefill_row_buckets(self) -> tuple[int, ...]:
+        return pow2_buckets(1, self.max_prefill_seqs)
+
+    def prefill_token_buckets(self) -> tuple[int, ...]:
+        return pow2_buckets(min(self.min_prefill_bucket, self.prefill_chunk_size), self.prefill_chunk_size)
+
+    def context_buckets(self, max_model_len: int) -> tuple[int, ...]:
+        """Block-table widths in pages; the last covers `max_model_len` (multi-step decode may run past
+        it on device, into tokens that are discarded; their writes go to the null page)."""
+        most = math.ceil(max_model_len / self.page_size)
+        least = min(most, math.ceil(self.min_context_bucket / self.page_size))
+        return pow2_buckets(least, most)
+
+
+def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """`lo, 2*lo, 4*lo, ...` below `hi`, then `hi` itself."""
+    out = []
+    b = lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return tuple(out + [hi])
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def load(source: EngineConfig | str | Path | None, **overrides: Any) -> EngineConfig:
+    """An `EngineConfig` from an instance, a YAML file or profile name ('low_latency',
+    'max_throughput'), or defaults; keyword overrides win. Unknown keys are errors naming the file."""
+    if isinstance(source, EngineConfig):
+        return dataclasses.replace(source, **overrides) if overrides else source
+    raw: dict[str, Any] = {}
+    where = "EngineConfig"
+    if source is not None:
+        path = Path(source)
+        if not path.suffix and not path.exists():
+            path = PRESETS_DIR / f"{source}.yaml"
+        if not path.exists():
+            known = sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+            raise ConfigError(f"engine config {source}: file not found (profiles: {known})")
+        where = str(path)
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: invalid YAML ({e})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping of settings at top level")
+    raw.update(overrides)
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    for key in raw:
+        if key not in known:
+            raise ConfigError(f"{where}: unknown engine setting '{key}' (known: {sorted(known)})")
+    if isinstance(raw.get("decode_batch_buckets"), list):
+        raw["decode_batch_buckets"] = tuple(raw["decode_batch_buckets"])
+    try:
+        return EngineConfig(**raw)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None

@@ -1,0 +1,215 @@
+"""Paged KV-cache bookkeeping on the host: page pools with reference counts, prefix caching, and each
+sequence's block tables for the two layer types (docs/engine.md, "Cache layout").
+
+Full-attention layers keep every page of a sequence; their pages are content-hashed when full so a
+later request with the same prefix shares them (reference counts). Sliding layers only ever read the
+last `window` positions, so a sequence holds at most `sliding_pages_per_seq` sliding pages: pages
+that fall out of the window go straight back to the pool, and the sliding pool is sized up front for
+`max_num_seqs` sequences, so only the full pool can run out.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+from gptoss_jax.model import NULL_PAGE
+
+
+class OutOfPages(RuntimeError):
+    """The pool has no free or evictable page left (the scheduler preempts before this happens)."""
+
+
+class PagePool:
+    """Page ids `1..num_pages-1` (page 0 is the null page) with reference counts.
+
+    With prefix caching, a full page is registered under the hash of its tokens and its prefix; when
+    its last reference goes it stays readable in an LRU of evictable pages until a new allocation
+    needs it, so a later request can revive it with `share`.
+    """
+
+    def __init__(self, num_pages: int, enable_prefix_caching: bool = False):
+        if num_pages < 2:
+            raise ValueError(f"a page pool needs at least 2 pages (one is the null page), got {num_pages}")
+        self.num_pages = num_pages
+        self.caching = enable_prefix_caching
+        self._free = collections.deque(range(1, num_pages))
+        self._refs = [0] * num_pages
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._page_of_hash: dict[int, int] = {}
+        self._hash_of_page: dict[int, int] = {}
+
+    @property
+    def num_available(self) -> int:
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - 1 - self.num_available
+
+    def allocate(self) -> int:
+        if self._free:
+            page = self._free.popleft()
+        elif self._evictable:
+            page, _ = self._evictable.popitem(last=False)
+            del self._page_of_hash[self._hash_of_page.pop(page)]
+        else:
+            raise OutOfPages("KV cache page pool exhausted")
+        self._refs[page] = 1
+        return page
+
+    def share(self, page: int) -> None:
+        if self._refs[page] == 0:
+            del self._evictable[page]
+        self._refs[page] += 1
+
+    def release(self, page: int) -> None:
+        if page == NULL_PAGE:
+            return
+        self._refs[page] -= 1
+        assert self._refs[page] >= 0, f"page {page} released twice"
+        if self._refs[page] == 0:
+            if page in self._hash_of_page:
+                self._evictable[page] = None
+            else:
+                self._free.append(page)
+
+    def lookup(self, block_hash: int) -> int | None:
+        return self._page_of_hash.get(block_hash) if self.caching else None
+
+    def register(self, page: int, block_hash: int) -> None:
+        if self.caching and block_hash not in self._page_of_hash and page not in self._hash_of_page:
+            self._page_of_hash[block_hash] = page
+            self._hash_of_page[page] = block_hash
+
+
+def extend_hashes(hashes: list[int], token_ids: list[int], page_size: int, num_pages: int) -> None:
+    """Chain-hash pages up to `num_pages`: equal hashes mean equal tokens and an equal prefix."""
+    while len(hashes) < num_pages:
+        i = len(hashes)
+        hashes.append(hash((hashes[-1] if hashes else 0, tuple(token_ids[i * page_size:(i + 1) * page_size]))))
+
+
+@dataclasses.dataclass
+class SequencePages:
+    """One sequence's block tables: entry `i` holds positions `[i*S, (i+1)*S)`. Sliding entries outside
+    the window are `NULL_PAGE`."""
+    full: list[int] = dataclasses.field(default_factory=list)
+    sliding: list[int] = dataclasses.field(default_factory=list)
+    hashes: list[int] = dataclasses.field(default_factory=list)  # of leading full pages (prefix caching)
+    num_registered: int = 0  # leading full pages already offered to the prefix cache
+
+
+class KVCacheManager:
+    """Both pools and the per-sequence page operations the scheduler needs."""
+
+    def __init__(self, num_pages_full: int, num_pages_sliding: int, page_size: int, window: int,
+                 num_sliding_layers: int, enable_prefix_caching: bool):
+        self.page_size = page_size
+        self.window = window
+        self.num_sliding_layers = num_sliding_layers
+        self.full = PagePool(num_pages_full, enable_prefix_caching)
+        self.sliding = PagePool(num_pages_sliding)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return (self.full.num_pages - 1) * self.page_size
+
+    def usage(self) -> float:
+        return self.full.num_used / (self.full.num_pages - 1)
+
+    def match_prefix(self, pages: SequencePages, token_ids: list[int]) -> tuple[int, int]:
+        """Share the longest cached run of full pages of `token_ids` (leaving at least one token to
+        compute). Returns `(first position to compute, first position whose full-layer K/V is new)`.
+
+        Sliding layers are not cached, so their last window before the hit is recomputed, from far
+        enough back that every sliding layer's K/V is exact again: each sliding layer widens the
+        dependency cone by `window - 1` positions.
+        """
+        if not self.full.caching:
+            return 0, 0
+        extend_hashes(pages.hashes, token_ids, self.page_size, (len(token_ids) - 1) // self.page_size)
+        hit = 0
+        for h in pages.hashes:
+            page = self.full.lookup(h)
+            if page is None:
+                break
+            self.full.share(page)
+            pages.full.append(page)
+            hit += self.page_size
+        pages.num_registered = len(pages.full)
+        if hit == 0:
+            return 0, 0
+        start = max(0, hit - self.num_sliding_layers * (self.window - 1))
+        return start, hit
+
+    def _sliding_range(self, first_query: int, end: int) -> range:
+        return range(max(0, first_query - self.window + 1) // self.page_size, math.ceil(end / self.page_size))
+
+    def pages_needed(self, pages: SequencePages, first_query: int, end: int) -> tuple[int, int]:
+        """New (full, sliding) pages to hold positions up to `end` for queries from `first_query`."""
+        full = max(0, math.ceil(end / self.page_size) - len(pages.full))
+        sliding = sum(1 for i in self._sliding_range(first_query, end)
+                      if i >= len(pages.sliding) or pages.sliding[i] == NULL_PAGE)
+        return full, sliding
+
+    def can_allocate(self, pages: SequencePages, first_query: int, end: int) -> bool:
+        full, sliding = self.pages_needed(pages, first_query, end)
+        return full <= self.full.num_available and sliding <= self.sliding.num_available
+
+    def allocate(self, pages: SequencePages, first_query: int, end: int) -> None:
+        while len(pages.full) < math.ceil(end / self.page_size):
+            pages.full.append(self.full.allocate())
+        for i in self._sliding_range(first_query, end):
+            while len(pages.sliding) <= i:
+                pages.sliding.append(NULL_PAGE)
+            if pages.sliding[i] == NULL_PAGE:
+                pages.sliding[i] = self.sliding.allocate()
+
+    def slide(self, pages: SequencePages, next_query: int) -> None:
+        """Release sliding pages no query from `next_query` on can see."""
+        for i in range(min(len(pages.sliding), max(0, next_query - self.window + 1) // self.page_size)):
+            self.sliding.release(pages.sliding[i])
+            pages.sliding[i] = NULL_PAGE
+
+    def register(self, pages: SequencePages, token_ids: list[int], num_computed: int) -> None:
+        """Offer the full pages whose tokens are all computed to the prefix cache."""
+        done = min(num_computed, len(token_ids)) // self.page_size
+        if done <= pages.num_registered or not self.full.caching:
+            return
+        extend_hashes(pages.hashes, token_ids, self.page_size, done)
+        for i in range(pages.num_registered, done):
+            self.full.register(pages.full[i], pages.hashes[i])
+        pages.num_registered = done
+
+    def free(self, pages: SequencePages) -> None:
+        for p in pages.full:
+            self.full.release(p)
+        for p in pages.sliding:
+            self.sliding.release(p)
+        pages.full.clear()
+        pages.sliding.clear()
+        pages.hashes.clear()
+        pages.num_registered = 0
+
+
+def pool_sizes(num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int, window: int, page_size: int,
+               max_num_seqs: int, max_tokens_per_call: int, kv_bytes: int | None, full_tokens: int | None
+               ) -> tuple[int, int]:
+    """(full, sliding) pool sizes in pages, null page included.
+
+    The sliding pool holds, for every sequence, the pages of one call's queries plus the window before
+    them. The full pool gets `full_tokens` if given, else what is left of `kv_bytes`."""
+    sliding_per_seq = math.ceil((window - 1 + max_tokens_per_call) / page_size) + 1
+    num_sliding = max_num_seqs * sliding_per_seq + 1
+    page_bytes = 2 * page_size * num_kv_heads * head_dim * itemsize  # K and V of one layer
+    if full_tokens is None:
+        left = kv_bytes - num_sliding * page_bytes * ((num_layers + 1) // 2)
+        per_full_page = page_bytes * max(1, num_layers // 2)
+        if left < 2 * per_full_page:
+            raise ValueError(f"the KV cache budget ({kv_bytes / 2**20:.1f} MiB) does not cover the sliding-window "
+                             f"pages of max_num_seqs={max_num_seqs} sequences; lower max_num_seqs or raise "
+                             "kv_cache_memory_fraction")
+        return left // per_full_page, num_sliding
+    return math.ceil(full_tokens / page_size) + 1, num_sliding

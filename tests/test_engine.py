@@ -1,0 +1,213 @@
+"""The serving engine on a tiny fp32 model: continuous batching, chunked prefill, preemption, prefix
+caching, multi-step decode, compile stability, sampling parameters."""
+
+import numpy as np
+import pytest
+
+from gptoss_jax import steps
+from gptoss_jax.engine import Engine
+from gptoss_jax.sampling import SamplingParams
+
+# 4-token pages and 8-token chunks so prompts span many pages and chunks; 12 usable full pages
+# (48 tokens) so a few long requests exhaust the cache and force preemption.
+SMALL = dict(page_size=4, max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=8, max_prefill_seqs=2,
+             num_pages=13, max_model_len=40, min_context_bucket=256, max_logprobs=5)
+
+
+@pytest.fixture(scope="module")
+def engine(small_checkpoint):
+    return Engine(small_checkpoint, dtype="float32", progress=False, warmup=True, **SMALL)
+
+
+def greedy(n, **kw):
+    return SamplingParams(temperature=0, max_tokens=n, stop_token_ids=[], **kw)
+
+
+def run(engine, requests):
+    """requests: {id: (prompt, params)} -> {id: (tokens, finish_reason, stop_reason)}; all added at once."""
+    for rid, (prompt, sp) in requests.items():
+        engine.add_request(rid, prompt, sp)
+    out = {rid: [] for rid in requests}
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+            if o.finished:
+                done[o.request_id] = (out[o.request_id], o.finish_reason, o.stop_reason)
+    return done
+
+
+def alone(engine, prompt, sp):
+    return run(engine, {"alone": (prompt, sp)})["alone"]
+
+
+def prompts(n, lo, hi, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, 512, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+def test_concurrent_requests_match_each_alone(engine):
+    reqs = {f"r{i}": (p, greedy(3 + i % 5)) for i, p in enumerate(prompts(7, 2, 20, seed=0))}
+    together = run(engine, reqs)
+    assert engine.stats().num_running == engine.stats().num_waiting == 0
+    for rid, (p, sp) in reqs.items():
+        assert together[rid] == alone(engine, p, sp), rid
+        assert len(together[rid][0]) == sp.max_tokens and together[rid][1] == "length"
+    # and the paged, chunked path matches a plain full forward (argmax at every step)
+    p, sp = reqs["r3"]
+    seq = list(p)
+    for tok in together["r3"][0]:
+        assert tok == int(np.argmax(engine.prompt_logits(seq)[-1]))
+        seq.append(tok)
+
+
+def test_preemption_under_tiny_cache_loses_nothing(engine):
+    reqs = {f"p{i}": (p, greedy(38 - len(p))) for i, p in enumerate(prompts(4, 6, 16, seed=1))}
+    before = engine.stats().num_preemptions
+    together = run(engine, reqs)
+    assert engine.stats().num_preemptions > before  # 4 x 38 tokens cannot fit in 48 token slots
+    assert engine.stats().kv_cache_usage == 0
+    for rid, (p, sp) in reqs.items():
+        assert together[rid] == alone(engine, p, sp), rid
+        assert len(p) + len(together[rid][0]) == 38
+
+
+def test_seeded_sampling_independent_of_batch_and_preemption(engine):
+    sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=7, max_tokens=20, stop_token_ids=[])
+    p = prompts(1, 10, 11, seed=2)[0]
+    ref = alone(engine, p, sp)
+    others = {f"o{i}": (q, SamplingParams(temperature=0.8, seed=i, max_tokens=30, stop_token_ids=[]))
+              for i, q in enumerate(prompts(3, 6, 12, seed=3))}
+    got = run(engine, {"x": (p, sp), **others})
+    assert got["x"] == ref
+    assert alone(engine, p, SamplingParams(**{**vars(sp), "seed": 8}))[0] != ref[0]
+
+
+def test_prefix_cache_hit_gives_identical_output(engine):
+    shared = prompts(1, 30, 31, seed=4)[0]
+    a, b = shared + [5, 6], shared + [7]
+    engine.kv.full.caching = False
+    try:
+        expect_b = alone(engine, b, greedy(6))
+    finally:
+        engine.kv.full.caching = True
+    alone(engine, a, greedy(6))  # fills the cache with shared's pages
+    engine.add_request("b", b, greedy(6))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [t for o in outs for t in o.new_token_ids] == expect_b[0]
+    # 28 tokens of full pages hit; the sliding layer's window (7 tokens) before them is recomputed
+    assert outs[-1].num_cached_prompt_tokens == 28 - 7
+
+
+def test_compile_count_flat_after_warmup(engine):
+    before = sum(steps.TRACES.values())
+    reqs = {f"c{i}": (p, greedy(1 + 3 * i)) for i, p in enumerate(prompts(6, 1, 30, seed=5))}
+    for rid, (p, sp) in list(reqs.items())[:3]:
+        engine.add_request(rid, p, sp)
+    engine.step()
+    engine.abort_request("c1")
+    for rid, (p, sp) in list(reqs.items())[3:]:
+        engine.add_request(rid, p, sp)
+    while engine.has_unfinished_requests():
+        engine.step()
+    run(engine, {"lp": (prompts(1, 5, 6, seed=6)[0], greedy(3, logprobs=2))})
+    assert sum(steps.TRACES.values()) == before
+    assert engine.stats().num_compiles == before
+
+
+def test_abort_frees_pages(engine):
+    engine.add_request("x", list(range(2, 30)), greedy(10))
+    engine.step()
+    assert engine.stats().kv_cache_usage > 0
+    engine.abort_request("x")
+    assert engine.stats().kv_cache_usage == 0
+    (out,) = engine.step()
+    assert out.finished and out.finish_reason == "abort" and not engine.has_unfinished_requests()
+
+
+def test_logprobs(engine):
+    p = prompts(1, 9, 10, seed=7)[0]
+    (o,) = [o for o in _steps(engine, "l", p, greedy(2, logprobs=3)) if o.new_token_ids][:1]
+    lp, top = o.logprobs[0]
+    logits = engine.prompt_logits(p)[-1]
+    ref = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+    assert np.isclose(lp, ref[o.new_token_ids[0]], atol=1e-4)
+    assert [t for t, _ in top] == list(np.argsort(-ref)[:3]) and top[0][0] == o.new_token_ids[0]
+
+
+def _steps(engine, rid, p, sp):
+    engine.add_request(rid, p, sp)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    return outs
+
+
+def test_multi_step_decode_matches_single_step(small_checkpoint, engine):
+    multi = Engine(small_checkpoint, dtype="float32", progress=False, **{**SMALL, "decode_steps_per_call": 4})
+    reqs = {f"m{i}": (p, greedy(2 + 3 * i)) for i, p in enumerate(prompts(3, 3, 12, seed=8))}
+    assert run(multi, reqs) == run(engine, reqs)
+
+
+class ByteTokenizer:
+    """Token t is the text '<t>'."""
+    def decode_single_token_bytes(self, t):
+        return f"<{t}>".encode()
+
+    def decode(self, ids):
+        return "".join(f"<{t}>" for t in ids)
+
+
+def test_stop_strings_and_stop_tokens(small_checkpoint, engine):
+    p = prompts(1, 8, 9, seed=9)[0]
+    free = alone(engine, p, greedy(8))[0]
+    e = Engine(small_checkpoint, dtype="float32", progress=False, tokenizer=ByteTokenizer(), **SMALL)
+    stop = f"{free[2]}>"  # completes with the third token
+    toks, reason, stop_reason = run(e, {"s": (p, greedy(8, stop=["never", stop]))})["s"]
+    assert (toks, reason, stop_reason) == (free[:3], "stop", stop)
+    toks, reason, stop_reason = run(e, {"t": (p, SamplingParams(temperature=0, max_tokens=8,
+                                                                stop_token_ids=[free[4]]))})["t"]
+    assert (toks, reason, stop_reason) == (free[:free.index(free[4])], "stop", free[4])
+
+
+@pytest.mark.parametrize("prompt,kw,match", [
+    (list(range(2, 42)), {}, "prompt has 40 tokens; the context limit is 40"),
+    ([1, 2], dict(logprobs=6), r"SamplingParams\.logprobs=6: at most max_logprobs=5"),
+    ([1, 2], dict(stop=["x"]), r"SamplingParams\.stop=.*need a tokenizer"),
+    ([], {}, "empty prompt"),
+    ([1, 999], {}, "token id 999 is outside"),
+])
+def test_bad_requests(engine, prompt, kw, match):
+    with pytest.raises(ValueError, match=match):
+        engine.add_request("bad", prompt, greedy(2, **kw))
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(logprobs=-1), "logprobs"), (dict(stop=[""]), "stop"), (dict(stop=[3]), "stop"),
+    (dict(logprobs=True), "logprobs"),
+])
+def test_bad_new_sampling_params(kw, match):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{match}="):
+        SamplingParams(**kw)
+
+
+def test_batch_job_resumes(engine, tmp_path):
+    from gptoss_jax import batch
+    import json
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = [{"id": "a", "prompt_token_ids": [5, 6, 7], "max_tokens": 4},
+            {"prompt_token_ids": [8, 9], "max_tokens": 3, "logprobs": 1}]
+    src.write_text(json.dumps(rows[0]) + "\n")
+    first = batch.run(engine, src, dst, dict(temperature=0, stop_token_ids=[]), progress=False)
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    second = batch.run(engine, src, dst, dict(temperature=0, stop_token_ids=[]), progress=False)
+    assert (first["requests"], second["requests"], second["skipped"]) == (1, 1, 1)
+    out = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [o["id"] for o in out] == ["a", "2"] and len(out[1]["logprobs"]) == 3
+    assert out[0]["token_ids"] == alone(engine, [5, 6, 7], greedy(4))[0]
+    src.write_text('{"prompt_token_ids": [1], "max_tokenz": 3}\n')
+    with pytest.raises(ValueError, match=r"in.jsonl:1: unknown field\(s\) \['max_tokenz'\]"):
+        batch.run(engine, src, dst, {}, progress=False)

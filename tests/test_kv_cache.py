@@ -1,0 +1,76 @@
+"""Page pools, prefix-cache bookkeeping, sliding-window release, and engine config files."""
+
+import pytest
+
+from gptoss_jax import engine_config
+from gptoss_jax.config import ConfigError
+from gptoss_jax.kv_cache import KVCacheManager, OutOfPages, PagePool, SequencePages
+
+
+def test_pool_refcounts_and_lru_eviction():
+    pool = PagePool(4, enable_prefix_caching=True)  # pages 1..3
+    a, b, c = pool.allocate(), pool.allocate(), pool.allocate()
+    with pytest.raises(OutOfPages):
+        pool.allocate()
+    pool.register(a, 111)
+    pool.share(a)
+    pool.release(a)
+    assert pool.num_available == 0  # still referenced once
+    pool.release(a)
+    assert pool.num_available == 1 and pool.lookup(111) == a  # evictable, still hashed
+    pool.share(a)  # revived by a prefix hit
+    assert pool.num_available == 0
+    pool.release(a)
+    pool.release(b)
+    assert pool.allocate() == b  # truly free pages go first
+    assert pool.allocate() == a and pool.lookup(111) is None  # then the LRU evictable one
+
+
+def test_sliding_pages_stay_bounded_and_full_pages_grow():
+    kv = KVCacheManager(num_pages_full=64, num_pages_sliding=8, page_size=4, window=8, num_sliding_layers=1,
+                        enable_prefix_caching=False)
+    pages = SequencePages()
+    for pos in range(100):
+        kv.allocate(pages, pos, pos + 1)
+        kv.slide(pages, pos + 1)
+        live = [p for p in pages.sliding if p]
+        assert len(live) <= 3  # ceil((8 - 1 + 1) / 4) + 1
+    assert len(pages.full) == 25 and pages.sliding[:20] == [0] * 20
+    kv.free(pages)
+    assert kv.full.num_used == 0 and kv.sliding.num_used == 0
+
+
+def test_prefix_match_shares_full_pages():
+    kv = KVCacheManager(32, 16, page_size=4, window=4, num_sliding_layers=2, enable_prefix_caching=True)
+    first = SequencePages()
+    tokens = list(range(20))
+    kv.allocate(first, 0, 20)
+    kv.register(first, tokens, 20)
+    second = SequencePages()
+    start, hit = kv.match_prefix(second, tokens[:18] + [99, 98])
+    assert hit == 16 and start == 16 - 2 * 3 and second.full == first.full[:4]
+    kv.free(first)
+    assert kv.full.num_used == 4  # still held by the second sequence
+    assert kv.match_prefix(SequencePages(), [7] * 20) == (0, 0)
+
+
+def test_profiles_load_and_bad_keys_are_named(tmp_path):
+    for name in ("low_latency", "max_throughput"):
+        cfg = engine_config.load(name)
+        assert cfg.warmup and cfg.max_num_seqs >= 1
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_num_seqs: 4\nmax_num_seq: 8\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: unknown engine setting 'max_num_seq'"):
+        engine_config.load(bad)
+    bad.write_text("kv_cache_memory_fraction: 1.5\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: .*kv_cache_memory_fraction=1.5"):
+        engine_config.load(bad)
+    with pytest.raises(ConfigError, match="profiles"):
+        engine_config.load("no_such_profile")
+
+
+def test_buckets():
+    cfg = engine_config.EngineConfig(max_num_seqs=48, prefill_chunk_size=512, page_size=16, min_context_bucket=1024)
+    assert cfg.decode_buckets() == (1, 2, 4, 8, 16, 32, 48)
+    assert cfg.prefill_token_buckets() == (16, 32, 64, 128, 256, 512)
+    assert cfg.context_buckets(4096) == (64, 128, 256)

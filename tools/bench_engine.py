@@ -1,0 +1,147 @@
+"""Engine benchmark: an offline throughput job and a batch-1 decode latency run, through `Engine`.
+
+Throughput: `--num-requests` requests of `--input-len` random prompt tokens and exactly
+`--output-len` output tokens (stop tokens off), all submitted at once under the max_throughput
+profile. Latency: one request under the low_latency profile. Prints output tokens/s, TTFT and TPOT
+(time per output token after the first). Weights are random at the real shape, drawn on device.
+
+    python tools/bench_engine.py --preset gpt-oss-20b --out $OUT/engine.json   # on the GPU
+    python tools/bench_engine.py --smoke                                        # tiny model, CPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from gptoss_jax import config, params as params_lib  # noqa: E402
+from gptoss_jax.engine import Engine  # noqa: E402
+from gptoss_jax.random_weights import DEMO_CONFIG  # noqa: E402
+from gptoss_jax.sampling import SamplingParams  # noqa: E402
+
+SMOKE = dict(DEMO_CONFIG, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, experts_per_token=2,
+             vocab_size=512, hidden_size=64, intermediate_size=64, head_dim=16, num_attention_heads=4,
+             num_key_value_heads=2, sliding_window=8, eos_token_id=1, pad_token_id=0)
+
+
+def random_params(cfg: config.ModelConfig, dtype) -> params_lib.Params:
+    """Random weights at `cfg`'s shape, made on device: small normals, unit norms, MXFP4 scales near 1/16."""
+    shapes = params_lib.shapes(cfg, dtype)
+    leaves, tree = jax.tree.flatten(shapes)
+    keys = jax.random.split(jax.random.PRNGKey(0), len(leaves))
+    paths = [".".join(p) for p in params_lib.field_paths(shapes)]
+
+    def make(key, s, path):
+        if s.dtype == jnp.uint8:
+            if path.endswith("scales"):
+                return jax.random.randint(key, s.shape, 118, 124, jnp.int32).astype(jnp.uint8)
+            return jax.random.bits(key, s.shape, jnp.uint8)
+        if path.endswith("norm"):
+            return jnp.ones(s.shape, s.dtype)
+        return (0.02 * jax.random.normal(key, s.shape, jnp.float32)).astype(s.dtype)
+
+    out = [jax.jit(make, static_argnums=(1, 2))(k, s, p) for k, s, p in zip(keys, leaves, paths)]
+    return jax.tree.unflatten(tree, out)
+
+
+def run_job(engine: Engine, prompts: list[list[int]], output_len: int) -> dict:
+    sp = SamplingParams(temperature=1.0, max_tokens=output_len, stop_token_ids=[], seed=0)
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, sp)
+    first, last, n_out = {}, {}, 0
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            n_out += len(o.new_token_ids)
+            if o.new_token_ids:
+                first.setdefault(o.request_id, now)
+                last[o.request_id] = now
+    elapsed = time.perf_counter() - t0
+    ttft = [first[r] - t0 for r in first]
+    tpot = [(last[r] - first[r]) / (output_len - 1) for r in first if output_len > 1]
+    stats = engine.stats()
+    return {"requests": len(prompts), "input_len": len(prompts[0]), "output_len": output_len,
+            "seconds": elapsed, "output_tokens": n_out, "output_tok_s": n_out / elapsed,
+            "total_tok_s": (n_out + sum(map(len, prompts))) / elapsed,
+            "ttft_s_median": statistics.median(ttft), "ttft_s_max": max(ttft),
+            "tpot_ms_median": 1e3 * statistics.median(tpot) if tpot else None,
+            "num_preemptions": stats.num_preemptions, "num_compiles": stats.num_compiles}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="gpt-oss-20b")
+    ap.add_argument("--smoke", action="store_true", help="tiny model and job, for a CPU check of the script")
+    ap.add_argument("--num-requests", type=int, default=512)
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=1024)
+    ap.add_argument("--latency-output-len", type=int, default=256)
+    ap.add_argument("--throughput-config", default="max_throughput")
+    ap.add_argument("--latency-config", default="low_latency")
+    ap.add_argument("--impl", default="reference")
+    ap.add_argument("--skip", choices=["throughput", "latency"], help="run only the other job")
+    ap.add_argument("--out", default="engine_bench.json")
+    args = ap.parse_args()
+    overrides = {}
+    if args.smoke:
+        cfg = config.from_hf_dict(SMOKE)
+        args.num_requests, args.input_len, args.output_len, args.latency_output_len = 8, 24, 16, 16
+        overrides = dict(max_num_seqs=4, prefill_chunk_size=16, max_num_batched_tokens=64, page_size=4,
+                         kv_cache_tokens=1024, decode_steps_per_call=2)
+    else:
+        cfg = config.preset(args.preset)
+    max_len = args.input_len + max(args.output_len, args.latency_output_len)
+    # One block-table width and one prefill length: a short fixed set of programs to compile.
+    overrides.update(max_model_len=max_len, min_context_bucket=max_len, warmup=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result = {"preset": "smoke" if args.smoke else args.preset, "device": jax.devices()[0].device_kind,
+              "jax": jax.__version__, "commit": commit or "unknown", "impl": args.impl}
+    t0 = time.perf_counter()
+    params = random_params(cfg, jnp.bfloat16)
+    jax.block_until_ready(params)
+    result["param_bytes"] = params_lib.nbytes(params)
+    print(f"random weights: {result['param_bytes'] / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f}s", flush=True)
+    rng = np.random.default_rng(0)
+
+    jobs = [("throughput", args.throughput_config, args.num_requests, args.output_len),
+            ("latency", args.latency_config, 1, args.latency_output_len)]
+    for name, profile, n, out_len in jobs:
+        if args.skip == name:
+            continue
+        t0 = time.perf_counter()
+        chunk = overrides.get("prefill_chunk_size")
+        engine = Engine(loaded=(cfg, params), config=profile, impl=args.impl,
+                        **{**overrides, "min_prefill_bucket": chunk or 2048})
+        warm = time.perf_counter() - t0
+        print(f"[{name}] {profile}: engine ready (warm-up {warm:.1f}s, {engine.stats().num_compiles} programs, "
+              f"{engine.kv.full.num_pages} full pages)", flush=True)
+        prompts = [rng.integers(0, cfg.vocab_size, args.input_len).tolist() for _ in range(n)]
+        row = run_job(engine, prompts, out_len)
+        row.update(profile=profile, warmup_s=warm, config=dataclasses.asdict(engine.config))
+        result[name] = row
+        print(f"[{name}] {n} x ({args.input_len} in, {out_len} out): {row['output_tok_s']:.0f} output tok/s, "
+              f"TTFT median {row['ttft_s_median'] * 1e3:.0f} ms, TPOT median {row['tpot_ms_median']:.2f} ms, "
+              f"{row['num_preemptions']} preemptions", flush=True)
+        del engine
+        gc.collect()
+    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    print(json.dumps(result, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
