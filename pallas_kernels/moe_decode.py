@@ -1,0 +1,459 @@
+"""Fused MXFP4 mixture-of-experts as two Pallas kernels (grouped by expert), with the decode entry.
+
+Backend: **Pallas-Triton** (`jax.experimental.pallas.triton`), chosen deliberately although it is
+deprecated from JAX 0.11:
+* decode MoE is a grouped GEMV over packed words: what matters is wide coalesced loads, cheap
+  register-level bit tricks and a fine-grained grid that fills 132 SMs with hundreds of programs.
+  Triton's per-thread model expresses this directly; Mosaic GPU's warpgroup-level layouts have no
+  u32 -> nibble -> f16 path in jax 0.11.2 that we could verify without hardware iteration;
+* the same module with large row tiles is the prefill grouped GEMM (`dot` -> Hopper wgmma);
+* it runs bit-for-bit in CPU interpret mode, so CI checks these exact kernels against the
+  references (Mosaic GPU's interpreter covers a subset of its own primitives only).
+
+Weight encoding (`prepare_experts`, once at load, same 4 bits per weight): each u32 word holds the
+8 consecutive weights `8q .. 8q+7` of a row, re-packed so that two weights `j` and `j+4` decode
+together into an f16x2 word (`(sign << 15) | (mag << 9)` per half: an exact f16 of e2m1 * 2^-14,
+subnormals included) with 1-5 integer ops: `w & M`, `(w << 3) & M`, and two shift/mask pairs.
+That is ~1.6 ops per weight instead of ~4 for the checkpoint's nibble order.  Activations are fed
+in the matching "phase" order `x8[t, j, m] = x[t, 8m + j]`.
+
+Two kernel families on that encoding (`kernel=` in the config):
+* "gemv" (few rows per expert, decode): 3-D tiles `[block_n rows, nb 32-blocks, 4 words]` so that
+  one thread owns whole 32-element blocks (one 16-byte load); FMAs in f32 into a per-block partial
+  sum and the E8M0 scale applied once per block, no tensor cores and no shared-memory round trip;
+  the next K step's tiles are loaded before the current one is used (register double buffer).
+* "mma" (many rows, prefill): decoded weights scaled per element, rounded to bf16 (exact) and fed to
+  `dot` per phase (8 dots of K = block_k / 8), f32 accumulation.
+Both: routing stays in JAX, (token, expert) pairs are sorted by expert and cut into slots of at
+most `block_m` pairs; grid `(slots, feature tiles)`, an empty slot exits at once.  Kernel A
+(gate_up) ends with bias + clamped SwiGLU and writes the activation already in kernel B's phase
+order (the gate/up rows are permuted at load); kernel B (down) ends with bias x routing weight.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels import moe_reference
+
+F16_SHIFT = 14  # decoded f16 halves are e2m1 * 2^-14
+
+# Bit position of each of the 8 weights of a word: magnitude (3 bits) and sign.
+MAG_POS = (9, 6, 3, 0, 25, 22, 19, 16)
+SIGN_POS = (15, 12, 14, 13, 31, 28, 30, 29)
+_M_BOTH, _M_MAG, _M_SIGN = np.uint32(0x8E008E00), np.uint32(0x0E000E00), np.uint32(0x80008000)
+
+
+@struct.dataclass
+class KernelExperts:
+    """One layer's experts re-encoded for the kernels (same 4 bits per weight as `params.Experts`)."""
+    gu_words: jax.Array   # u32 [E, 2, I, D/8]  [:, 0] gate, [:, 1] up; rows in phase order
+    gu_scales: jax.Array  # u8  [E, 2, I, D/32]
+    gu_bias: jax.Array    #     [E, 2, I]
+    dn_words: jax.Array   # u32 [E, D, I/8]
+    dn_scales: jax.Array  # u8  [E, D, I/32]
+    dn_bias: jax.Array    #     [E, D]
+
+
+def phase_order(n: int) -> np.ndarray:
+    """Feature order in which kernel A writes the activation: column c holds feature 8 (c % n/8) + c // (n/8)."""
+    c = np.arange(n)
+    return 8 * (c % (n // 8)) + c // (n // 8)
+
+
+def to_phases(x_TK: jax.Array) -> jax.Array:
+    """[T, K] -> [T, 8, K/8] with [t, j, m] = x[t, 8m + j] (the order the word decode yields)."""
+    T, K = x_TK.shape
+    return x_TK.reshape(T, K // 8, 8).transpose(0, 2, 1)
+
+
+def encode_words(blocks_u8: jax.Array) -> jax.Array:
+    """Checkpoint bytes [..., G, 16] (low nibble first) -> re-packed u32 words [..., G*4]."""
+    w = jax.lax.bitcast_convert_type(blocks_u8.reshape(*blocks_u8.shape[:-1], 4, 4), jnp.uint32)
+    w = w.reshape(*blocks_u8.shape[:-2], -1)
+    out = jnp.zeros_like(w)
+    for j in range(8):
+        c = w >> (4 * j)
+        out = out | ((c & 7) << MAG_POS[j]) | (((c >> 3) & 1) << SIGN_POS[j])
+    return out
+
+
+def prepare_experts(experts) -> KernelExperts:
+    """Re-encoding + relayout of one layer's `params.Experts` (works on a leading layer axis too)."""
+    gub, gus, gubias = experts.gate_up_blocks, experts.gate_up_scales, experts.gate_up_bias
+    lead = gub.shape[:-4]
+    E, I2 = gub.shape[-4:-2]
+    I = I2 // 2
+    order = jnp.asarray(phase_order(I))
+
+    def split(a, ntrail):
+        # [..., E, 2I, *t] -> [..., E, 2, I, *t]: gate = even rows, up = odd rows, features in phase order
+        a = a.reshape(*lead, E, I, 2, *a.shape[len(lead) + 2:])
+        a = jnp.moveaxis(a, len(lead) + 2, len(lead) + 1)
+        return jnp.take(a, order, axis=len(lead) + 2)
+
+    return KernelExperts(gu_words=split(encode_words(gub), 1), gu_scales=split(gus, 1),
+                         gu_bias=split(gubias, 0), dn_words=encode_words(experts.down_blocks),
+                         dn_scales=experts.down_scales, dn_bias=experts.down_bias)
+
+
+# ----------------------------------------------------------------------------------------------
+# In-kernel decoding
+
+
+def _decode_words(w):
+    """u32 words (any shape) -> the 8 weights of each word as f32 (e2m1 * 2^-14), j = 0..7."""
+    pairs = (w & _M_BOTH, (w << 3) & _M_BOTH,
+             ((w << 6) & _M_MAG) | ((w << 1) & _M_SIGN),
+             ((w << 9) & _M_MAG) | ((w << 2) & _M_SIGN))
+
+    def half(v):
+        return jax.lax.bitcast_convert_type(v.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+
+    return [half(p & np.uint32(0xFFFF)) for p in pairs] + [half(p >> np.uint32(16)) for p in pairs]
+
+
+def _scale_f32(s_u8):
+    """E8M0 -> f32 2^(s-127) by placing s in the exponent field (s = 0 gives 0)."""
+    return jax.lax.bitcast_convert_type(s_u8.astype(jnp.uint32) << 23, jnp.float32)
+
+
+def _swiglu(g, u, limit, alpha):
+    g = jnp.minimum(g, limit)
+    u = jnp.minimum(jnp.maximum(u, -limit), limit)
+    return g * (1.0 / (1.0 + jnp.exp(-alpha * g))) * (u + 1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# GEMV kernels (few rows per slot)
+
+
+def _gemv_steps(load, n_steps, compute, acc0):
+    """K loop with the next step's tiles loaded before the current ones are used."""
+    def body(i, carry):
+        tiles, acc = carry
+        nxt = load(i + 1)
+        return nxt, compute(tiles, acc)
+    _, acc = jax.lax.fori_loop(0, n_steps, body, (load(0), acc0))
+    return acc
+
+
+def _gemv_partial(w, x8):
+    """w u32 [bn, nb, 4], x8 eight f32 [nb, 4] -> per-block partial sums [bn, nb]."""
+    vals = _decode_words(w)
+    p = vals[0] * x8[0][None]
+    for j in range(1, 8):
+        p = p + vals[j] * x8[j][None]
+    return jnp.sum(p, axis=2)
+
+
+def _gate_up_gemv_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, tok_ref, x_ref, wq_ref, ws_ref,
+                         bias_ref, a_ref, *, bm, bn, nb, G, limit, alpha):
+    s = pl.program_id(0)
+    n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
+    rows = slot_rows_ref[s]
+
+    @pl.when(rows > 0)
+    def _():
+        e = slot_e_ref[s]
+        r0 = slot_start_ref[s]
+        toks = [tok_ref[r0 + r] for r in range(bm)]
+
+        def load(i):
+            b0 = i * nb
+            ok = (b0 + jnp.arange(nb)) < G
+            w = [plt.load(wq_ref.at[e, h, pl.ds(n0, bn), pl.ds(b0, nb), :], mask=ok[None, :, None],
+                          other=0) for h in (jnp.int32(0), jnp.int32(1))]
+            sc = [plt.load(ws_ref.at[e, h, pl.ds(n0, bn), pl.ds(b0, nb)], mask=ok[None, :], other=0)
+                  for h in (jnp.int32(0), jnp.int32(1))]
+            x = [[plt.load(x_ref.at[toks[r], jnp.int32(j), pl.ds(b0, nb), :], mask=ok[:, None] & (r < rows),
+                           other=0.0) for j in range(8)] for r in range(bm)]
+            return w, sc, x
+
+        def compute(tiles, acc):
+            w, sc, x = tiles
+            out = []
+            for h in range(2):
+                scale = _scale_f32(sc[h])
+                out.append([acc[h][r] + _gemv_partial(w[h], x[r]) * scale for r in range(bm)])
+            return out
+
+        zero = jnp.zeros((bn, nb), jnp.float32)
+        acc = _gemv_steps(load, pl.cdiv(G, nb), compute, [[zero] * bm, [zero] * bm])
+        bg = bias_ref[e, jnp.int32(0), pl.ds(n0, bn)].astype(jnp.float32)
+        bu = bias_ref[e, jnp.int32(1), pl.ds(n0, bn)].astype(jnp.float32)
+        for r in range(bm):
+            g = jnp.sum(acc[0][r], axis=1) * (2.0 ** F16_SHIFT) + bg
+            u = jnp.sum(acc[1][r], axis=1) * (2.0 ** F16_SHIFT) + bu
+            act = _swiglu(g, u, limit, alpha)
+            plt.store(a_ref.at[r0 + r, pl.ds(n0, bn)], act.astype(a_ref.dtype),
+                      mask=jnp.full((bn,), r < rows))
+
+
+def _down_gemv_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, w_ref, a_ref, wq_ref, ws_ref,
+                      bias_ref, y_ref, *, bm, bn, nb, G):
+    s = pl.program_id(0)
+    n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
+    rows = slot_rows_ref[s]
+
+    @pl.when(rows > 0)
+    def _():
+        e = slot_e_ref[s]
+        r0 = slot_start_ref[s]
+
+        def load(i):
+            b0 = i * nb
+            ok = (b0 + jnp.arange(nb)) < G
+            w = plt.load(wq_ref.at[e, pl.ds(n0, bn), pl.ds(b0, nb), :], mask=ok[None, :, None], other=0)
+            sc = plt.load(ws_ref.at[e, pl.ds(n0, bn), pl.ds(b0, nb)], mask=ok[None, :], other=0)
+            a = [[plt.load(a_ref.at[r0 + r, jnp.int32(j), pl.ds(b0, nb), :], mask=ok[:, None] & (r < rows),
+                           other=0.0) for j in range(8)] for r in range(bm)]
+            return w, sc, a
+
+        def compute(tiles, acc):
+            w, sc, a = tiles
+            scale = _scale_f32(sc)
+            return [acc[r] + _gemv_partial(w, a[r]) * scale for r in range(bm)]
+
+        acc = _gemv_steps(load, pl.cdiv(G, nb), compute, [jnp.zeros((bn, nb), jnp.float32)] * bm)
+        b = bias_ref[e, pl.ds(n0, bn)].astype(jnp.float32)
+        for r in range(bm):
+            y = (jnp.sum(acc[r], axis=1) * (2.0 ** F16_SHIFT) + b) * w_ref[r0 + r]
+            plt.store(y_ref.at[r0 + r, pl.ds(n0, bn)], y.astype(y_ref.dtype),
+                      mask=jnp.full((bn,), r < rows))
+
+
+# ----------------------------------------------------------------------------------------------
+# MMA kernels (many rows per slot)
+
+
+def _dot_t(a, b):
+    """a [M, K] @ b[N, K]^T in f32."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _mm(x, w, swap):
+    """x [M, K] tokens, w [N, K] decoded weights -> f32 [M, N] (swap=False) or [N, M] (swap=True).
+
+    swap puts the register-decoded weights in the dot's A slot (wgmma takes A from registers, B from
+    shared memory) and the tokens in N."""
+    return _dot_t(w, x) if swap else _dot_t(x, w)
+
+
+def _mma_step(acc, wq, ws, xs, kw, swap):
+    """acc += sum_j x_j @ decode_j(wq)^T with wq u32 [bn, kw], ws u8 [bn, kw/4], xs eight [bm, kw]."""
+    bn = wq.shape[0]
+    scale = jnp.broadcast_to(_scale_f32(ws)[:, :, None], (bn, kw // 4, 4)).reshape(bn, kw)
+    for j, v in enumerate(_decode_words(wq)):
+        acc = acc + _mm(xs[j], (v * scale).astype(jnp.bfloat16), swap)
+    return acc
+
+
+def _gate_up_mma_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, tok_ref, x_ref, wq_ref, ws_ref,
+                        bias_ref, a_ref, *, bm, bn, kw, W, limit, alpha, swap):
+    s = pl.program_id(0)
+    n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
+    rows = slot_rows_ref[s]
+
+    @pl.when(rows > 0)
+    def _():
+        e = slot_e_ref[s]
+        r0 = slot_start_ref[s]
+        row_ok = jnp.arange(bm) < rows
+        tok = plt.load(tok_ref.at[pl.ds(r0, bm)], mask=row_ok, other=0)
+
+        def body(i, carry):
+            c0 = pl.multiple_of(i * kw, kw)
+            col_ok = (c0 + jnp.arange(kw)) < W
+            g_ok = (c0 // 4 + jnp.arange(kw // 4)) < (W // 4)
+            cols = (c0 + jnp.arange(kw))[None, :]
+            xs = [plt.load(x_ref.at[tok[:, None], jnp.int32(j), cols], mask=row_ok[:, None] & col_ok[None, :],
+                           other=0) for j in range(8)]
+            out = []
+            for h, acc in zip((jnp.int32(0), jnp.int32(1)), carry):
+                wq = plt.load(wq_ref.at[e, h, pl.ds(n0, bn), pl.ds(c0, kw)], mask=col_ok[None, :], other=0)
+                ws = plt.load(ws_ref.at[e, h, pl.ds(n0, bn), pl.ds(c0 // 4, kw // 4)],
+                              mask=g_ok[None, :], other=0)
+                out.append(_mma_step(acc, wq, ws, xs, kw, swap))
+            return tuple(out)
+
+        zero = jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32)
+        acc_g, acc_u = jax.lax.fori_loop(0, pl.cdiv(W, kw), body, (zero, zero))
+        if swap:
+            acc_g, acc_u = acc_g.T, acc_u.T
+        bg = bias_ref[e, jnp.int32(0), pl.ds(n0, bn)].astype(jnp.float32)
+        bu = bias_ref[e, jnp.int32(1), pl.ds(n0, bn)].astype(jnp.float32)
+        act = _swiglu(acc_g * (2.0 ** F16_SHIFT) + bg[None, :], acc_u * (2.0 ** F16_SHIFT) + bu[None, :],
+                      limit, alpha)
+        plt.store(a_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], act.astype(a_ref.dtype), mask=row_ok[:, None])
+
+
+def _down_mma_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, w_ref, a_ref, wq_ref, ws_ref, bias_ref,
+                     y_ref, *, bm, bn, kw, W, swap):
+    s = pl.program_id(0)
+    n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
+    rows = slot_rows_ref[s]
+
+    @pl.when(rows > 0)
+    def _():
+        e = slot_e_ref[s]
+        r0 = slot_start_ref[s]
+        row_ok = jnp.arange(bm) < rows
+
+        def body(i, acc):
+            c0 = pl.multiple_of(i * kw, kw)
+            col_ok = (c0 + jnp.arange(kw)) < W
+            g_ok = (c0 // 4 + jnp.arange(kw // 4)) < (W // 4)
+            xs = [plt.load(a_ref.at[pl.ds(r0, bm), jnp.int32(j), pl.ds(c0, kw)],
+                           mask=row_ok[:, None] & col_ok[None, :], other=0) for j in range(8)]
+            wq = plt.load(wq_ref.at[e, pl.ds(n0, bn), pl.ds(c0, kw)], mask=col_ok[None, :], other=0)
+            ws = plt.load(ws_ref.at[e, pl.ds(n0, bn), pl.ds(c0 // 4, kw // 4)], mask=g_ok[None, :], other=0)
+            return _mma_step(acc, wq, ws, xs, kw, swap)
+
+        acc = jax.lax.fori_loop(0, pl.cdiv(W, kw), body,
+                                jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32))
+        if swap:
+            acc = acc.T
+        b = bias_ref[e, pl.ds(n0, bn)].astype(jnp.float32)
+        rw = plt.load(w_ref.at[pl.ds(r0, bm)], mask=row_ok, other=0.0)
+        y = (acc * (2.0 ** F16_SHIFT) + b[None, :]) * rw[:, None]
+        plt.store(y_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], y.astype(y_ref.dtype), mask=row_ok[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatch (JAX)
+
+
+def _pick_bn(n: int, want: int) -> int:
+    b = want
+    while b > 8 and n % b:
+        b //= 2
+    if n % b:
+        raise ValueError(f"feature size {n} is not a multiple of 8")
+    return b
+
+
+def dispatch(idx_TK: jax.Array, w_TK: jax.Array, num_experts: int, block_m: int):
+    """Sort (token, expert) pairs by expert and cut them into slots of <= block_m pairs.
+
+    Returns (tok_sorted [P], w_sorted [P] f32, order [P], slot_expert [S], slot_start [S],
+    slot_rows [S]) with S = P // block_m + min(E, P) a static bound on the slot count.  Every step
+    is a single fusion or sort (no while loops: `searchsorted` by comparison, not bisection).
+    """
+    T, k = idx_TK.shape
+    P, E = T * k, num_experts
+    e_flat = idx_TK.reshape(P).astype(jnp.int32)
+    order = jnp.argsort(e_flat, stable=True).astype(jnp.int32)
+    tok_sorted = order // k
+    w_sorted = w_TK.reshape(P).astype(jnp.float32)[order]
+    counts = jnp.zeros((E,), jnp.int32).at[e_flat].add(1)
+    starts = jnp.cumsum(counts) - counts
+    nchunks = (counts + block_m - 1) // block_m
+    chunk_end = jnp.cumsum(nchunks)
+    S = P // block_m + min(E, P)
+    s = jnp.arange(S, dtype=jnp.int32)
+    slot_e = jnp.searchsorted(chunk_end, s, side="right", method="compare_all").astype(jnp.int32)
+    e_c = jnp.minimum(slot_e, E - 1)
+    j = s - (chunk_end[e_c] - nchunks[e_c])
+    rows = jnp.where(slot_e < E, jnp.clip(counts[e_c] - j * block_m, 0, block_m), 0)
+    start = starts[e_c] + j * block_m
+    return tok_sorted, w_sorted, order, e_c, start.astype(jnp.int32), rows.astype(jnp.int32)
+
+
+_STATIC = ("swiglu_limit", "swiglu_alpha", "kernel", "block_m", "block_n", "block_k", "block_n_down",
+           "num_warps", "num_stages", "swap", "interpret")
+
+
+def run_kernels(x_TD, tok_sorted, w_sorted, slot_e, slot_start, slot_rows, kexp: KernelExperts, *,
+                swiglu_limit, swiglu_alpha, kernel, block_m, block_n, block_k, block_n_down, num_warps,
+                num_stages, swap=False, interpret=None):
+    """The two Pallas kernels on dispatched pairs; returns y [P + block_m, D] f32 in sorted order.
+
+    block_k counts weights along K (gemv: block_k / 32 blocks per step; mma: block_k / 8 words)."""
+    T, D = x_TD.shape
+    E, _, I, _ = kexp.gu_words.shape
+    P = tok_sorted.shape[0]
+    bm = block_m
+    bn = _pick_bn(I, block_n)
+    bn2 = _pick_bn(D, block_n_down)
+    assert D % 32 == 0 and I % 32 == 0 and block_k % 32 == 0
+    S = slot_e.shape[0]
+    pad = lambda a: jnp.concatenate([a, jnp.zeros((bm,) + a.shape[1:], a.dtype)])
+    tok_p, w_p = pad(tok_sorted), pad(w_sorted)
+    params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    call = functools.partial(pl.pallas_call, compiler_params=params, interpret=interpret)
+
+    if kernel == "gemv":
+        nb = block_k // 32
+        x8 = to_phases(x_TD.astype(jnp.float32)).reshape(T, 8, D // 32, 4)
+        a = call(functools.partial(_gate_up_gemv_kernel, bm=bm, bn=bn, nb=nb, G=D // 32,
+                                   limit=swiglu_limit, alpha=swiglu_alpha),
+                 grid=(S, I // bn), out_shape=jax.ShapeDtypeStruct((P + bm, I), jnp.float32),
+                 name="mxfp4_gate_up_swiglu_gemv",
+                 )(slot_e, slot_start, slot_rows, tok_p, x8,
+                   kexp.gu_words.reshape(E, 2, I, D // 32, 4), kexp.gu_scales, kexp.gu_bias)
+        return call(functools.partial(_down_gemv_kernel, bm=bm, bn=bn2, nb=nb, G=I // 32),
+                    grid=(S, D // bn2), out_shape=jax.ShapeDtypeStruct((P + bm, D), jnp.float32),
+                    name="mxfp4_down_gemv",
+                    )(slot_e, slot_start, slot_rows, w_p, a.reshape(P + bm, 8, I // 32, 4),
+                      kexp.dn_words.reshape(E, D, I // 32, 4), kexp.dn_scales, kexp.dn_bias)
+
+    kw = block_k // 8
+    x8 = to_phases(x_TD.astype(jnp.bfloat16))
+    a = call(functools.partial(_gate_up_mma_kernel, bm=bm, bn=bn, kw=kw, W=D // 8, limit=swiglu_limit,
+                               alpha=swiglu_alpha, swap=swap),
+             grid=(S, I // bn), out_shape=jax.ShapeDtypeStruct((P + bm, I), jnp.bfloat16),
+             name="mxfp4_gate_up_swiglu",
+             )(slot_e, slot_start, slot_rows, tok_p, x8, kexp.gu_words, kexp.gu_scales, kexp.gu_bias)
+    return call(functools.partial(_down_mma_kernel, bm=bm, bn=bn2, kw=kw, W=I // 8, swap=swap),
+                grid=(S, D // bn2), out_shape=jax.ShapeDtypeStruct((P + bm, D), jnp.float32),
+                name="mxfp4_down",
+                )(slot_e, slot_start, slot_rows, w_p, a.reshape(P + bm, 8, I // 8), kexp.dn_words,
+                  kexp.dn_scales, kexp.dn_bias)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def experts_forward(x_TD, idx_TK, w_TK, kexp: KernelExperts, *, swiglu_limit, swiglu_alpha,
+                    kernel="gemv", block_m=1, block_n=16, block_k=256, block_n_down=16, num_warps=4,
+                    num_stages=1, swap=False, interpret=None):
+    """The expert math for given routing: sum_k w[t,k] * expert_{idx[t,k]}(x[t]) -> [T, D]."""
+    T, D = x_TD.shape
+    k = idx_TK.shape[1]
+    E = kexp.gu_words.shape[0]
+    tok_sorted, w_sorted, order, slot_e, slot_start, slot_rows = dispatch(idx_TK, w_TK, E, block_m)
+    y = run_kernels(x_TD, tok_sorted, w_sorted, slot_e, slot_start, slot_rows, kexp,
+                    swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha, kernel=kernel,
+                    block_m=block_m, block_n=block_n, block_k=block_k, block_n_down=block_n_down,
+                    num_warps=num_warps, num_stages=num_stages, swap=swap, interpret=interpret)
+    P = T * k
+    inv = jnp.zeros((P,), jnp.int32).at[order].set(jnp.arange(P, dtype=jnp.int32))
+    return jnp.sum(y[inv].reshape(T, k, D), axis=1).astype(x_TD.dtype)
+
+
+def decode_config(T: int, k: int, E: int) -> dict:
+    """Kernel and block sizes for the decode regime (1-64 tokens)."""
+    rows = T * k / E  # mean pairs per expert
+    bm = 1 if rows <= 0.5 else 2 if rows <= 1.5 else 4
+    return dict(kernel="gemv", block_m=bm, block_n=16, block_k=256, block_n_down=16, num_warps=4,
+                num_stages=1)
+
+
+def moe(x_TD, router_w_ED, router_b_E, kexp: KernelExperts, *, top_k, swiglu_limit, swiglu_alpha,
+        interpret=None, **config):
+    """Drop-in for `moe_reference.moe` (decode regime), taking `prepare_experts(experts)`."""
+    T = x_TD.shape[0]
+    E = router_w_ED.shape[0]
+    idx, w, _ = moe_reference.route(x_TD, router_w_ED, router_b_E, top_k)
+    cfg = decode_config(T, top_k, E)
+    cfg.update(config)
+    return experts_forward(x_TD, idx, w, kexp, swiglu_limit=float(swiglu_limit),
+                           swiglu_alpha=float(swiglu_alpha), interpret=interpret, **cfg)

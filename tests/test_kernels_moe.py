@@ -1,0 +1,103 @@
+"""The Pallas MXFP4 MoE kernels (CPU interpret mode) against `moe_reference` on fresh random inputs."""
+
+import numpy as np
+import jax.numpy as jnp
+import pytest
+
+from gptoss_jax.params import Experts
+from pallas_kernels import moe_decode, moe_prefill, moe_reference, mxfp4
+
+LIMIT, ALPHA = 7.0, 1.702
+
+
+def _experts(rng, E, D, I, dtype):
+    u8 = lambda *s: jnp.asarray(rng.integers(0, 256, s, dtype=np.uint8))
+    sc = lambda *s: jnp.asarray(rng.integers(117, 129, s, dtype=np.uint8))
+    return Experts(gate_up_blocks=u8(E, 2 * I, D // 32, 16), gate_up_scales=sc(E, 2 * I, D // 32),
+                   gate_up_bias=jnp.asarray(rng.normal(size=(E, 2 * I)), dtype),
+                   down_blocks=u8(E, D, I // 32, 16), down_scales=sc(E, D, I // 32),
+                   down_bias=jnp.asarray(rng.normal(size=(E, D)), dtype))
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def test_word_encoding_decodes_to_checkpoint_values():
+    """The re-packed u32 words, decoded the kernels' way, give exactly mxfp4.dequantize (x 2^-14)."""
+    rng = np.random.default_rng(1)
+    blocks = jnp.asarray(rng.integers(0, 256, (5, 3, 16), dtype=np.uint8))
+    words = moe_decode.encode_words(blocks)  # [5, 12]
+    vals = np.stack([np.asarray(v) for v in moe_decode._decode_words(words)], axis=-1)  # [5, 12, 8]
+    ref = mxfp4.dequantize_np(np.asarray(blocks), np.full((5, 3), 127, np.uint8))
+    np.testing.assert_array_equal(vals.reshape(5, 96) * 2.0 ** 14, ref)
+
+
+def test_prepare_experts_phase_order():
+    rng = np.random.default_rng(2)
+    E, D, I = 2, 64, 96
+    ex = _experts(rng, E, D, I, jnp.bfloat16)
+    kx = moe_decode.prepare_experts(ex)
+    order = moe_decode.phase_order(I)
+    gu = np.asarray(ex.gate_up_blocks)
+    for c in (0, 5, I - 1):
+        i = order[c]
+        np.testing.assert_array_equal(np.asarray(kx.gu_words[:, 0, c]),
+                                      np.asarray(moe_decode.encode_words(jnp.asarray(gu[:, 2 * i]))))
+        np.testing.assert_array_equal(np.asarray(kx.gu_bias[:, 1, c]), np.asarray(ex.gate_up_bias[:, 2 * i + 1]))
+    assert kx.dn_words.nbytes == ex.down_blocks.nbytes
+    x = jnp.arange(2 * I, dtype=jnp.float32).reshape(2, I)
+    np.testing.assert_array_equal(np.asarray(moe_decode.to_phases(x)).reshape(2, I), np.asarray(x)[:, order])
+
+
+@pytest.mark.parametrize("T,E,k,D,I,empty,cfg", [
+    (1, 8, 4, 96, 64, False, {}),
+    (5, 8, 4, 96, 64, True, dict(block_m=2, block_k=64)),        # K tail (3 blocks, 2 per step)
+    (13, 4, 2, 64, 96, True, dict(block_m=4, block_n=32)),
+    (6, 4, 2, 64, 96, True, dict(kernel="mma", block_m=16, block_k=64)),
+])
+def test_moe_decode_matches_reference(T, E, k, D, I, empty, cfg):
+    rng = np.random.default_rng(T * 100 + E)
+    ex = _experts(rng, E, D, I, jnp.bfloat16)
+    x = jnp.asarray(rng.normal(size=(T, D)) * 2, jnp.bfloat16)
+    rw = jnp.asarray(rng.normal(size=(E, D)) * 0.2, jnp.bfloat16)
+    rb = np.zeros((E,), np.float32)
+    if empty:
+        rb[0] = -1e4  # expert 0 never routed
+    rb = jnp.asarray(rb, jnp.bfloat16)
+    ref = moe_reference.moe(x, rw, rb, ex, top_k=k, swiglu_limit=LIMIT, swiglu_alpha=ALPHA)
+    out = moe_decode.moe(x, rw, rb, moe_decode.prepare_experts(ex), top_k=k, swiglu_limit=LIMIT,
+                         swiglu_alpha=ALPHA, interpret=True, **cfg)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert _rel(out, ref) < 1e-2
+
+
+def test_moe_prefill_config_f32_activations():
+    """Large row tiles (the prefill config, shrunk), f32 model dtype, 37 tokens (odd)."""
+    rng = np.random.default_rng(7)
+    T, E, k, D, I = 37, 8, 4, 64, 64
+    ex = _experts(rng, E, D, I, jnp.float32)
+    x = jnp.asarray(rng.normal(size=(T, D)), jnp.float32)
+    rw = jnp.asarray(rng.normal(size=(E, D)) * 0.2, jnp.float32)
+    rb = jnp.asarray(np.where(np.arange(E) == 3, -1e4, 0.0), jnp.float32)
+    ref = moe_reference.moe(x, rw, rb, ex, top_k=k, swiglu_limit=LIMIT, swiglu_alpha=ALPHA)
+    out = moe_prefill.moe(x, rw, rb, moe_prefill.prepare_experts(ex), top_k=k, swiglu_limit=LIMIT,
+                          swiglu_alpha=ALPHA, interpret=True, block_m=16, block_n=32, block_k=64,
+                          block_n_down=32)
+    assert _rel(out, ref) < 1e-2  # kernel operands are bf16
+
+
+def test_dispatch_slots_cover_every_pair_once():
+    rng = np.random.default_rng(3)
+    T, k, E, bm = 29, 4, 8, 16
+    idx = jnp.asarray(np.stack([rng.permutation(E)[:k] for _ in range(T)]), jnp.int32)
+    w = jnp.ones((T, k), jnp.float32)
+    tok, _, order, se, ss, sr = moe_decode.dispatch(idx, w, E, bm)
+    seen = np.zeros(T * k, int)
+    e_sorted = np.asarray(idx).reshape(-1)[np.asarray(order)]
+    for e, s, r in zip(np.asarray(se), np.asarray(ss), np.asarray(sr)):
+        assert 0 <= r <= bm
+        seen[s:s + r] += 1
+        assert (e_sorted[s:s + r] == e).all()
+    assert (seen == 1).all()

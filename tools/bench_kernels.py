@@ -1,0 +1,324 @@
+"""GPU timings of the Pallas kernels against ceilings measured in the same run and the best XLA paths.
+
+    PYTHONPATH=. python3 tools/bench_kernels.py [--quick] [--out FILE]
+
+Ceilings: device copy bandwidth (XLA u32 `x + 1` over 2 GiB, and torch `copy_` when torch is there;
+bytes read + written) and bf16 matmul rate (8192^3 through XLA, and torch).  Every row prints time,
+achieved bandwidth or FLOP rate, the ratio to the ceiling, and the XLA path on the same problem.
+Decode MoE runs over `L` stacked layers (different weights and routing per layer, more bytes than
+L2) unrolled in one jit, so time per layer excludes host dispatch and L2 reuse.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import attention_reference, moe_decode, moe_reference, paged_attention
+from tools import kernel_cases as kc
+
+LINES = []
+
+
+def log(s=""):
+    print(s, flush=True)
+    LINES.append(s)
+
+
+def timeit(f, *args, n=10, reps=5):
+    out = f(*args)
+    jax.block_until_ready(out)
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(n):
+            out = f(*args)
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t) / n)
+    return statistics.median(ts)
+
+
+def ceilings():
+    x = jax.random.bits(jax.random.PRNGKey(0), (512 * 1024 * 1024,), jnp.uint32)  # 2 GiB
+    f = jax.jit(lambda a: a + 1)
+    t = timeit(f, x, n=10)
+    bw_xla = 2 * x.nbytes / t
+    del x
+    bw_torch = 0.0
+    mm_torch = 0.0
+    try:
+        import torch
+        a = torch.empty(512 * 1024 * 1024, dtype=torch.int32, device="cuda").random_()
+        b = torch.empty_like(a)
+        for _ in range(3):
+            b.copy_(a)
+        torch.cuda.synchronize()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        ts = []
+        for _ in range(5):
+            ev[0].record()
+            for _ in range(10):
+                b.copy_(a)
+            ev[1].record()
+            torch.cuda.synchronize()
+            ts.append(ev[0].elapsed_time(ev[1]) / 10 / 1e3)
+        bw_torch = 2 * a.numel() * 4 / statistics.median(ts)
+        del a, b
+        m = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3):
+            m @ m
+        torch.cuda.synchronize()
+        ev[0].record()
+        for _ in range(10):
+            m @ m
+        ev[1].record()
+        torch.cuda.synchronize()
+        mm_torch = 2 * 8192**3 / (ev[0].elapsed_time(ev[1]) / 10 / 1e3)
+        del m
+        torch.cuda.empty_cache()
+    except Exception as e:  # noqa: BLE001
+        log(f"(torch ceilings unavailable: {e!r})")
+    a = jax.random.normal(jax.random.PRNGKey(1), (8192, 8192), jnp.float32).astype(jnp.bfloat16)
+    t = timeit(jax.jit(lambda u, v: jnp.dot(u, v, preferred_element_type=jnp.float32).astype(jnp.bfloat16)), a, a)
+    mm_xla = 2 * 8192**3 / t
+    log(f"copy bandwidth: XLA {bw_xla/1e12:.2f} TB/s, torch copy_ {bw_torch/1e12:.2f} TB/s; "
+        f"bf16 matmul 8192^3: XLA {mm_xla/1e12:.0f} TFLOP/s, torch {mm_torch/1e12:.0f} TFLOP/s")
+    return max(bw_xla, bw_torch), max(mm_xla, mm_torch)
+
+
+def expert_bytes(D, I):
+    return (2 * I * D // 2 + 2 * I * D // 32 + 2 * I * 2) + (D * I // 2 + D * I // 32 + D * 2)
+
+
+def bench_moe_decode(model, Ts, bw, configs, L):
+    s = kc.SHAPES[model]
+    E, D, I, k = s["E"], s["D"], s["I"], s["k"]
+    # Separate arrays per layer: slicing a stacked [L, ...] array inside jit would copy the layer.
+    ex = [kc.experts(jax.random.PRNGKey(20 + i), E, D, I) for i in range(L)]
+    kx = [jax.jit(moe_decode.prepare_experts)(e) for e in ex]
+    layer = lambda tree, i: tree[i]
+    for T in Ts:
+        xs, idxs, ws, uniq = [], [], [], 0
+        for li in range(L):
+            x, rw, rb = kc.router(jax.random.PRNGKey(100 * T + li), E, D, T)
+            idx, w, _ = moe_reference.route(x, rw, rb, k)
+            xs.append(x), idxs.append(idx), ws.append(w)
+            uniq += len(np.unique(np.asarray(idx)))
+        nbytes = uniq * expert_bytes(D, I) / L
+        best = None
+        for cfg in configs(T, k, E):
+            disp = [moe_decode.dispatch(idxs[i], ws[i], E, cfg["block_m"]) for i in range(L)]
+
+            @jax.jit
+            def run(xs, disp, kx, cfg=cfg):
+                outs = []
+                for i in range(L):
+                    tok, w, _, se, ss, sr = disp[i]
+                    outs.append(moe_decode.run_kernels(xs[i], tok, w, se, ss, sr, layer(kx, i),
+                                                       swiglu_limit=kc.LIMIT, swiglu_alpha=kc.ALPHA, **cfg))
+                return outs
+            try:
+                t = timeit(run, xs, disp, kx) / L
+            except Exception as e:  # noqa: BLE001
+                log(f"  moe_decode {model} T={T} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}")
+                continue
+            log(f"  moe_decode {model} T={T:3d} kernels-only {t*1e6:8.1f} us  {nbytes/t/1e12:5.2f} TB/s "
+                f"= {nbytes/t/bw*100:5.1f}% of copy  cfg={cfg}")
+            if best is None or t < best[0]:
+                best = (t, cfg)
+
+        def full_pallas(xs, kx, cfg=best[1]):
+            return [moe_decode.experts_forward(xs[i], idxs[i], ws[i], layer(kx, i), swiglu_limit=kc.LIMIT,
+                                               swiglu_alpha=kc.ALPHA, **cfg) for i in range(L)]
+        t_full = timeit(jax.jit(full_pallas), xs, kx) / L
+
+        def xla_ref(xs, ex):
+            outs = []
+            for i in range(L):
+                e = layer(ex, i)
+                gu = jnp.asarray(0)
+                outs.append(_ref_experts(xs[i], idxs[i], ws[i], e))
+            return outs
+        t_ref = timeit(jax.jit(xla_ref), xs, ex) / L
+        log(f"ROW moe_decode {model:4s} T={T:3d} | pallas kernels {best[0]*1e6:8.1f} us {nbytes/best[0]/1e12:5.2f} TB/s "
+            f"({nbytes/best[0]/bw*100:4.1f}% of {bw/1e12:.2f}) | pallas+dispatch {t_full*1e6:8.1f} us | "
+            f"XLA gather+dequant+einsum {t_ref*1e6:8.1f} us | bytes {nbytes/1e6:.1f} MB")
+    del ex, kx
+
+
+def _ref_experts(x, idx, w, ex):
+    """moe_reference's gather path with given routing (XLA: gather packed experts, dequantize, einsum)."""
+    from pallas_kernels import mxfp4
+    dtype = x.dtype
+    f32 = jnp.float32
+    gu = mxfp4.dequantize(ex.gate_up_blocks[idx], ex.gate_up_scales[idx], dtype)
+    z = jnp.einsum("td,tkod->tko", x, gu, preferred_element_type=f32) + ex.gate_up_bias[idx].astype(f32)
+    a = moe_reference.swiglu(z, kc.LIMIT, kc.ALPHA).astype(dtype)
+    dn = mxfp4.dequantize(ex.down_blocks[idx], ex.down_scales[idx], dtype)
+    y = jnp.einsum("tki,tkdi->tkd", a, dn, preferred_element_type=f32) + ex.down_bias[idx].astype(f32)
+    return jnp.einsum("tkd,tk->td", y, w).astype(dtype)
+
+
+def bench_ragged_decode(model, T, bw):
+    """lax.ragged_dot over pre-dequantized bf16 experts (one layer; it streams all experts)."""
+    s = kc.SHAPES[model]
+    E, D, I, k = s["E"], s["D"], s["I"], s["k"]
+    wgu = jax.random.normal(jax.random.PRNGKey(3), (E, D, 2 * I), jnp.float32).astype(jnp.bfloat16)
+    wdn = jax.random.normal(jax.random.PRNGKey(4), (E, I, D), jnp.float32).astype(jnp.bfloat16)
+    x, rw, rb = kc.router(jax.random.PRNGKey(5), E, D, T)
+    idx, w, _ = moe_reference.route(x, rw, rb, k)
+
+    @jax.jit
+    def f(x, idx, wgu, wdn):
+        e = idx.reshape(-1)
+        order = jnp.argsort(e)
+        xs = x[order // k]
+        gs = jnp.zeros((E,), jnp.int32).at[e].add(1)
+        z = jax.lax.ragged_dot(xs, wgu, gs, preferred_element_type=jnp.float32)
+        a = moe_reference.swiglu(z, kc.LIMIT, kc.ALPHA).astype(x.dtype)
+        return jax.lax.ragged_dot(a, wdn, gs, preferred_element_type=jnp.float32)
+    t = timeit(f, x, idx, wgu, wdn, n=5, reps=3)
+    log(f"ROW ragged_dot(bf16) {model} T={T}: {t*1e6:.1f} us (reads all {E} experts in bf16)")
+    del wgu, wdn
+    return t
+
+
+def bench_moe_prefill(model, T, mm, configs):
+    s = kc.SHAPES[model]
+    E, D, I, k = s["E"], s["D"], s["I"], s["k"]
+    ex = kc.experts(jax.random.PRNGKey(6), E, D, I)
+    kx = jax.jit(moe_decode.prepare_experts)(ex)
+    x, rw, rb = kc.router(jax.random.PRNGKey(7), E, D, T)
+    idx, w, _ = moe_reference.route(x, rw, rb, k)
+    flops = 2 * T * k * (D * 2 * I + I * D)
+    best = None
+    for cfg in configs:
+        f = jax.jit(lambda x, idx, w, kx, cfg=cfg: moe_decode.experts_forward(
+            x, idx, w, kx, swiglu_limit=kc.LIMIT, swiglu_alpha=kc.ALPHA, **cfg))
+        try:
+            t = timeit(f, x, idx, w, kx, n=5, reps=3)
+        except Exception as e:  # noqa: BLE001
+            log(f"  moe_prefill {model} T={T} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}")
+            continue
+        log(f"  moe_prefill {model} T={T} {t*1e3:8.2f} ms {flops/t/1e12:6.1f} TFLOP/s = {flops/t/mm*100:5.1f}% "
+            f"cfg={cfg}")
+        if best is None or t < best[0]:
+            best = (t, cfg)
+    wgu = jax.random.normal(jax.random.PRNGKey(3), (E, D, 2 * I), jnp.float32).astype(jnp.bfloat16)
+    wdn = jax.random.normal(jax.random.PRNGKey(4), (E, I, D), jnp.float32).astype(jnp.bfloat16)
+
+    @jax.jit
+    def rd(x, idx, wgu, wdn):
+        e = idx.reshape(-1)
+        order = jnp.argsort(e)
+        xs = x[order // k]
+        gs = jnp.zeros((E,), jnp.int32).at[e].add(1)
+        z = jax.lax.ragged_dot(xs, wgu, gs, preferred_element_type=jnp.float32)
+        a = moe_reference.swiglu(z, kc.LIMIT, kc.ALPHA).astype(x.dtype)
+        return jax.lax.ragged_dot(a, wdn, gs, preferred_element_type=jnp.float32)
+    try:
+        t_rd = timeit(rd, x, idx, wgu, wdn, n=1, reps=2)
+    except Exception as e:  # noqa: BLE001
+        t_rd = float("nan")
+        log(f"  ragged_dot failed: {e!r}"[:300])
+    del wgu, wdn
+    t_ref = timeit(jax.jit(lambda x, rw, rb, ex: moe_reference.moe(
+        x, rw, rb, ex, top_k=k, swiglu_limit=kc.LIMIT, swiglu_alpha=kc.ALPHA)), x, rw, rb, ex, n=1, reps=2)
+    if best:
+        log(f"ROW moe_prefill {model:4s} T={T} | pallas {best[0]*1e3:7.2f} ms {flops/best[0]/1e12:6.1f} TFLOP/s "
+            f"({flops/best[0]/mm*100:4.1f}% of {mm/1e12:.0f}) | ragged_dot bf16 {t_rd*1e3:8.2f} ms "
+            f"(pallas {t_rd/best[0]:5.1f}x faster) | XLA dequant+einsum scan {t_ref*1e3:8.2f} ms")
+
+
+def bench_paged(bw, cases, split_opts):
+    for (B, ctx, window, S) in cases:
+        q, kp, vp, bt, pos, sinks = kc.paged(jax.random.PRNGKey(B + ctx), B, 64, 8, 64, S, [ctx] * B)
+        vis = min(ctx, window)
+        nbytes = B * vis * 8 * 64 * 2 * 2
+        best = None
+        for ns in split_opts(B):
+            for bkv in (64, 128):
+                f = jax.jit(lambda q, kp, vp, bt, pos, sinks, ns=ns, bkv=bkv: paged_attention.attention(
+                    q, kp, vp, bt, pos, sinks, window, num_splits=ns, block_kv=bkv))
+                try:
+                    t = timeit(f, q, kp, vp, bt, pos, sinks, n=20)
+                except Exception as e:  # noqa: BLE001
+                    log(f"  paged B={B} ctx={ctx} ns={ns} bkv={bkv}: FAILED {str(e)[:200]}")
+                    continue
+                log(f"  paged B={B} ctx={ctx} win={window} page={S} splits={ns} bkv={bkv}: {t*1e6:8.1f} us "
+                    f"{nbytes/t/1e12:5.2f} TB/s = {nbytes/t/bw*100:5.1f}%")
+                if best is None or t < best[0]:
+                    best = (t, ns, bkv)
+        t_ref = timeit(jax.jit(lambda *a: attention_reference.attention(*a, window)), q, kp, vp, bt, pos, sinks, n=5)
+        # jax.nn.dot_product_attention on a contiguous [B, ctx, K, H] cache (no sinks, no paging).
+        kc_ = jax.random.normal(jax.random.PRNGKey(9), (B, ctx, 8, 64), jnp.float32).astype(jnp.bfloat16)
+        res = {}
+        for impl in ("cudnn", "xla"):
+            try:
+                g = jax.jit(lambda q, k, v, impl=impl: jax.nn.dot_product_attention(
+                    q, k, v, implementation=impl,
+                    local_window_size=(window - 1, 0) if window < ctx else None))
+                res[impl] = timeit(g, q, kc_, kc_, n=10)
+            except Exception as e:  # noqa: BLE001
+                res[impl] = float("nan")
+        del kp, vp, kc_
+        log(f"ROW paged_decode B={B} ctx={ctx} win={window} page={S} | pallas {best[0]*1e6:8.1f} us "
+            f"{nbytes/best[0]/1e12:5.2f} TB/s ({nbytes/best[0]/bw*100:4.1f}% of {bw/1e12:.2f}) splits={best[1]} "
+            f"bkv={best[2]} | XLA paged reference {t_ref*1e6:8.1f} us | jax.nn.dpa contiguous cudnn "
+            f"{res['cudnn']*1e6:8.1f} us xla {res['xla']*1e6:8.1f} us | KV bytes {nbytes/1e6:.0f} MB")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default="")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    log(f"device: {jax.devices()[0].device_kind}  date {time.strftime('%Y-%m-%d %H:%M')}")
+    bw, mm = ceilings()
+    only = set(args.only.split(",")) if args.only else {"moe_decode", "paged", "moe_prefill", "ragged"}
+
+    def dec_cfgs(T, k, E):
+        base = moe_decode.decode_config(T, k, E)
+        out = [base]
+        if not args.quick:
+            for bn, bk, sw in ((64, 256, True), (64, 512, True), (128, 256, True)):
+                out.append(dict(base, block_n=bn, block_n_down=bn, block_k=bk, swap=sw))
+        return out
+
+    t0 = time.time()
+    if "moe_decode" in only:
+        bench_moe_decode("20b", (1, 4, 16, 64), bw, dec_cfgs, L=6)
+        bench_moe_decode("120b", (1, 4, 16), bw, dec_cfgs, L=3)
+    log(f"[{time.time()-t0:.0f}s]")
+    if "paged" in only:
+        bench_paged(bw, [(64, 8192, 2**31 - 1, 16), (64, 8192, 128, 16), (8, 32768, 2**31 - 1, 16)],
+                    lambda B: (1, 2) if B >= 32 else (4, 16))
+    log(f"[{time.time()-t0:.0f}s]")
+    if "ragged" in only:
+        bench_ragged_decode("20b", 1, bw)
+    if "moe_prefill" in only:
+        pcfgs = [dict(block_m=128, block_n=64, block_k=64, block_n_down=64, num_warps=8, num_stages=3),
+                 dict(block_m=128, block_n=128, block_k=64, block_n_down=128, num_warps=8, num_stages=3,
+                      swap=True),
+                 dict(block_m=64, block_n=128, block_k=128, block_n_down=128, num_warps=4, num_stages=3,
+                      swap=True),
+                 dict(block_m=128, block_n=64, block_k=128, block_n_down=64, num_warps=4, num_stages=3,
+                      swap=True)]
+        bench_moe_prefill("20b", 8192, mm, pcfgs if not args.quick else pcfgs[:1])
+        bench_moe_prefill("120b", 8192, mm, pcfgs if not args.quick else pcfgs[:1])
+    log(f"[{time.time()-t0:.0f}s]")
+    log("\nSUMMARY")
+    for line in LINES:
+        if line.startswith(("ROW", "copy", "device")):
+            print(line)
+    if args.out:
+        open(args.out, "w").write("\n".join(LINES) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
