@@ -1,0 +1,922 @@
+"""The OpenAI-compatible HTTP app (Starlette): chat completions, completions, responses, models,
+health and metrics.
+
+Every generation path goes engine outputs -> per-choice `ChoiceRun` (harmony parser, stop strings,
+logprobs) -> events. Non-streaming responses are assembled from the same events the SSE stream
+sends, so the concatenated stream equals the non-streamed response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from gptoss_jax import harmony
+from gptoss_jax.async_engine import AsyncEngine, EngineDeadError, stats_dict
+from gptoss_jax.sampling import SamplingParams
+from gptoss_jax.server import protocol as P
+from gptoss_jax.server.metrics import Metrics
+from gptoss_jax.server.sse import SSEResponse
+
+log = logging.getLogger("gptoss_jax.server")
+APIError = P.APIError
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 16 * 1024 * 1024
+    conversation_start_date: str | None = None
+    model_identity: str | None = None
+    default_max_tokens: int | None = None
+
+
+class State:
+    def __init__(self, engine: AsyncEngine, tokenizer, cfg: ServerConfig):
+        self.engine = engine
+        self.tok = tokenizer
+        self.cfg = cfg
+        self.renderer = harmony.Renderer(cfg.conversation_start_date, cfg.model_identity)
+        self.metrics = Metrics(cfg.model_name)
+        self.ready = False
+        self.created = int(time.time())
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------
+
+def _error_response(e: APIError, metrics: Metrics | None = None) -> JSONResponse:
+    if metrics is not None:
+        metrics.http_error(e.status)
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def _check_auth(st: State, request: Request) -> None:
+    if not st.cfg.api_key:
+        return
+    auth = request.headers.get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), st.cfg.api_key.encode()):
+        raise APIError(401, "Incorrect API key provided. Pass it as 'Authorization: Bearer <key>'.",
+                       code="invalid_api_key")
+
+
+async def _read_json(st: State, request: Request) -> dict:
+    limit = st.cfg.max_body_bytes
+    try:
+        declared = int(request.headers.get("content-length", "0"))
+    except ValueError:
+        raise APIError(400, "Invalid Content-Length header.") from None
+    if declared > limit:
+        raise APIError(413, f"Request body of {declared} bytes exceeds the limit of {limit} bytes.",
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"Request body exceeds the limit of {limit} bytes.", code="request_too_large")
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"We could not parse the JSON body of your request ({e}). The body must be valid "
+                            "JSON.", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+    return body
+
+
+def _validate(model_cls, body: dict):
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as e:
+        raise P.validation_error(e) from None
+
+
+def _check_model(st: State, name: str | None) -> None:
+    if name is not None and name != st.cfg.model_name:
+        raise APIError(404, f"The model `{name}` does not exist. This server serves `{st.cfg.model_name}`.",
+                       param="model", code="model_not_found")
+
+
+def _check_ready(st: State) -> None:
+    if st.engine.dead is not None:
+        raise APIError(500, f"The engine failed: {st.engine.dead}", type="server_error")
+    if not st.ready:
+        raise APIError(503, "The model is still loading; retry when GET /health returns 200.",
+                       type="server_error", code="model_not_ready")
+
+
+def _max_tokens(st: State, prompt_len: int, requested: int | None, what: str) -> int:
+    L = st.engine.max_model_len
+    if requested is None:
+        if prompt_len >= L:
+            raise APIError(400, f"This model's maximum context length is {L} tokens. However, your {what} "
+                                f"resulted in {prompt_len} tokens. Please reduce the length of the {what}.",
+                           param=what, code="context_length_exceeded")
+        requested = L - prompt_len
+        if st.cfg.default_max_tokens:
+            requested = min(requested, st.cfg.default_max_tokens)
+        return requested
+    if prompt_len + requested > L:
+        raise APIError(400, f"This model's maximum context length is {L} tokens. However, you requested "
+                            f"{prompt_len + requested} tokens ({prompt_len} in the {what}, {requested} in the "
+                            f"completion). Please reduce the length of the {what} or completion.",
+                       param=what, code="context_length_exceeded")
+    return requested
+
+
+_SP_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def _sampling_params(*, temperature, top_p, top_k, min_p, seed, max_tokens, logprobs) -> SamplingParams:
+    kw = dict(temperature=1.0 if temperature is None else float(temperature),
+              top_p=1.0 if top_p is None else float(top_p),
+              top_k=0 if top_k in (None, -1) else int(top_k),
+              min_p=0.0 if min_p is None else float(min_p),
+              seed=seed, max_tokens=int(max_tokens), stop_token_ids=harmony.STOP_TOKENS)
+    if logprobs is not None:
+        if "logprobs" not in _SP_FIELDS:
+            raise APIError(400, "logprobs are not supported by this engine.", param="logprobs")
+        kw["logprobs"] = int(logprobs)
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
+def _stops(stop) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if len(stops) > 16:
+        raise APIError(400, "At most 16 stop sequences are supported.", param="stop")
+    return [s for s in stops if s]
+
+
+def _unsupported_penalties(req) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name, None):
+            raise APIError(400, f"'{name}' is not supported by this server (use 0).", param=name)
+    if req.repetition_penalty not in (None, 1.0):
+        raise APIError(400, "'repetition_penalty' is not supported by this server (use 1).",
+                       param="repetition_penalty")
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+def _tok_str(tok, t: int) -> tuple[str, list[int]]:
+    if t >= harmony.FIRST_SPECIAL:
+        return "", []
+    try:
+        b = tok.decode_single_token_bytes(int(t))
+    except KeyError:
+        return "", []
+    return b.decode("utf-8", errors="replace"), list(b)
+
+
+# ------------------------------------------------------------------------------------------------
+# one choice: engine outputs -> events
+# ------------------------------------------------------------------------------------------------
+
+class ChoiceRun:
+    """Turns one request's `StepOutput`s into ordered events, the single source of every response.
+
+    Events: ("reasoning", text) | ("content", text, logprob_entries) | ("tool_start", i, call_id, name)
+    | ("tool_args", i, text). After the run: `finish_reason`, `num_tokens`, `num_reasoning_tokens`.
+    """
+
+    def __init__(self, st: State, index: int, *, mode: str, tool_names=(), stops=(), top_logprobs: int | None = None):
+        self.st, self.index, self.mode = st, index, mode   # mode: "harmony" | "text"
+        self.parser = harmony.OutputParser(st.tok, tool_names) if mode == "harmony" else None
+        self.detok = harmony.TextDetokenizer(st.tok) if mode == "text" else None
+        self.stops = harmony.StopStrings(list(stops))
+        self.top_logprobs = top_logprobs
+        self.call_ids: list[str] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_tokens = 0
+        self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0
+
+    @property
+    def num_reasoning_tokens(self) -> int:
+        return self.parser.num_reasoning_tokens if self.parser else 0
+
+    def _lp_entry(self, t: int, lp) -> dict | None:
+        if lp is None or self.top_logprobs is None:
+            return None
+        logprob, tops = lp
+        s, b = _tok_str(self.st.tok, t)
+        entry = {"token": s, "logprob": float(logprob), "bytes": b, "top_logprobs": []}
+        for tid, tlp in list(tops)[: self.top_logprobs]:
+            ts, tb = _tok_str(self.st.tok, int(tid))
+            entry["top_logprobs"].append({"token": ts, "logprob": float(tlp), "bytes": tb})
+        return entry
+
+    def _content(self, events: list, text: str, lp: dict | None = None) -> None:
+        text = self.stops.push(text)
+        if events and events[-1][0] == "content":
+            _, prev, lps = events[-1]
+            events[-1] = ("content", prev + text, lps + ([lp] if lp else []))
+        elif text or lp:
+            events.append(("content", text, [lp] if lp else []))
+
+    def _apply(self, events: list, deltas: list[harmony.Delta]) -> None:
+        for d in deltas:
+            if d.kind == "content":
+                self._content(events, d.text)
+            elif d.kind == "reasoning":
+                if events and events[-1][0] == "reasoning":
+                    events[-1] = ("reasoning", events[-1][1] + d.text)
+                else:
+                    events.append(("reasoning", d.text))
+            elif d.kind == "tool_start":
+                self.call_ids.append(_new_id("call_"))
+                events.append(("tool_start", d.tool_index, self.call_ids[-1], d.name))
+            elif d.kind == "tool_args":
+                if events and events[-1][0] == "tool_args" and events[-1][1] == d.tool_index:
+                    events[-1] = ("tool_args", d.tool_index, events[-1][2] + d.text)
+                else:
+                    events.append(("tool_args", d.tool_index, d.text))
+
+    def feed(self, out) -> list:
+        """Events for one StepOutput; sets `finish_reason` when the choice is done."""
+        events: list = []
+        self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
+        self.num_cached_tokens = getattr(out, "num_cached_prompt_tokens", 0) or self.num_cached_tokens
+        lps = getattr(out, "logprobs", None) or [None] * len(out.new_token_ids)
+        for t, lp in zip(out.new_token_ids, lps):
+            if self.stops.hit:
+                break
+            self.num_tokens += 1
+            entry = self._lp_entry(t, lp)
+            if self.mode == "text":
+                text = self.detok.process(t)
+                if t >= harmony.FIRST_SPECIAL:
+                    entry = None
+                self._content(events, text, entry)
+            else:
+                deltas = self.parser.process(t)
+                self._apply(events, deltas)
+                if entry is not None and self.parser.last_token_kind == "content":
+                    self._content(events, "", entry)
+        if self.stops.hit:
+            self.finish_reason, self.stop_reason = "stop", "stop_string"
+        elif out.finished:
+            tail = self.detok.finish() if self.mode == "text" else None
+            if tail is not None:
+                self._content(events, tail)
+            else:
+                self._apply(events, self.parser.finish())
+            if not self.stops.hit:
+                self._content(events, self.stops.flush())
+            reason = out.finish_reason
+            self.stop_reason = out.stop_reason
+            if reason == "stop" and self.call_ids:
+                reason = "tool_calls"
+            self.finish_reason = reason
+        return events
+
+
+async def _run_choice(run: ChoiceRun, stream, metrics: Metrics, t0: float) -> AsyncIterator[tuple]:
+    """Yield `(index, events, finish_reason|None)` until the choice finishes; abort on early exit."""
+    last, first = t0, True
+    try:
+        async for out in stream:
+            now = time.perf_counter()
+            if out.new_token_ids:
+                metrics.observe_tokens(first, now - last, len(out.new_token_ids))
+                first, last = False, now
+            events = run.feed(out)
+            if run.finish_reason is not None:
+                if run.finish_reason in ("stop", "length", "tool_calls"):
+                    metrics.request_finished(run.finish_reason)
+                metrics.e2e.observe(time.perf_counter() - t0)
+                yield run.index, events, run.finish_reason
+                return
+            if events:
+                yield run.index, events, None
+    finally:
+        if run.finish_reason is None:      # client gone or cancelled: the engine request is aborted
+            metrics.request_aborted()
+        stream.close()                     # aborts unless the engine finished it (a stop string did not)
+
+
+async def _merge(gens: list[AsyncIterator]) -> AsyncIterator[tuple]:
+    """Interleave several choices' event streams as they arrive; closing aborts them all."""
+    if len(gens) == 1:
+        async for item in gens[0]:
+            yield item
+        return
+    q: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(g):
+        try:
+            async for item in g:
+                await q.put(item)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - re-raised by the consumer
+            await q.put(e)
+        finally:
+            await q.put(done)
+
+    tasks = [asyncio.create_task(pump(g)) for g in gens]
+    try:
+        left = len(tasks)
+        while left:
+            item = await q.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _start_choices(st: State, rid: str, prompts: list[list[int]], params: list[SamplingParams]) -> list:
+    """Add every choice's request to the engine; on any failure abort those already added."""
+    streams = []
+    try:
+        for i, (ids, p) in enumerate(zip(prompts, params)):
+            streams.append(await st.engine.add(f"{rid}-{i}", ids, p))
+    except ValueError as e:
+        for s in streams:
+            s.close()
+        raise APIError(400, str(e)) from None
+    except EngineDeadError as e:
+        for s in streams:
+            s.close()
+        raise APIError(500, str(e), type="server_error") from None
+    except BaseException:
+        for s in streams:
+            s.close()
+        raise
+    return streams
+
+
+async def _until_disconnect(request: Request) -> None:
+    """Completes when the client goes away (the body has been read already)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def _collect(request: Request, events: AsyncIterator, sink) -> bool:
+    """Feed all events to `sink` unless the client disconnects first (then abort; returns False)."""
+
+    async def consume():
+        async for item in events:
+            sink(item)
+
+    task = asyncio.create_task(consume())
+    watch = asyncio.create_task(_until_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await events.aclose()
+            return False
+    await events.aclose()
+    task.result()
+    return True
+
+
+def _usage(runs: list[ChoiceRun], prompt_tokens: int) -> dict:
+    completion = sum(r.num_tokens for r in runs)
+    cached = max((r.num_cached_tokens for r in runs), default=0)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+            "completion_tokens_details": {"reasoning_tokens": sum(r.num_reasoning_tokens for r in runs)}}
+
+
+# ------------------------------------------------------------------------------------------------
+# chat completions
+# ------------------------------------------------------------------------------------------------
+
+async def chat_completions(request: Request) -> Response:
+    st: State = request.app.state.st
+    _check_auth(st, request)
+    body = await _read_json(st, request)
+    req = _validate(P.ChatCompletionRequest, body)
+    _check_model(st, req.model)
+    _unsupported_penalties(req)
+    if req.response_format and req.response_format.get("type") not in (None, "text"):
+        raise APIError(400, "response_format other than 'text' is not supported yet.", param="response_format")
+    _check_ready(st)
+    effort = harmony.parse_reasoning_effort(
+        ("reasoning_effort", req.reasoning_effort),
+        ("reasoning.effort", (req.reasoning or {}).get("effort")),
+        ("chat_template_kwargs.reasoning_effort", (req.chat_template_kwargs or {}).get("reasoning_effort")))
+    tools = harmony.parse_chat_tools(req.tools, req.tool_choice)
+    prompt = st.renderer.render_chat(req.messages, tools, effort)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = _max_tokens(st, len(prompt), requested, "messages")
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    if req.top_logprobs and not req.logprobs:
+        raise APIError(400, "'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
+    stops = _stops(req.stop)
+    params = [_sampling_params(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                               seed=None if req.seed is None else req.seed + i, max_tokens=max_tokens,
+                               logprobs=top) for i in range(req.n)]
+    rid = _new_id("chatcmpl-")
+    created = int(time.time())
+    runs = [ChoiceRun(st, i, mode="harmony", tool_names=[t.name for t in tools], stops=stops, top_logprobs=top)
+            for i in range(req.n)]
+    t0 = time.perf_counter()
+    streams = await _start_choices(st, rid, [prompt] * req.n, params)
+    events = _merge([_run_choice(r, s, st.metrics, t0) for r, s in zip(runs, streams)])
+    include_reasoning = req.include_reasoning
+    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.cfg.model_name}
+
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(index, delta, finish=None, logprobs=None):
+            c = dict(base, choices=[{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
+            if include_usage:
+                c["usage"] = None
+            return "data: " + json.dumps(c, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+        async def gen():
+            st.metrics.in_flight += 1
+            try:
+                for r in runs:
+                    yield chunk(r.index, {"role": "assistant", "content": ""})
+                async for index, evs, finish in events:
+                    for ev in evs:
+                        delta, lps = _chat_delta(ev, include_reasoning)
+                        if delta is not None:
+                            yield chunk(index, delta, logprobs=lps)
+                    if finish is not None:
+                        yield chunk(index, {}, finish)
+                if include_usage:
+                    yield "data: " + json.dumps(dict(base, choices=[], usage=_usage(runs, len(prompt)))) + "\n\n"
+                yield "data: [DONE]\n\n"
+            except EngineDeadError as e:
+                yield "data: " + json.dumps(APIError(500, str(e), type="server_error").body()) + "\n\n"
+            finally:
+                st.metrics.in_flight -= 1
+                await events.aclose()
+
+        return SSEResponse(gen())
+
+    choices = {r.index: {"content": [], "reasoning": [], "tools": {}, "logprobs": []} for r in runs}
+
+    def sink(item):
+        index, evs, _ = item
+        acc = choices[index]
+        for ev in evs:
+            if ev[0] == "content":
+                acc["content"].append(ev[1])
+                acc["logprobs"] += ev[2]
+            elif ev[0] == "reasoning":
+                acc["reasoning"].append(ev[1])
+            elif ev[0] == "tool_start":
+                acc["tools"][ev[1]] = {"id": ev[2], "type": "function", "function": {"name": ev[3], "arguments": ""}}
+            elif ev[0] == "tool_args":
+                acc["tools"][ev[1]]["function"]["arguments"] += ev[2]
+
+    st.metrics.in_flight += 1
+    try:
+        if not await _collect(request, events, sink):
+            return Response(status_code=499)
+    except EngineDeadError as e:
+        raise APIError(500, str(e), type="server_error") from None
+    finally:
+        st.metrics.in_flight -= 1
+    out_choices = []
+    for r in runs:
+        acc = choices[r.index]
+        content = "".join(acc["content"])
+        tool_calls = [acc["tools"][k] for k in sorted(acc["tools"])]
+        msg: dict[str, Any] = {"role": "assistant", "content": content if (content or not tool_calls) else None}
+        reasoning = "".join(acc["reasoning"])
+        if include_reasoning:
+            msg["reasoning_content"] = reasoning or None
+            msg["reasoning"] = reasoning or None
+        if tool_calls:
+            msg["tool_calls"] = tool_calls
+        out_choices.append({"index": r.index, "message": msg,
+                            "logprobs": {"content": acc["logprobs"]} if top is not None else None,
+                            "finish_reason": r.finish_reason})
+    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": st.cfg.model_name,
+                         "choices": out_choices, "usage": _usage(runs, len(prompt))})
+
+
+def _chat_delta(ev, include_reasoning: bool) -> tuple[dict | None, dict | None]:
+    kind = ev[0]
+    if kind == "content":
+        return {"content": ev[1]}, ({"content": ev[2]} if ev[2] else None)
+    if kind == "reasoning":
+        return ({"reasoning_content": ev[1], "reasoning": ev[1]} if include_reasoning else None), None
+    if kind == "tool_start":
+        return {"tool_calls": [{"index": ev[1], "id": ev[2], "type": "function",
+                                "function": {"name": ev[3], "arguments": ""}}]}, None
+    if kind == "tool_args":
+        return {"tool_calls": [{"index": ev[1], "function": {"arguments": ev[2]}}]}, None
+    return None, None
+
+
+# ------------------------------------------------------------------------------------------------
+# completions (raw prompt, no template)
+# ------------------------------------------------------------------------------------------------
+
+def _completion_prompts(st: State, prompt) -> list[list[int]]:
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif prompt and all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
+        prompts = [list(prompt)]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise APIError(400, "'prompt' must not be empty.", param="prompt")
+    out = []
+    vocab = st.tok.n_vocab
+    for p in prompts:
+        ids = st.tok.encode(p, allowed_special="all") if isinstance(p, str) else list(p)
+        if not ids:
+            raise APIError(400, "'prompt' must not be empty.", param="prompt")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"Token id {bad[0]} in 'prompt' is outside the vocabulary [0, {vocab}).",
+                           param="prompt")
+        out.append(ids)
+    return out
+
+
+async def completions(request: Request) -> Response:
+    st: State = request.app.state.st
+    _check_auth(st, request)
+    body = await _read_json(st, request)
+    req = _validate(P.CompletionRequest, body)
+    _check_model(st, req.model)
+    _unsupported_penalties(req)
+    for name in ("echo", "suffix"):
+        if getattr(req, name):
+            raise APIError(400, f"'{name}' is not supported by this server.", param=name)
+    if req.best_of not in (None, 1, req.n):
+        raise APIError(400, "'best_of' is not supported by this server.", param="best_of")
+    _check_ready(st)
+    prompts = _completion_prompts(st, req.prompt)
+    max_toks = [_max_tokens(st, len(p), req.max_tokens, "prompt") for p in prompts]
+    top = req.logprobs
+    stops = _stops(req.stop)
+    all_prompts, params, runs = [], [], []
+    for pi, p in enumerate(prompts):
+        for j in range(req.n):
+            i = pi * req.n + j
+            all_prompts.append(p)
+            params.append(_sampling_params(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                                           min_p=req.min_p, seed=None if req.seed is None else req.seed + i,
+                                           max_tokens=max_toks[pi], logprobs=top))
+            runs.append(ChoiceRun(st, i, mode="text", stops=stops, top_logprobs=top))
+    rid = _new_id("cmpl-")
+    created = int(time.time())
+    t0 = time.perf_counter()
+    streams = await _start_choices(st, rid, all_prompts, params)
+    events = _merge([_run_choice(r, s, st.metrics, t0) for r, s in zip(runs, streams)])
+    prompt_tokens = sum(len(p) for p in prompts) * req.n
+    base = {"id": rid, "object": "text_completion", "created": created, "model": st.cfg.model_name}
+    offsets = [0] * len(runs)
+
+    def legacy_lps(index: int, entries: list[dict]) -> dict | None:
+        if top is None:
+            return None
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            out["tokens"].append(e["token"])
+            out["token_logprobs"].append(e["logprob"])
+            out["top_logprobs"].append({x["token"]: x["logprob"] for x in e["top_logprobs"]})
+            out["text_offset"].append(offsets[index])
+            offsets[index] += len(e["token"])
+        return out
+
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(index, text, finish=None, lps=None):
+            c = dict(base, choices=[{"index": index, "text": text, "logprobs": lps, "finish_reason": finish}])
+            if include_usage:
+                c["usage"] = None
+            return "data: " + json.dumps(c, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+        async def gen():
+            st.metrics.in_flight += 1
+            try:
+                async for index, evs, finish in events:
+                    for ev in evs:
+                        yield chunk(index, ev[1], lps=legacy_lps(index, ev[2]))
+                    if finish is not None:
+                        yield chunk(index, "", finish)
+                if include_usage:
+                    u = _usage(runs, prompt_tokens)
+                    yield "data: " + json.dumps(dict(base, choices=[], usage=u)) + "\n\n"
+                yield "data: [DONE]\n\n"
+            except EngineDeadError as e:
+                yield "data: " + json.dumps(APIError(500, str(e), type="server_error").body()) + "\n\n"
+            finally:
+                st.metrics.in_flight -= 1
+                await events.aclose()
+
+        return SSEResponse(gen())
+
+    texts = {r.index: [] for r in runs}
+    entries = {r.index: [] for r in runs}
+
+    def sink(item):
+        index, evs, _ = item
+        for ev in evs:
+            texts[index].append(ev[1])
+            entries[index] += ev[2]
+
+    st.metrics.in_flight += 1
+    try:
+        if not await _collect(request, events, sink):
+            return Response(status_code=499)
+    except EngineDeadError as e:
+        raise APIError(500, str(e), type="server_error") from None
+    finally:
+        st.metrics.in_flight -= 1
+    choices = [{"index": r.index, "text": "".join(texts[r.index]), "logprobs": legacy_lps(r.index, entries[r.index]),
+                "finish_reason": r.finish_reason} for r in runs]
+    return JSONResponse(dict(base, choices=choices, usage=_usage(runs, prompt_tokens)))
+
+
+# ------------------------------------------------------------------------------------------------
+# responses (harmony-native)
+# ------------------------------------------------------------------------------------------------
+
+class _ResponseBuilder:
+    """Responses output items built from chat events; emits the streaming events as it goes."""
+
+    def __init__(self, resp_id: str):
+        self.resp_id = resp_id
+        self.items: list[dict] = []
+        self.open: dict | None = None        # the item being written
+        self.tool_items: dict[int, dict] = {}
+        self.seq = 0
+
+    def _ev(self, kind: str, **data) -> dict:
+        e = {"type": kind, "sequence_number": self.seq, **data}
+        self.seq += 1
+        return e
+
+    def _close(self) -> list[dict]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        idx = self.items.index(item)
+        item["status"] = "completed"
+        out = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            out += [self._ev("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
+                             text=part["text"], logprobs=[]),
+                    self._ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0,
+                             part=part)]
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            out += [self._ev("response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0,
+                             text=part["text"]),
+                    self._ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0,
+                             part=part)]
+        else:
+            out.append(self._ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
+                                name=item["name"], arguments=item["arguments"]))
+        out.append(self._ev("response.output_item.done", output_index=idx, item=item))
+        return out
+
+    def _open(self, item: dict) -> list[dict]:
+        out = self._close()
+        self.items.append(item)
+        self.open = item
+        idx = len(self.items) - 1
+        snapshot = json.loads(json.dumps(item))
+        out.append(self._ev("response.output_item.added", output_index=idx, item=snapshot))
+        if item["type"] in ("message", "reasoning"):
+            out.append(self._ev("response.content_part.added", item_id=item["id"], output_index=idx, content_index=0,
+                                part=dict(item["content"][0])))
+        return out
+
+    def add(self, ev) -> list[dict]:
+        kind = ev[0]
+        out: list[dict] = []
+        if kind == "reasoning":
+            if not self.open or self.open["type"] != "reasoning":
+                out += self._open({"type": "reasoning", "id": _new_id("rs_"), "summary": [], "status": "in_progress",
+                                   "content": [{"type": "reasoning_text", "text": ""}]})
+            item = self.open
+            item["content"][0]["text"] += ev[1]
+            out.append(self._ev("response.reasoning_text.delta", item_id=item["id"],
+                                output_index=len(self.items) - 1, content_index=0, delta=ev[1]))
+        elif kind == "content":
+            if not ev[1]:
+                return out
+            if not self.open or self.open["type"] != "message":
+                out += self._open({"type": "message", "id": _new_id("msg_"), "role": "assistant",
+                                   "status": "in_progress",
+                                   "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]})
+            item = self.open
+            item["content"][0]["text"] += ev[1]
+            out.append(self._ev("response.output_text.delta", item_id=item["id"], output_index=len(self.items) - 1,
+                                content_index=0, delta=ev[1], logprobs=[]))
+        elif kind == "tool_start":
+            item = {"type": "function_call", "id": _new_id("fc_"), "call_id": ev[2], "name": ev[3], "arguments": "",
+                    "status": "in_progress"}
+            out += self._open(item)
+            self.tool_items[ev[1]] = item
+        elif kind == "tool_args":
+            item = self.tool_items[ev[1]]
+            item["arguments"] += ev[2]
+            out.append(self._ev("response.function_call_arguments.delta", item_id=item["id"],
+                                output_index=self.items.index(item), delta=ev[2]))
+        return out
+
+    def finish(self) -> list[dict]:
+        return self._close()
+
+
+async def responses(request: Request) -> Response:
+    st: State = request.app.state.st
+    _check_auth(st, request)
+    body = await _read_json(st, request)
+    req = _validate(P.ResponsesRequest, body)
+    _check_model(st, req.model)
+    if req.previous_response_id:
+        raise APIError(400, "'previous_response_id' is not supported (this server stores no responses); send the "
+                            "full input instead.", param="previous_response_id")
+    fmt = (req.text or {}).get("format") if isinstance(req.text, dict) else None
+    if fmt and fmt.get("type") not in (None, "text"):
+        raise APIError(400, "text.format other than 'text' is not supported yet.", param="text.format")
+    _check_ready(st)
+    effort = harmony.parse_reasoning_effort(("reasoning.effort", req.reasoning.effort if req.reasoning else None))
+    tools = harmony.parse_chat_tools(req.tools, req.tool_choice)
+    prompt = st.renderer.render_responses(req.input, req.instructions, tools, effort)
+    max_tokens = _max_tokens(st, len(prompt), req.max_output_tokens, "input")
+    params = _sampling_params(temperature=req.temperature, top_p=req.top_p, top_k=None, min_p=None, seed=None,
+                              max_tokens=max_tokens, logprobs=None)
+    resp_id = _new_id("resp_")
+    created = int(time.time())
+    run = ChoiceRun(st, 0, mode="harmony", tool_names=[t.name for t in tools])
+    t0 = time.perf_counter()
+    streams = await _start_choices(st, resp_id, [prompt], [params])
+    events = _merge([_run_choice(run, streams[0], st.metrics, t0)])
+    builder = _ResponseBuilder(resp_id)
+
+    def response_obj(status: str) -> dict:
+        r = {"id": resp_id, "object": "response", "created_at": created, "model": st.cfg.model_name,
+             "status": status, "error": None, "incomplete_details": None, "instructions": req.instructions,
+             "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {},
+             "output": builder.items if status != "in_progress" else [],
+             "parallel_tool_calls": bool(req.parallel_tool_calls), "reasoning": {"effort": effort, "summary": None},
+             "store": False, "temperature": 1.0 if req.temperature is None else req.temperature,
+             "text": {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
+             "tools": req.tools or [], "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled",
+             "usage": None}
+        if status != "in_progress":
+            u = _usage([run], len(prompt))
+            r["usage"] = {"input_tokens": u["prompt_tokens"],
+                          "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
+                          "output_tokens": u["completion_tokens"],
+                          "output_tokens_details": {"reasoning_tokens": u["completion_tokens_details"]["reasoning_tokens"]},
+                          "total_tokens": u["total_tokens"]}
+            if run.finish_reason == "length":
+                r["status"] = "incomplete"
+                r["incomplete_details"] = {"reason": "max_output_tokens"}
+        return r
+
+    if req.stream:
+        def sse(e: dict) -> str:
+            return f"event: {e['type']}\ndata: {json.dumps(e, ensure_ascii=False, separators=(",", ":"))}\n\n"
+
+        async def gen():
+            st.metrics.in_flight += 1
+            try:
+                yield sse(builder._ev("response.created", response=response_obj("in_progress")))
+                yield sse(builder._ev("response.in_progress", response=response_obj("in_progress")))
+                async for _, evs, _ in events:
+                    for ev in evs:
+                        for e in builder.add(ev):
+                            yield sse(e)
+                for e in builder.finish():
+                    yield sse(e)
+                final = response_obj("completed")
+                kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+                yield sse(builder._ev(kind, response=final))
+            except EngineDeadError as e:
+                yield sse(builder._ev("error", message=str(e), code="server_error", param=None))
+            finally:
+                st.metrics.in_flight -= 1
+                await events.aclose()
+
+        return SSEResponse(gen())
+
+    def sink(item):
+        for ev in item[1]:
+            builder.add(ev)
+
+    st.metrics.in_flight += 1
+    try:
+        if not await _collect(request, events, sink):
+            return Response(status_code=499)
+    except EngineDeadError as e:
+        raise APIError(500, str(e), type="server_error") from None
+    finally:
+        st.metrics.in_flight -= 1
+    builder.finish()
+    return JSONResponse(response_obj("completed"))
+
+
+# ------------------------------------------------------------------------------------------------
+# models, health, metrics
+# ------------------------------------------------------------------------------------------------
+
+async def models(request: Request) -> Response:
+    st: State = request.app.state.st
+    _check_auth(st, request)
+    return JSONResponse({"object": "list", "data": [
+        {"id": st.cfg.model_name, "object": "model", "created": st.created, "owned_by": "gptoss-jax",
+         "max_model_len": st.engine.max_model_len or None}]})
+
+
+async def health(request: Request) -> Response:
+    st: State = request.app.state.st
+    if st.engine.dead is not None:
+        return JSONResponse({"status": "error", "error": str(st.engine.dead)}, status_code=500)
+    if not st.ready:
+        return JSONResponse({"status": "loading"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    st: State = request.app.state.st
+    text = st.metrics.render(stats_dict(st.engine.stats_snapshot))
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _wrap(handler):
+    async def endpoint(request: Request) -> Response:
+        st: State = request.app.state.st
+        try:
+            return await handler(request)
+        except APIError as e:
+            return _error_response(e, st.metrics)
+        except harmony.RenderError as e:
+            return _error_response(APIError(400, str(e), param=e.param), st.metrics)
+    return endpoint
+
+
+async def _http_exception(request: Request, exc: HTTPException) -> Response:
+    msg = {404: f"Unknown path {request.url.path}.", 405: f"Method {request.method} is not allowed on "
+                                                          f"{request.url.path}."}.get(exc.status_code, exc.detail)
+    return JSONResponse(APIError(exc.status_code, msg).body(), status_code=exc.status_code)
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+    return JSONResponse(APIError(500, f"Internal server error: {type(exc).__name__}", type="server_error").body(),
+                        status_code=500)
+
+
+def build_app(st: State, lifespan=None) -> Starlette:
+    routes = [
+        Route("/v1/chat/completions", _wrap(chat_completions), methods=["POST"]),
+        Route("/v1/completions", _wrap(completions), methods=["POST"]),
+        Route("/v1/responses", _wrap(responses), methods=["POST"]),
+        Route("/v1/models", _wrap(models), methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: _http_exception, Exception: _server_error})
+    app.state.st = st
+    return app

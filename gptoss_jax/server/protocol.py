@@ -1,0 +1,111 @@
+"""Request models (pydantic, strict types) and OpenAI-style errors."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class APIError(Exception):
+    """Becomes `{"error": {"message", "type", "param", "code"}}` with `status`."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def validation_error(e: ValidationError) -> APIError:
+    err = e.errors()[0]
+    loc = ".".join(str(x) for x in err.get("loc", ()))
+    kind = err.get("type", "")
+    if kind == "missing":
+        msg = f"Missing required parameter: '{loc}'."
+    elif kind == "extra_forbidden":
+        msg = f"Unrecognized request argument supplied: {loc}"
+    else:
+        msg = f"Invalid value for '{loc}': {err.get('msg', 'invalid')} (got {err.get('input')!r})."
+    return APIError(400, msg, param=loc or None, code="invalid_value" if kind != "missing" else "missing_required_parameter")
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(_Base):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(_Base):
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[Any]
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=16)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Any] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+    reasoning: dict | None = None
+    chat_template_kwargs: dict | None = None
+    include_reasoning: bool = True
+    response_format: dict | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    n: int = Field(1, ge=1, le=16)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ResponsesReasoning(_Base):
+    effort: str | None = None
+    summary: str | None = None
+
+
+class ResponsesRequest(_Base):
+    model: str | None = None
+    input: str | list[Any]
+    instructions: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: ResponsesReasoning | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stream: bool = False
+    store: bool | None = None
+    previous_response_id: str | None = None
+    metadata: dict | None = None
+    text: dict | None = None
+    user: str | None = None
+
+
+STOP_FINISH = Literal["stop", "length", "tool_calls"]
