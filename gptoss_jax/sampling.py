@@ -70,20 +70,46 @@ def sample(logits_BV: jax.Array, keys_B: jax.Array, temperature_B: jax.Array, to
                         lambda: greedy)
 
 
+# Candidates examined without a full sort. Every filter keeps a prefix of the tokens sorted by logit,
+# so each is a threshold on the logit; only a top-k beyond this, or a top-p nucleus wider than it (a
+# very flat distribution), needs the whole vocabulary sorted, and only batches containing such a row
+# pay for it.
+TOP_CANDIDATES = 1024
+
+
 def _filtered_draw(logits, keys_B, temperature_B, top_k_B, top_p_B, min_p_B, greedy):
     V = logits.shape[-1]
-    scaled = logits / jnp.maximum(temperature_B, 1e-6)[:, None]
-    sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
-    probs_sorted = jax.nn.softmax(sorted_logits, axis=-1)
-    rank = jnp.arange(V)[None, :]
-    k = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, V), V)[:, None]
-    cum_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
-    keep_sorted = (rank < k) & (cum_before < top_p_B[:, None])
-    keep_sorted &= probs_sorted >= min_p_B[:, None] * probs_sorted[:, :1]
-    keep_sorted = keep_sorted.at[:, 0].set(True)
-    threshold = jnp.min(jnp.where(keep_sorted, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-    filtered = jnp.where(scaled >= threshold, scaled, -jnp.inf)
-    drawn = jax.vmap(jax.random.categorical)(keys_B, filtered)
+    temp = jnp.maximum(temperature_B, 1e-6)[:, None]
+    scaled = logits / temp
+    lse = jax.nn.logsumexp(scaled, axis=-1)
+    # Temperature keeps each row's order, so take the candidates from the raw logits: XLA then keeps a
+    # real top-k instead of lowering it (behind the division) to a full sort.
+    top = jax.lax.top_k(logits, min(TOP_CANDIDATES, V))[0] / temp  # [B, C], descending
+    C = top.shape[-1]
+    k = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, V), V)
+
+    def prefix_thresholds(sorted_desc):
+        """Top-k and top-p thresholds from a descending prefix of the logits that covers both."""
+        n = sorted_desc.shape[-1]
+        t_k = jnp.where(k <= n, jnp.take_along_axis(sorted_desc, jnp.clip(k - 1, 0, n - 1)[:, None], -1)[:, 0],
+                        -jnp.inf)
+        p = jnp.exp(sorted_desc - lse[:, None])
+        kept = jnp.sum(jnp.cumsum(p, axis=-1) - p < top_p_B[:, None], axis=-1)  # >= 1
+        t_p = jnp.where(top_p_B < 1, jnp.take_along_axis(sorted_desc, (kept - 1)[:, None], -1)[:, 0], -jnp.inf)
+        return jnp.maximum(t_k, t_p)
+
+    covered = jnp.sum(jnp.exp(top - lse[:, None]), axis=-1)
+    needs_full = ((k > C) & (k < V)) | ((top_p_B < 1) & (covered < top_p_B) & (k > C))
+    t = jax.lax.cond(jnp.any(needs_full), lambda: prefix_thresholds(jnp.sort(scaled, axis=-1)[:, ::-1]),
+                     lambda: prefix_thresholds(top))
+    t_min_p = jnp.where(min_p_B > 0, top[:, 0] + jnp.log(jnp.maximum(min_p_B, 1e-30)), -jnp.inf)
+    threshold = jnp.minimum(jnp.maximum(t, t_min_p), top[:, 0])  # the most likely token always survives
+    # Inverse-CDF draw: one uniform per row instead of a Gumbel number per vocabulary entry.
+    w = jnp.where(scaled >= threshold[:, None], jnp.exp(scaled - top[:, :1]), 0.0)
+    cdf = jnp.cumsum(w, axis=-1)
+    u = jax.vmap(lambda key: jax.random.uniform(key))(keys_B) * cdf[:, -1]
+    drawn = jnp.minimum(jnp.sum(cdf <= u[:, None], axis=-1), V - 1)
+    drawn = jnp.where(w[jnp.arange(w.shape[0]), drawn] > 0, drawn, greedy)  # u landed on a zero-width edge
     return jnp.where(temperature_B > 0, drawn, greedy).astype(jnp.int32)
 
 
