@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_kernels
+
 from gptoss_jax import checkpoint, demo, engine_config, kv_cache, steps, tokenizer as tokenizer_lib
 from gptoss_jax import model as model_lib
 from gptoss_jax.config import ModelConfig
@@ -66,12 +68,13 @@ class Engine:
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "bfloat16",
                  config: EngineConfig | str | os.PathLike | None = None, tokenizer: Any = None,
-                 impl: str = "reference", seed: int = 0, loaded: tuple[ModelConfig, Params] | None = None,
-                 cache_dir: str | os.PathLike | None = None, progress: bool = True, **overrides: Any):
+                 impl: str | None = None, seed: int = 0, loaded: tuple[ModelConfig, Params] | None = None,
+                 cache_dir: str | os.PathLike | None = None, progress: bool = True, layout=None,
+                 **overrides: Any):
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
         self.config = engine_config.load(config, **overrides)
-        self.impl = impl
+        self.impl = pallas_kernels.check_impl(impl or pallas_kernels.default_impl())
         if loaded is None:
             self.model_path: Path | None = Path(model) if model is not None else demo.checkpoint_path()
             self.model_config, self.params = checkpoint.load(self.model_path, DTYPES[dtype], cache_dir=cache_dir,
@@ -79,7 +82,18 @@ class Engine:
         else:
             self.model_path = Path(model) if model is not None else None
             self.model_config, self.params = loaded
+        self.params = pallas_kernels.prepare_params(self.params, self.impl)
         self.dtype = self.params.embed.dtype
+        # Several devices: `layout` (a sharding.rules.Layout) or the config's mesh; None = one device.
+        ec = self.config
+        if layout is None and ec.model_parallel * ec.replicas > 1:
+            from sharding.rules import make_layout
+
+            layout = make_layout(ec.model_parallel, ec.replicas, ec.parallel_mode)
+        self.layout = layout
+        self.num_ranks = layout.num_ranks if layout is not None else 1
+        if layout is not None:
+            self.params = layout.shard_params(self.params, self.model_config.num_kv_heads)
         self.tokenizer = tokenizer
         if isinstance(tokenizer, (str, os.PathLike)) or (
                 tokenizer is None and self.model_config.vocab_size == tokenizer_lib.VOCAB_SIZE):
@@ -98,14 +112,22 @@ class Engine:
             mc.num_layers, mc.num_kv_heads, mc.head_dim, jnp.dtype(self.dtype).itemsize, mc.sliding_window,
             ec.page_size, ec.max_num_seqs, max(ec.prefill_chunk_size, ec.decode_steps_per_call), kv_bytes,
             full_tokens)
-        self.kv = kv_cache.KVCacheManager(n_full, n_sliding, ec.page_size, mc.sliding_window,
-                                          (mc.num_layers + 1) // 2, ec.enable_prefix_caching)
+        kv_args = (n_full, n_sliding, ec.page_size, mc.sliding_window, (mc.num_layers + 1) // 2,
+                   ec.enable_prefix_caching)
+        self.kv = (kv_cache.KVCacheManager(*kv_args) if self.num_ranks == 1
+                   else kv_cache.RankedKVCacheManager(self.num_ranks, *kv_args))
         limit = ec.max_model_len or mc.max_position_embeddings
         if ec.max_model_len and ec.max_model_len > self.kv.capacity_tokens:
             raise ValueError(f"max_model_len={ec.max_model_len} exceeds the KV cache capacity of "
                              f"{self.kv.capacity_tokens} tokens ({n_full - 1} pages of {ec.page_size})")
         self.max_model_len = min(limit, self.kv.capacity_tokens)
-        self.cache = model_lib.PagedKVCache.zeros(mc, n_sliding, n_full, ec.page_size, self.dtype)
+        R = self.num_ranks  # each attention rank owns `n` consecutive pages of each pool
+        if layout is None:
+            self.cache = model_lib.PagedKVCache.zeros(mc, n_sliding, n_full, ec.page_size, self.dtype)
+        else:
+            self.cache = jax.jit(lambda: model_lib.PagedKVCache.zeros(mc, R * n_sliding, R * n_full, ec.page_size,
+                                                                      self.dtype),
+                                 out_shardings=layout.cache_sharding(mc.num_kv_heads))()
         self.scheduler = Scheduler(ec, self.kv)
         self.num_top = max(1, ec.max_logprobs)
         self._ctx_buckets = ec.context_buckets(self.max_model_len)
@@ -174,15 +196,17 @@ class Engine:
         pre = self._dispatch_prefill(work.prefills) if work.prefills else None
         dec = self._dispatch_decode(work.decodes) if work.decodes else None
         if pre is not None:
+            pre, pre_rows = pre
             sampled = _to_host(pre, any(c.seq.params.logprobs is not None for c in work.prefills))
-            for row, chunk in enumerate(work.prefills):
+            for row, chunk in zip(pre_rows, work.prefills):
                 seq = chunk.seq
                 self.scheduler.advance(seq, chunk.start + chunk.num_tokens)
                 if seq.num_computed == len(seq.token_ids):
                     outputs.append(self._append(seq, [_pick(sampled, (row,))]))
         if dec is not None:
+            dec, dec_rows = dec
             sampled = _to_host(dec, any(s.params.logprobs is not None for s in work.decodes))
-            for row, seq in enumerate(work.decodes):
+            for row, seq in zip(dec_rows, work.decodes):
                 picks = [_pick(sampled, (k, row)) for k in range(sampled[0].shape[0])]
                 outputs.append(self._append(seq, picks))
         return outputs
@@ -224,79 +248,99 @@ class Engine:
         return found[1] if found else None
 
     # ---- device calls ------------------------------------------------------------------------------
-    def _tables(self, seqs: list[Sequence], rows: int, width: int) -> model_lib.PageTables:
+    def _rows(self, seqs: list[Sequence], buckets: tuple[int, ...]) -> tuple[int, list[int]]:
+        """Padded row count and each sequence's row. Rows are rank-major: rank `r` owns rows
+        `[r * rows/R, (r + 1) * rows/R)`, each rank's share padded to the same bucket."""
+        if self.num_ranks == 1:
+            return bucket(len(seqs), buckets), list(range(len(seqs)))
+        counts, where = [0] * self.num_ranks, []
+        for s in seqs:
+            where.append((s.pages.rank, counts[s.pages.rank]))
+            counts[s.pages.rank] += 1
+        per = bucket(max(max(counts), 1), buckets)
+        return self.num_ranks * per, [r * per + i for r, i in where]
+
+    def _put(self, x: np.ndarray) -> jax.Array:
+        """A host batch array onto the device(s): rows split over the attention ranks."""
+        if self.layout is None:
+            return jnp.asarray(x)
+        return jax.device_put(x, self.layout.named(self.layout.batch_spec(x.ndim)))
+
+    def _tables(self, seqs: list[Sequence], rows: int, width: int, row_of: list[int] | None = None
+                ) -> model_lib.PageTables:
         sliding = np.zeros((rows, width), np.int32)
         full = np.zeros((rows, width), np.int32)
         cached = np.zeros((rows,), np.int32)
-        for i, seq in enumerate(seqs):
+        for i, seq in zip(row_of or range(len(seqs)), seqs):
             s, f = seq.pages.sliding[:width], seq.pages.full[:width]
             sliding[i, :len(s)], full[i, :len(f)], cached[i] = s, f, seq.full_cached
-        return model_lib.PageTables(jnp.asarray(sliding), jnp.asarray(full), jnp.asarray(cached))
+        return model_lib.PageTables(self._put(sliding), self._put(full), self._put(cached))
 
-    def _sampling(self, seqs: list[Sequence], rows: int) -> steps.SamplingBatch:
-        pad = rows - len(seqs)
-        sps = [s.params for s in seqs]
-        f32 = np.float32
-        return steps.SamplingBatch(
-            temperature_B=jnp.asarray([p.temperature for p in sps] + [0.0] * pad, f32),
-            top_k_B=jnp.asarray([p.top_k for p in sps] + [0] * pad, np.int32),
-            top_p_B=jnp.asarray([p.top_p for p in sps] + [1.0] * pad, f32),
-            min_p_B=jnp.asarray([p.min_p for p in sps] + [0.0] * pad, f32),
-            keys_B2=jnp.asarray(np.array([s.key for s in seqs] + [(0, 0)] * pad, np.uint32).reshape(rows, 2)),
-            want_logprobs_B=jnp.asarray([p.logprobs is not None for p in sps] + [False] * pad))
+    def _sampling(self, seqs: list[Sequence], rows: int, row_of: list[int] | None = None) -> steps.SamplingBatch:
+        row_of = list(row_of or range(len(seqs)))
+        temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
+        top_k, min_p = np.zeros(rows, np.int32), np.zeros(rows, np.float32)
+        keys, want = np.zeros((rows, 2), np.uint32), np.zeros(rows, bool)
+        for i, s in zip(row_of, seqs):
+            p = s.params
+            temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+            keys[i], want[i] = s.key, p.logprobs is not None
+        return steps.SamplingBatch(*(self._put(a) for a in (temperature, top_k, top_p, min_p, keys, want)))
 
     def _width(self, end_positions: list[int]) -> int:
         pages = math.ceil(max(end_positions) / self.config.page_size)
         return bucket(min(pages, self._ctx_buckets[-1]), self._ctx_buckets)
 
-    def _dispatch_prefill(self, chunks: list[PrefillChunk]) -> steps.Sampled:
+    def _dispatch_prefill(self, chunks: list[PrefillChunk]) -> tuple[steps.Sampled, list[int]]:
         ec = self.config
-        rows = bucket(len(chunks), ec.prefill_row_buckets())
+        seqs = [c.seq for c in chunks]
+        rows, row_of = self._rows(seqs, ec.prefill_row_buckets())
         T = bucket(max(c.num_tokens for c in chunks), ec.prefill_token_buckets())
         tokens = np.zeros((rows, T), np.int32)
         positions = np.full((rows, T), -1, np.int32)
         last = np.zeros((rows,), np.int32)
-        for i, c in enumerate(chunks):
+        for i, c in zip(row_of, chunks):
             tokens[i, :c.num_tokens] = c.seq.token_ids[c.start:c.start + c.num_tokens]
             positions[i, :c.num_tokens] = np.arange(c.start, c.start + c.num_tokens)
             last[i] = c.num_tokens - 1
-        seqs = [c.seq for c in chunks]
-        tables = self._tables(seqs, rows, self._width([c.start + c.num_tokens for c in chunks]))
-        out, self.cache = steps.prefill(self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions), tables,
-                                        jnp.asarray(last), self._sampling(seqs, rows), cfg=self.model_config,
-                                        impl=self.impl, num_top=self.num_top)
-        return out
+        tables = self._tables(seqs, rows, self._width([c.start + c.num_tokens for c in chunks]), row_of)
+        out, self.cache = steps.prefill(self.params, self.cache, self._put(tokens), self._put(positions), tables,
+                                        self._put(last), self._sampling(seqs, rows, row_of), cfg=self.model_config,
+                                        impl=self.impl, layout=self.layout, num_top=self.num_top)
+        return out, row_of
 
-    def _dispatch_decode(self, seqs: list[Sequence]) -> steps.Sampled:
+    def _dispatch_decode(self, seqs: list[Sequence]) -> tuple[steps.Sampled, list[int]]:
         K = self.config.decode_steps_per_call
-        rows = bucket(len(seqs), self.config.decode_buckets())
+        rows, row_of = self._rows(seqs, self.config.decode_buckets())
         tokens = np.zeros((rows,), np.int32)
         positions = np.full((rows,), -1, np.int32)
-        for i, s in enumerate(seqs):
+        for i, s in zip(row_of, seqs):
             tokens[i], positions[i] = s.token_ids[-1], len(s.token_ids) - 1
-        tables = self._tables(seqs, rows, self._width([len(s.token_ids) - 1 + K for s in seqs]))
-        out, self.cache = steps.decode(self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions), tables,
-                                       self._sampling(seqs, rows), cfg=self.model_config, impl=self.impl,
-                                       num_steps=K, num_top=self.num_top)
-        return out
+        tables = self._tables(seqs, rows, self._width([len(s.token_ids) - 1 + K for s in seqs]), row_of)
+        out, self.cache = steps.decode(self.params, self.cache, self._put(tokens), self._put(positions), tables,
+                                       self._sampling(seqs, rows, row_of), cfg=self.model_config, impl=self.impl,
+                                       layout=self.layout, num_steps=K, num_top=self.num_top)
+        return out, row_of
 
     def warmup(self) -> None:
         """Compile every (batch, tokens, block-table width) bucket now, with all-padding inputs."""
         ec = self.config
+        R, i32 = self.num_ranks, np.int32
         for width in self._ctx_buckets:
-            for rows in ec.decode_buckets():
+            for rows in (R * b for b in ec.decode_buckets()):
                 tables = self._tables([], rows, width)
                 out, self.cache = steps.decode(
-                    self.params, self.cache, jnp.zeros((rows,), jnp.int32), jnp.full((rows,), -1, jnp.int32), tables,
-                    self._sampling([], rows), cfg=self.model_config, impl=self.impl,
+                    self.params, self.cache, self._put(np.zeros((rows,), i32)), self._put(np.full((rows,), -1, i32)),
+                    tables, self._sampling([], rows), cfg=self.model_config, impl=self.impl, layout=self.layout,
                     num_steps=ec.decode_steps_per_call, num_top=self.num_top)
-            for rows in ec.prefill_row_buckets():
+            for rows in (R * b for b in ec.prefill_row_buckets()):
                 tables = self._tables([], rows, width)
                 for T in ec.prefill_token_buckets():
                     out, self.cache = steps.prefill(
-                        self.params, self.cache, jnp.zeros((rows, T), jnp.int32), jnp.full((rows, T), -1, jnp.int32),
-                        tables, jnp.zeros((rows,), jnp.int32), self._sampling([], rows), cfg=self.model_config,
-                        impl=self.impl, num_top=self.num_top)
+                        self.params, self.cache, self._put(np.zeros((rows, T), i32)),
+                        self._put(np.full((rows, T), -1, i32)), tables, self._put(np.zeros((rows,), i32)),
+                        self._sampling([], rows), cfg=self.model_config, impl=self.impl, layout=self.layout,
+                        num_top=self.num_top)
         jax.block_until_ready(self.cache)
 
     def prompt_logits(self, token_ids: Seq[int]) -> np.ndarray:
@@ -313,12 +357,14 @@ class Engine:
                     raise ValueError(f"prompt of {len(ids)} tokens does not fit in the free KV cache")
                 self.kv.allocate(pages, start, start + n)
                 T = bucket(n, ec.prefill_token_buckets())
-                tokens = np.zeros((1, T), np.int32)
-                positions = np.full((1, T), -1, np.int32)
+                rows = self.num_ranks  # the probe is row 0 (rank 0); other ranks get one padding row
+                tokens = np.zeros((rows, T), np.int32)
+                positions = np.full((rows, T), -1, np.int32)
                 tokens[0, :n], positions[0, :n] = ids[start:start + n], np.arange(start, start + n)
                 logits, self.cache = steps.prompt_logits(
-                    self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions),
-                    self._tables([probe], 1, self._width([start + n])), cfg=self.model_config, impl=self.impl)
+                    self.params, self.cache, self._put(tokens), self._put(positions),
+                    self._tables([probe], rows, self._width([start + n])), cfg=self.model_config, impl=self.impl,
+                    layout=self.layout)
                 out.append(np.asarray(logits[0, :n], np.float32))
                 self.kv.slide(pages, start + n)
         finally:

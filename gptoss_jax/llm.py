@@ -15,7 +15,9 @@ from typing import Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
+from gptoss_jax import inspection
 from gptoss_jax.engine import DTYPES, Engine
+from gptoss_jax.inspection import Inspection
 from gptoss_jax.engine_config import EngineConfig
 from gptoss_jax.sampling import SamplingParams, find_stop_string
 
@@ -43,7 +45,7 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike | None = None, dtype: str = "bfloat16", *,
                  tokenizer: str | os.PathLike | None = None, max_model_len: int | None = None,
-                 cache_dir: str | os.PathLike | None = None, impl: str = "reference", seed: int = 0,
+                 cache_dir: str | os.PathLike | None = None, impl: str | None = None, seed: int = 0,
                  progress: bool = True, engine_config: EngineConfig | str | None = None, **engine_overrides):
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
@@ -84,6 +86,14 @@ class LLM:
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Prefill logits `[len, vocab]` (float32) for every position of one token sequence."""
         return self.engine.prompt_logits(self._check_ids(token_ids, "logits"))
+
+    def inspect(self, token_ids: Sequence[int], hidden_states: bool = False, logits: bool = False) -> Inspection:
+        """Per-layer internals for one token sequence: router logits, chosen experts and weights, the
+        attention mass each head gives its sink, optionally the residual stream after each layer and the
+        logits. Same jitted model code and paged path as `logits`, with `model.Inspect` on (runs the
+        reference attention and MoE whatever `impl` is); see `gptoss_jax.inspection`."""
+        return inspection.run(self.engine, self._check_ids(token_ids, "inspect"), hidden_states=hidden_states,
+                              logits=logits)
 
     def generate(self, prompts: str | Sequence[str] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,

@@ -30,7 +30,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--served-model-name", help="model id in the API (default: the checkpoint folder's name)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--tokenizer", help="path to o200k_base.tiktoken (or its folder)")
-    p.add_argument("--impl", default="reference", help="kernel implementation passed to the engine")
+    p.add_argument("--impl", choices=["pallas", "reference"], default=None,
+                   help="kernels or the pure-JAX reference path (default: kernels on GPU, reference elsewhere)")
     p.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024, help="largest accepted request body")
     p.add_argument("--default-max-tokens", type=int, default=None,
                    help="cap on max_tokens when a request gives none (default: the rest of the context)")

@@ -1,28 +1,47 @@
-"""The two hot operations of gpt-oss, each with a pure-JAX reference beside its Pallas kernel.
+"""The two hot operations of gpt-oss, each with a pure-JAX reference beside its Pallas kernels.
 
-`attention` and `moe` are the only entry points the model calls; `impl` picks the implementation.
+`attention` and `moe` are the only entry points the model calls; `impl` picks the implementation:
+`"pallas"` (the kernels; the default on GPUs) or `"reference"` (pure JAX; the default elsewhere,
+since the Pallas-Triton kernels only lower for GPUs and would run interpreted). The kernels read
+the experts in their own relayout of the same bytes, made once at start-up by `prepare_params`.
 """
 
-from pallas_kernels import attention_reference, moe_reference
+import jax
 
-IMPLS = ("reference",)
+from pallas_kernels import attention_reference, moe_decode, moe_prefill, moe_reference, paged_attention
+
+IMPLS = ("reference", "pallas")
 
 
-def _check(impl: str) -> None:
+def default_impl() -> str:
+    return "pallas" if jax.default_backend() == "gpu" else "reference"
+
+
+def check_impl(impl: str) -> str:
     if impl not in IMPLS:
         raise ValueError(f"unknown kernel implementation '{impl}'; choose one of {IMPLS}")
+    return impl
+
+
+def prepare_params(params, impl: str):
+    """Parameters in the layout `impl` reads: the kernels take the experts re-encoded (same bytes)."""
+    if check_impl(impl) == "reference":
+        return params
+    return params.replace(layers=params.layers.replace(experts=moe_decode.prepare_experts(params.layers.experts)))
 
 
 def attention(q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sinks_N, window: int, *,
               impl: str = "reference"):
     """Paged attention with sinks; the contract is in docs/engine.md ("Kernel interface")."""
-    _check(impl)
-    return attention_reference.attention(q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sinks_N,
-                                         window)
+    args = (q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sinks_N, window)
+    if check_impl(impl) == "pallas" and q_BTNH.shape[1] == 1:
+        return paged_attention.attention(*args)
+    return attention_reference.attention(*args)
 
 
 def moe(x_TD, router_w_ED, router_b_E, experts, *, top_k, swiglu_limit, swiglu_alpha,
         impl: str = "reference"):
-    _check(impl)
-    return moe_reference.moe(x_TD, router_w_ED, router_b_E, experts, top_k=top_k,
-                             swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
+    """Top-k MXFP4 experts; `experts` is `params.Experts` (reference) or `KernelExperts` (pallas)."""
+    fn = moe_prefill.moe_auto if check_impl(impl) == "pallas" else moe_reference.moe
+    return fn(x_TD, router_w_ED, router_b_E, experts, top_k=top_k, swiglu_limit=swiglu_limit,
+              swiglu_alpha=swiglu_alpha)

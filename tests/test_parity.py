@@ -72,3 +72,14 @@ def test_goldens_have_no_routing_near_ties(case, monkeypatch):
         LLM(path, dtype="float32", progress=False).logits(g["prompt_ids"].tolist())
     assert len(seen) == PARITY[name]["config"]["num_hidden_layers"]
     assert min(seen) >= MIN_ROUTER_MARGIN, (name, min(seen))
+
+
+def test_kernel_path_matches_goldens(parity_checkpoints):
+    """The Pallas kernels (CPU interpret mode here, compiled on GPUs) inside the full engine path."""
+    g = np.load(GOLDEN / "small.npz", allow_pickle=False)
+    llm = LLM(parity_checkpoints["small"], dtype="float32", impl="pallas", progress=False)
+    assert _rel(llm.logits(g["prompt_ids"].tolist()), g["logits"]) < 1e-4
+    out = llm.generate(prompt_token_ids=[g["prompt_ids"].tolist()],
+                       sampling_params=SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == g["greedy_ids"][:6].tolist()

@@ -27,6 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import pallas_kernels  # noqa: E402
 from gptoss_jax import config, params as params_lib  # noqa: E402
 from gptoss_jax.engine import Engine  # noqa: E402
 from gptoss_jax.random_weights import DEMO_CONFIG  # noqa: E402
@@ -93,7 +94,7 @@ def main() -> None:
     ap.add_argument("--latency-output-len", type=int, default=256)
     ap.add_argument("--throughput-config", default="max_throughput")
     ap.add_argument("--latency-config", default="low_latency")
-    ap.add_argument("--impl", default="reference")
+    ap.add_argument("--impl", choices=["pallas", "reference"], default=None, help="default: pallas on GPU")
     ap.add_argument("--skip", choices=["throughput", "latency"], help="run only the other job")
     ap.add_argument("--out", default="engine_bench.json")
     args = ap.parse_args()
@@ -110,7 +111,7 @@ def main() -> None:
     overrides.update(max_model_len=max_len, min_context_bucket=max_len, warmup=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"preset": "smoke" if args.smoke else args.preset, "device": jax.devices()[0].device_kind,
-              "jax": jax.__version__, "commit": commit or "unknown", "impl": args.impl}
+              "jax": jax.__version__, "commit": commit or "unknown", "impl": args.impl or pallas_kernels.default_impl()}
     t0 = time.perf_counter()
     params = random_params(cfg, jnp.bfloat16)
     jax.block_until_ready(params)
