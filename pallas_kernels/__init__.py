@@ -8,7 +8,8 @@ the experts in their own relayout of the same bytes, made once at start-up by `p
 
 import jax
 
-from pallas_kernels import attention_reference, moe_decode, moe_prefill, moe_reference, paged_attention
+from pallas_kernels import (attention_reference, flash_attention, moe_decode, moe_prefill, moe_reference,
+                            paged_attention)
 
 IMPLS = ("reference", "pallas")
 
@@ -34,9 +35,10 @@ def attention(q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sin
               impl: str = "reference"):
     """Paged attention with sinks; the contract is in docs/engine.md ("Kernel interface")."""
     args = (q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sinks_N, window)
-    if check_impl(impl) == "pallas" and q_BTNH.shape[1] == 1:
-        return paged_attention.attention(*args)
-    return attention_reference.attention(*args)
+    if check_impl(impl) == "reference":
+        return attention_reference.attention(*args)
+    kernel = paged_attention if q_BTNH.shape[1] == 1 else flash_attention  # decode / prefill chunk
+    return kernel.attention(*args)
 
 
 def moe(x_TD, router_w_ED, router_b_E, experts, *, top_k, swiglu_limit, swiglu_alpha,

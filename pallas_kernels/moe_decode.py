@@ -135,8 +135,11 @@ def _swiglu(g, u, limit, alpha):
 # GEMV kernels (few rows per slot)
 
 
-def _gemv_steps(load, n_steps, compute, acc0):
-    """K loop with the next step's tiles loaded before the current ones are used."""
+def _gemv_steps(load, n_steps, compute, acc0, prefetch):
+    """K loop; with `prefetch` the next step's tiles are loaded before the current ones are used."""
+    if not prefetch:
+        return jax.lax.fori_loop(0, n_steps, lambda i, acc: compute(load(i), acc), acc0)
+
     def body(i, carry):
         tiles, acc = carry
         nxt = load(i + 1)
@@ -155,7 +158,7 @@ def _gemv_partial(w, x8):
 
 
 def _gate_up_gemv_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, tok_ref, x_ref, wq_ref, ws_ref,
-                         bias_ref, a_ref, *, bm, bn, nb, G, limit, alpha):
+                         bias_ref, a_ref, *, bm, bn, nb, G, limit, alpha, prefetch):
     s = pl.program_id(0)
     n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
     rows = slot_rows_ref[s]
@@ -186,7 +189,7 @@ def _gate_up_gemv_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, tok_ref, x_r
             return out
 
         zero = jnp.zeros((bn, nb), jnp.float32)
-        acc = _gemv_steps(load, pl.cdiv(G, nb), compute, [[zero] * bm, [zero] * bm])
+        acc = _gemv_steps(load, pl.cdiv(G, nb), compute, [[zero] * bm, [zero] * bm], prefetch)
         bg = bias_ref[e, jnp.int32(0), pl.ds(n0, bn)].astype(jnp.float32)
         bu = bias_ref[e, jnp.int32(1), pl.ds(n0, bn)].astype(jnp.float32)
         for r in range(bm):
@@ -198,7 +201,7 @@ def _gate_up_gemv_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, tok_ref, x_r
 
 
 def _down_gemv_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, w_ref, a_ref, wq_ref, ws_ref,
-                      bias_ref, y_ref, *, bm, bn, nb, G):
+                      bias_ref, y_ref, *, bm, bn, nb, G, prefetch):
     s = pl.program_id(0)
     n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
     rows = slot_rows_ref[s]
@@ -222,7 +225,8 @@ def _down_gemv_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, w_ref, a_ref, w
             scale = _scale_f32(sc)
             return [acc[r] + _gemv_partial(w, a[r]) * scale for r in range(bm)]
 
-        acc = _gemv_steps(load, pl.cdiv(G, nb), compute, [jnp.zeros((bn, nb), jnp.float32)] * bm)
+        acc = _gemv_steps(load, pl.cdiv(G, nb), compute, [jnp.zeros((bn, nb), jnp.float32)] * bm,
+                          prefetch)
         b = bias_ref[e, pl.ds(n0, bn)].astype(jnp.float32)
         for r in range(bm):
             y = (jnp.sum(acc[r], axis=1) * (2.0 ** F16_SHIFT) + b) * w_ref[r0 + r]
@@ -252,7 +256,7 @@ def _mma_step(acc, wq, ws, xs, kw, swap):
     bn = wq.shape[0]
     scale = jnp.broadcast_to(_scale_f32(ws)[:, :, None], (bn, kw // 4, 4)).reshape(bn, kw)
     for j, v in enumerate(_decode_words(wq)):
-        acc = acc + _mm(xs[j], (v * scale).astype(jnp.bfloat16), swap)
+        acc = acc + _mm(xs[j], (v * scale).astype(xs[j].dtype), swap)
     return acc
 
 
@@ -368,12 +372,12 @@ def dispatch(idx_TK: jax.Array, w_TK: jax.Array, num_experts: int, block_m: int)
 
 
 _STATIC = ("swiglu_limit", "swiglu_alpha", "kernel", "block_m", "block_n", "block_k", "block_n_down",
-           "num_warps", "num_stages", "swap", "interpret")
+           "num_warps", "num_stages", "swap", "prefetch", "interpret")
 
 
 def run_kernels(x_TD, tok_sorted, w_sorted, slot_e, slot_start, slot_rows, kexp: KernelExperts, *,
                 swiglu_limit, swiglu_alpha, kernel, block_m, block_n, block_k, block_n_down, num_warps,
-                num_stages, swap=False, interpret=None):
+                num_stages, swap=False, prefetch=True, interpret=None):
     """The two Pallas kernels on dispatched pairs; returns y [P + block_m, D] f32 in sorted order.
 
     block_k counts weights along K (gemv: block_k / 32 blocks per step; mma: block_k / 8 words)."""
@@ -396,22 +400,25 @@ def run_kernels(x_TD, tok_sorted, w_sorted, slot_e, slot_start, slot_rows, kexp:
         nb = block_k // 32
         x8 = to_phases(x_TD.astype(jnp.float32)).reshape(T, 8, D // 32, 4)
         a = call(functools.partial(_gate_up_gemv_kernel, bm=bm, bn=bn, nb=nb, G=D // 32,
-                                   limit=swiglu_limit, alpha=swiglu_alpha),
+                                   limit=swiglu_limit, alpha=swiglu_alpha, prefetch=prefetch),
                  grid=(S, I // bn), out_shape=jax.ShapeDtypeStruct((P + bm, I), jnp.float32),
                  name="mxfp4_gate_up_swiglu_gemv",
                  )(slot_e, slot_start, slot_rows, tok_p, x8,
                    kexp.gu_words.reshape(E, 2, I, D // 32, 4), kexp.gu_scales, kexp.gu_bias)
-        return call(functools.partial(_down_gemv_kernel, bm=bm, bn=bn2, nb=nb, G=I // 32),
+        return call(functools.partial(_down_gemv_kernel, bm=bm, bn=bn2, nb=nb, G=I // 32,
+                                      prefetch=prefetch),
                     grid=(S, D // bn2), out_shape=jax.ShapeDtypeStruct((P + bm, D), jnp.float32),
                     name="mxfp4_down_gemv",
                     )(slot_e, slot_start, slot_rows, w_p, a.reshape(P + bm, 8, I // 32, 4),
                       kexp.dn_words.reshape(E, D, I // 32, 4), kexp.dn_scales, kexp.dn_bias)
 
     kw = block_k // 8
-    x8 = to_phases(x_TD.astype(jnp.bfloat16))
+    # Tensor-core operands in bf16; fp32 models (the exactness mode) keep fp32 operands throughout.
+    operand = jnp.float32 if x_TD.dtype == jnp.float32 else jnp.bfloat16
+    x8 = to_phases(x_TD.astype(operand))
     a = call(functools.partial(_gate_up_mma_kernel, bm=bm, bn=bn, kw=kw, W=D // 8, limit=swiglu_limit,
                                alpha=swiglu_alpha, swap=swap),
-             grid=(S, I // bn), out_shape=jax.ShapeDtypeStruct((P + bm, I), jnp.bfloat16),
+             grid=(S, I // bn), out_shape=jax.ShapeDtypeStruct((P + bm, I), operand),
              name="mxfp4_gate_up_swiglu",
              )(slot_e, slot_start, slot_rows, tok_p, x8, kexp.gu_words, kexp.gu_scales, kexp.gu_bias)
     return call(functools.partial(_down_mma_kernel, bm=bm, bn=bn2, kw=kw, W=I // 8, swap=swap),
@@ -424,7 +431,7 @@ def run_kernels(x_TD, tok_sorted, w_sorted, slot_e, slot_start, slot_rows, kexp:
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def experts_forward(x_TD, idx_TK, w_TK, kexp: KernelExperts, *, swiglu_limit, swiglu_alpha,
                     kernel="gemv", block_m=1, block_n=16, block_k=256, block_n_down=16, num_warps=4,
-                    num_stages=1, swap=False, interpret=None):
+                    num_stages=1, swap=False, prefetch=True, interpret=None):
     """The expert math for given routing: sum_k w[t,k] * expert_{idx[t,k]}(x[t]) -> [T, D]."""
     T, D = x_TD.shape
     k = idx_TK.shape[1]
@@ -433,18 +440,26 @@ def experts_forward(x_TD, idx_TK, w_TK, kexp: KernelExperts, *, swiglu_limit, sw
     y = run_kernels(x_TD, tok_sorted, w_sorted, slot_e, slot_start, slot_rows, kexp,
                     swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha, kernel=kernel,
                     block_m=block_m, block_n=block_n, block_k=block_k, block_n_down=block_n_down,
-                    num_warps=num_warps, num_stages=num_stages, swap=swap, interpret=interpret)
+                    num_warps=num_warps, num_stages=num_stages, swap=swap, prefetch=prefetch,
+                    interpret=interpret)
     P = T * k
     inv = jnp.zeros((P,), jnp.int32).at[order].set(jnp.arange(P, dtype=jnp.int32))
     return jnp.sum(y[inv].reshape(T, k, D), axis=1).astype(x_TD.dtype)
 
 
 def decode_config(T: int, k: int, E: int) -> dict:
-    """Kernel and block sizes for the decode regime (1-64 tokens)."""
-    rows = T * k / E  # mean pairs per expert
-    bm = 1 if rows <= 0.5 else 2 if rows <= 1.5 else 4
-    return dict(kernel="gemv", block_m=bm, block_n=16, block_k=256, block_n_down=16, num_warps=4,
-                num_stages=1)
+    """Kernel and block sizes for the decode regime (1-64 tokens), best of the H200 sweep
+    (docs/kernels.md): the GEMV path, one pair per slot, while experts average <= 1 routed row
+    (register double buffer only for a single token); beyond that tensor cores amortise the decode
+    over the rows of a slot."""
+    if T * k <= E:
+        return dict(kernel="gemv", block_m=1, block_n=16, block_k=512, block_n_down=16, num_warps=4,
+                    num_stages=1, prefetch=T == 1)
+    bm = 16
+    while bm < 64 and bm < 2 * T * k / E:
+        bm *= 2
+    return dict(kernel="mma", block_m=bm, block_n=32, block_k=256, block_n_down=32, num_warps=4,
+                num_stages=3)
 
 
 def moe(x_TD, router_w_ED, router_b_E, kexp: KernelExperts, *, top_k, swiglu_limit, swiglu_alpha,

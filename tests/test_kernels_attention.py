@@ -1,10 +1,10 @@
-"""The Pallas paged decode-attention kernel (CPU interpret mode) against the pure-JAX reference."""
+"""The Pallas paged decode and prefill attention kernels (CPU interpret mode) against the pure-JAX reference."""
 
 import numpy as np
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import attention_reference, paged_attention
+from pallas_kernels import attention_reference, flash_attention, paged_attention
 
 FULL = 2**31 - 1
 
@@ -61,11 +61,12 @@ def _prefill_case(seed, N, K, H, S, chunks, T, sink_scale, dtype=jnp.bfloat16):
 @pytest.mark.parametrize("window,S,chunks,T,sink_scale,block_q", [
     (FULL, 4, [(0, 21), (9, 5), (0, 0)], 21, 1.0, 16),     # causal from 0, a continuation chunk, an all-padding row
     (8, 4, [(0, 21), (30, 13), (3, 2)], 21, 30.0, 16),     # chunks longer / shorter than the window, big sinks
-    (8, 8, [(17, 6)], 6, 1.0, 32),                         # one tile, keys before the window skipped
+    (8, 8, [(17, 6)], 6, 1.0, 32),                         # one tile; keys 0-7 are NaN: must be skipped
 ])
 def test_prefill_flash_matches_reference(window, S, chunks, T, sink_scale, block_q):
-    from pallas_kernels import flash_attention
     q, kp, vp, bt, pos, sinks = _prefill_case(len(chunks) + S, 8, 2, 16, S, chunks, T, sink_scale)
+    if chunks == [(17, 6)]:  # block 0 lies wholly before every query's window: poison it
+        kp, vp = kp.at[bt[0, 0]].set(jnp.nan), vp.at[bt[0, 0]].set(jnp.nan)
     ref = attention_reference.attention(q, kp, vp, bt, pos, sinks, window)
     out = flash_attention.attention(q, kp, vp, bt, pos, sinks, window, block_q=block_q, block_kv=8,
                                     interpret=True)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import attention_reference, moe_decode, moe_reference, paged_attention
+from pallas_kernels import attention_reference, flash_attention, moe_decode, moe_reference, paged_attention
 from tools import kernel_cases as kc
 
 LINES = []
@@ -139,9 +139,7 @@ def bench_moe_decode(model, Ts, bw, configs, L):
         def xla_ref(xs, ex):
             outs = []
             for i in range(L):
-                e = layer(ex, i)
-                gu = jnp.asarray(0)
-                outs.append(_ref_experts(xs[i], idxs[i], ws[i], e))
+                outs.append(_ref_experts(xs[i], idxs[i], ws[i], layer(ex, i)))
             return outs
         t_ref = timeit(jax.jit(xla_ref), xs, ex) / L
         log(f"ROW moe_decode {model:4s} T={T:3d} | pallas kernels {best[0]*1e6:8.1f} us {nbytes/best[0]/1e12:5.2f} TB/s "
@@ -272,6 +270,48 @@ def bench_paged(bw, cases, split_opts):
             f"{res['cudnn']*1e6:8.1f} us xla {res['xla']*1e6:8.1f} us | KV bytes {nbytes/1e6:.0f} MB")
 
 
+def bench_flash(mm, cases, cfgs):
+    """Prefill attention: Pallas kernel vs the paged reference and jax.nn.dot_product_attention (cudnn,
+    contiguous K/V, causal + window, no sinks and no paging: a lower bound for what a library gives)."""
+    N, K, H, S = 64, 8, 64, 16
+    for (B, T, start, window) in cases:
+        q, kp, vp, bt, pos, sinks = kc.prefill(jax.random.PRNGKey(T + B), N, K, H, S, [(start, T)] * B, T)
+        vis = [min(start + t + 1, window) for t in range(T)]
+        flops = 4 * B * N * H * sum(vis)
+        best = None
+        for cfg in cfgs:
+            f = jax.jit(lambda *a, cfg=cfg: flash_attention.attention(*a, window, **cfg))
+            try:
+                t = timeit(f, q, kp, vp, bt, pos, sinks, n=5, reps=3)
+            except Exception as e:  # noqa: BLE001
+                log(f"  flash B={B} T={T} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}")
+                continue
+            log(f"  flash B={B} T={T} start={start} win={window} {t*1e3:7.3f} ms {flops/t/1e12:6.1f} TFLOP/s "
+                f"cfg={cfg}")
+            if best is None or t < best[0]:
+                best = (t, cfg)
+        try:
+            t_ref = timeit(jax.jit(lambda *a: attention_reference.attention(*a, window)), q, kp, vp, bt, pos,
+                           sinks, n=2, reps=2)
+        except Exception as e:  # noqa: BLE001
+            t_ref = float("nan")
+            log(f"  reference failed: {type(e).__name__}: {str(e)[:150]}")
+        kc_ = jax.random.normal(jax.random.PRNGKey(9), (B, start + T, K, H), jnp.float32).astype(jnp.bfloat16)
+        try:
+            g = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+                q, k, v, implementation="cudnn", is_causal=start == 0,
+                local_window_size=(window - 1, 0) if window < start + T else None))
+            t_dpa = timeit(g, q, kc_, kc_, n=5, reps=3)
+        except Exception as e:  # noqa: BLE001
+            t_dpa = float("nan")
+            log(f"  dpa cudnn failed: {type(e).__name__}: {str(e)[:150]}")
+        del kp, vp, kc_
+        log(f"ROW flash_prefill B={B} T={T} start={start} win={'full' if window > 2**30 else window} | pallas "
+            f"{best[0]*1e3:7.3f} ms {flops/best[0]/1e12:6.1f} TFLOP/s ({flops/best[0]/mm*100:4.1f}% of "
+            f"{mm/1e12:.0f}) {best[1]} | paged reference {t_ref*1e3:8.3f} ms | dpa cudnn contiguous "
+            f"(no sinks) {t_dpa*1e3:7.3f} ms")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -280,35 +320,42 @@ def main():
     args = ap.parse_args()
     log(f"device: {jax.devices()[0].device_kind}  date {time.strftime('%Y-%m-%d %H:%M')}")
     bw, mm = ceilings()
-    only = set(args.only.split(",")) if args.only else {"moe_decode", "paged", "moe_prefill", "ragged"}
+    only = set(args.only.split(",")) if args.only else {"moe_decode", "paged", "flash", "moe_prefill", "ragged"}
 
     def dec_cfgs(T, k, E):
         base = moe_decode.decode_config(T, k, E)
         out = [base]
-        if not args.quick:
-            for bn, bk, sw in ((64, 256, True), (64, 512, True), (128, 256, True)):
-                out.append(dict(base, block_n=bn, block_n_down=bn, block_k=bk, swap=sw))
+        if args.quick or base["kernel"] != "gemv":
+            return out
+        out += [dict(base, prefetch=not base["prefetch"]), dict(base, block_k=1024),
+                dict(base, block_k=256), dict(base, num_warps=8)]
         return out
 
     t0 = time.time()
     if "moe_decode" in only:
-        bench_moe_decode("20b", (1, 4, 16, 64), bw, dec_cfgs, L=6)
-        bench_moe_decode("120b", (1, 4, 16), bw, dec_cfgs, L=3)
+        bench_moe_decode("20b", (1, 4, 16, 64), bw, dec_cfgs, L=3)
+        bench_moe_decode("120b", (1, 4, 16), bw, dec_cfgs, L=2)
     log(f"[{time.time()-t0:.0f}s]")
     if "paged" in only:
         bench_paged(bw, [(64, 8192, 2**31 - 1, 16), (64, 8192, 128, 16), (8, 32768, 2**31 - 1, 16)],
                     lambda B: (1, 2) if B >= 32 else (4, 16))
     log(f"[{time.time()-t0:.0f}s]")
+    if "flash" in only:
+        fcfgs = [dict(block_q=128, block_kv=64, num_warps=8, num_stages=3),
+                 dict(block_q=64, block_kv=64, num_warps=4, num_stages=3),
+                 dict(block_q=128, block_kv=128, num_warps=8, num_stages=3)]
+        bench_flash(mm, [(1, 8192, 0, 2**31 - 1), (1, 8192, 0, 128), (4, 2048, 2048, 2**31 - 1)],
+                    fcfgs if not args.quick else fcfgs[:1])
+    log(f"[{time.time()-t0:.0f}s]")
     if "ragged" in only:
         bench_ragged_decode("20b", 1, bw)
     if "moe_prefill" in only:
-        pcfgs = [dict(block_m=128, block_n=64, block_k=64, block_n_down=64, num_warps=8, num_stages=3),
-                 dict(block_m=128, block_n=128, block_k=64, block_n_down=128, num_warps=8, num_stages=3,
-                      swap=True),
-                 dict(block_m=64, block_n=128, block_k=128, block_n_down=128, num_warps=4, num_stages=3,
-                      swap=True),
-                 dict(block_m=128, block_n=64, block_k=128, block_n_down=64, num_warps=4, num_stages=3,
-                      swap=True)]
+        pcfgs = [dict(kernel="mma", block_m=128, block_n=64, block_k=128, block_n_down=64, num_warps=4,
+                      num_stages=3, swap=True),
+                 dict(kernel="mma", block_m=128, block_n=64, block_k=256, block_n_down=64, num_warps=4,
+                      num_stages=3, swap=True),
+                 dict(kernel="mma", block_m=128, block_n=128, block_k=128, block_n_down=128, num_warps=8,
+                      num_stages=3, swap=False)]
         bench_moe_prefill("20b", 8192, mm, pcfgs if not args.quick else pcfgs[:1])
         bench_moe_prefill("120b", 8192, mm, pcfgs if not args.quick else pcfgs[:1])
     log(f"[{time.time()-t0:.0f}s]")

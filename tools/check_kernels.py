@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import attention_reference, moe_decode, moe_prefill, moe_reference, paged_attention
+from pallas_kernels import (attention_reference, flash_attention, moe_decode, moe_prefill, moe_reference,
+                            paged_attention)
 from tools import kernel_cases as kc
 
 TOL = 2e-2
@@ -37,15 +38,10 @@ def main():
         "moe_decode": ("20b", 1, (), moe_decode.moe),
         "moe_decode ": ("20b", 3, (0, 5), moe_decode.moe),
         "moe_decode  ": ("20b", 17, (1,), moe_decode.moe),
-        "moe_decode   ": ("20b", 64, (), moe_decode.moe),
-        "moe_decode    ": ("120b", 5, (7,), moe_decode.moe),
+        "moe_decode   ": ("120b", 5, (7,), moe_decode.moe),
+        "moe_decode nopf": ("120b", 2, (), functools.partial(moe_decode.moe, prefetch=False, block_k=256)),
         "moe_prefill": ("20b", 777, (2, 9), moe_prefill.moe),
         "moe_prefill ": ("120b", 1001, (), moe_prefill.moe),
-        "moe_decode swap": ("120b", 9, (3,), functools.partial(moe_decode.moe, swap=True, block_n=64,
-                                                              block_n_down=64)),
-        "moe_prefill swap": ("20b", 555, (4,), functools.partial(moe_prefill.moe, swap=True, block_m=128,
-                                                                block_n=128, block_k=64, block_n_down=128,
-                                                                num_warps=8)),
     }.items():
         s = kc.SHAPES[model]
         key, k1, k2 = jax.random.split(key, 3)
@@ -56,14 +52,12 @@ def main():
         out = fn(x, rw, rb, kx, top_k=s["k"], swiglu_limit=kc.LIMIT, swiglu_alpha=kc.ALPHA)
         e, fin = rel(out, ref)
         rows.append((name.strip(), f"{model} T={T} empty={list(empty)}", e, fin))
+        print(*rows[-1], flush=True)
         del ex, kx
 
     for name, (B, S, ctxs, window, sink_scale, splits) in {
-        "paged_decode": (4, 16, [1, 100, 129, 3000], 2**31 - 1, 1.0, None),
-        "paged_decode ": (4, 16, [1, 100, 129, 3000], 2**31 - 1, 1.0, 4),
-        "paged_decode  ": (5, 16, [5, 127, 128, 4097, 0], 128, 20.0, None),
-        "paged_decode   ": (3, 32, [300, 1, 65], 128, 1.0, 2),
-        "paged_decode    ": (2, 64, [8191, 70], 2**31 - 1, 5.0, None),
+        "paged_decode": (5, 16, [5, 127, 128, 4097, 0], 128, 20.0, None),
+        "paged_decode ": (2, 64, [8191, 70], 2**31 - 1, 5.0, None),
     }.items():
         key, k1 = jax.random.split(key)
         q, kp, vp, bt, pos, sinks = kc.paged(k1, B, 64, 8, 64, S, ctxs, sink_scale)
@@ -72,6 +66,23 @@ def main():
         e, fin = rel(out, ref)
         rows.append((name.strip(), f"B={B} page={S} ctx={ctxs} win={'full' if window > 2**30 else window} "
                      f"sinks*{sink_scale} splits={splits}", e, fin))
+        print(*rows[-1], flush=True)
+
+    for name, (chunks, T, window, sink_scale, cfg) in {
+        "flash_prefill": ([(0, 300), (100, 77), (0, 0)], 300, 2**31 - 1, 1.0, {}),
+        "flash_prefill ": ([(0, 300), (4000, 250), (7, 3)], 300, 128, 20.0, {}),
+        "flash_prefill  ": ([(0, 1000)], 1000, 128, 1.0, dict(block_q=64, block_kv=128, num_warps=8)),
+        "flash_prefill   ": ([(50, 513), (0, 1)], 513, 2**31 - 1, 5.0, dict(block_kv=128)),
+    }.items():
+        key, k1 = jax.random.split(key)
+        q, kp, vp, bt, pos, sinks = kc.prefill(k1, 64, 8, 64, 16, chunks, T, sink_scale)
+        ref = attention_reference.attention(q, kp, vp, bt, pos, sinks, window)
+        out = flash_attention.attention(q, kp, vp, bt, pos, sinks, window, **cfg)
+        e, fin = rel(out, ref)
+        pad_zero = bool((np.abs(np.asarray(out, np.float32)[np.asarray(pos) < 0]).max(initial=0.0) == 0.0))
+        rows.append((name.strip(), f"chunks={chunks} win={'full' if window > 2**30 else window} "
+                     f"sinks*{sink_scale} {cfg} pad0={pad_zero}", e, fin and pad_zero))
+        print(*rows[-1], flush=True)
 
     print(f"\n{'kernel':14s} {'case':70s} {'rel_err':>9s} finite pass")
     ok = True

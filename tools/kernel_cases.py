@@ -43,3 +43,22 @@ def paged(key, B, N, K, H, S, ctxs, sink_scale=1.0, dtype=jnp.bfloat16, extra_pa
     q = jax.random.normal(ks[2], (B, 1, N, H), jnp.float32).astype(dtype)
     sinks = jax.random.normal(ks[3], (N,), jnp.float32) * sink_scale
     return q, kp, vp, bt, pos, sinks
+
+
+def prefill(key, N, K, H, S, chunks, T, sink_scale=1.0, dtype=jnp.bfloat16):
+    """Rows (start, length): queries at start .. start+length-1, then padding (pos -1) up to T; the pool
+    holds keys 0 .. start+length-1 of each row behind a shuffled block table."""
+    rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 2**30)))
+    B = len(chunks)
+    M = max((s + n + S - 1) // S for s, n in chunks) + 1
+    P = B * M + 1
+    ks = jax.random.split(key, 4)
+    kp = jax.random.normal(ks[0], (P, S, K, H), jnp.float32).astype(dtype)
+    vp = jax.random.normal(ks[1], (P, S, K, H), jnp.float32).astype(dtype)
+    bt = jnp.asarray(rng.permutation(np.arange(1, P))[:B * M].reshape(B, M).astype(np.int32))
+    pos = np.full((B, T), -1, np.int32)
+    for b, (s, n) in enumerate(chunks):
+        pos[b, :n] = np.arange(s, s + n)
+    q = jax.random.normal(ks[2], (B, T, N, H), jnp.float32).astype(dtype)
+    sinks = jax.random.normal(ks[3], (N,), jnp.float32) * sink_scale
+    return q, kp, vp, bt, jnp.asarray(pos), sinks

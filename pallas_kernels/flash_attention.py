@@ -1,0 +1,118 @@
+"""Prefill flash attention (T > 1 queries per row) over the paged KV cache: GQA-packed, causal, learned
+sinks, and sliding layers that skip every KV block outside the window.
+
+Backend: **Pallas-Triton**, for the reasons in `paged_attention` (page gathers as pointer-tensor
+loads, CPU interpret mode in CI).
+
+Design: grid `(batch, kv_heads, query tiles)`.  The `G = N // K` query heads of a KV head are packed
+with the chunk's tokens into the rows of one tile (row = token * G + head, `block_q` rows), so each
+K/V block is read once for all G heads and the `[block_q, H] x [H, block_kv]` dots fill the tensor
+cores even for short chunks.  A tile's visible keys are `[min_pos - window + 1, max_pos]` over its
+valid rows (padded rows have position -1 and are ignored): the KV loop runs over exactly the
+`block_kv`-key blocks of that range, read through the block table (`block_kv / page_size` pages per
+block), so a sliding layer touches at most `ceil((window + tokens in tile) / block_kv) + 1` blocks
+whatever the context, and full layers stop at the causal diagonal.  Per-element masking
+(causal, window, padding) happens only inside those blocks.  Online softmax in fp32; the sink joins
+the denominator in the epilogue: out = acc / (l + e^(sink - m)) after rescaling to max(m, sink).
+Rows with no visible key (padding) come out 0.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+NEG = -1e30
+BIG = 2**30
+
+
+def _kernel(bt_ref, pos_ref, sink_ref, q_ref, k_ref, v_ref, o_ref, *, bq, G, page_size, pages_per_block,
+            max_pages, window, scale):
+    b = pl.program_id(0)
+    kh = pl.program_id(1)
+    r0 = pl.multiple_of(pl.program_id(2) * bq, bq)
+    H = q_ref.shape[3]
+    bkv = page_size * pages_per_block
+    rows = r0 + jnp.arange(bq)
+    pos = plt.load(pos_ref.at[b, rows // G])  # [bq] position of each row's token, -1 = padding
+    valid = pos >= 0
+    hi = jnp.max(jnp.where(valid, pos, -1)) + 1
+    if window >= BIG:
+        lo = jnp.int32(0)
+    else:
+        lo = jnp.maximum(jnp.min(jnp.where(valid, pos, BIG)) - (window - 1), 0)
+    blk_lo = lo // bkv
+    blk_hi = jnp.maximum((hi + bkv - 1) // bkv, blk_lo)
+
+    q = q_ref[b, kh, pl.ds(r0, bq), :]
+    hcols = jnp.arange(H)[None, :]
+
+    def body(blk, carry):
+        m, l, acc = carry
+        cols = blk * pages_per_block + jnp.arange(pages_per_block)
+        pages = plt.load(bt_ref.at[b, cols], mask=cols < max_pages, other=0)
+        kpos = blk * bkv + jnp.arange(bkv)
+        slots = (pages[:, None] * page_size + jnp.arange(page_size)[None, :]).reshape(bkv)
+        in_range = (kpos < hi)[:, None]
+        k = plt.load(k_ref.at[slots[:, None], kh, hcols], mask=in_range, other=0)
+        v = plt.load(v_ref.at[slots[:, None], kh, hcols], mask=in_range, other=0)
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32) * scale  # [bq, bkv]
+        d = pos[:, None] - kpos[None, :]
+        vis = (d >= 0) & (d < window)
+        s = jnp.where(vis, s, NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(vis, jnp.exp(s - m_new[:, None]), 0.0)
+        l = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return m_new, l, acc
+
+    m0 = jnp.full((bq,), NEG, jnp.float32)
+    l0 = jnp.zeros((bq,), jnp.float32)
+    a0 = jnp.zeros((bq, H), jnp.float32)
+    m, l, acc = jax.lax.fori_loop(blk_lo, blk_hi, body, (m0, l0, a0))
+    sink = plt.load(sink_ref.at[kh * G + rows % G])
+    mf = jnp.maximum(m, sink)
+    w = jnp.exp(m - mf)
+    out = acc * (w / (l * w + jnp.exp(sink - mf)))[:, None]
+    o_ref[b, kh, pl.ds(r0, bq), :] = out.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("window", "block_q", "block_kv", "num_warps", "num_stages",
+                                             "interpret"))
+def attention(q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sinks_N, window, *,
+              block_q=64, block_kv=64, num_warps=4, num_stages=3, interpret=None):
+    """Paged prefill attention (T > 1); same function as `attention_reference.attention`.
+
+    block_q counts (token, head) rows and must be a multiple of G = N // K."""
+    B, T, N, H = q_BTNH.shape
+    P, S, K, _ = k_pages_PSKH.shape
+    M = block_tables_BM.shape[1]
+    G = N // K
+    bq = block_q
+    assert bq % G == 0, (bq, G)
+    ppb = max(1, block_kv // S)
+    nq = pl.cdiv(T * G, bq)
+    Tp = nq * bq // G
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+
+    q = q_BTNH.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H)
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, nq * bq - T * G), (0, 0)))
+    pos = jnp.pad(q_pos_BT.astype(jnp.int32), ((0, 0), (0, Tp - T)), constant_values=-1)
+    out = pl.pallas_call(
+        functools.partial(_kernel, bq=bq, G=G, page_size=S, pages_per_block=ppb, max_pages=M,
+                          window=min(int(window), BIG), scale=H ** -0.5),
+        grid=(B, K, nq),
+        out_shape=jax.ShapeDtypeStruct((B, K, nq * bq, H), q_BTNH.dtype),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret, name="paged_flash_attention",
+    )(block_tables_BM.astype(jnp.int32), pos, sinks_N.astype(jnp.float32), q,
+      k_pages_PSKH.reshape(P * S, K, H), v_pages_PSKH.reshape(P * S, K, H))
+    out = out[:, :, :T * G].reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4)
+    return out.reshape(B, T, N, H)
