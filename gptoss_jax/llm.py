@@ -90,8 +90,8 @@ class LLM:
     def inspect(self, token_ids: Sequence[int], hidden_states: bool = False, logits: bool = False) -> Inspection:
         """Per-layer internals for one token sequence: router logits, chosen experts and weights, the
         attention mass each head gives its sink, optionally the residual stream after each layer and the
-        logits. Same jitted model code and paged path as `logits`, with `model.Inspect` on (runs the
-        reference attention and MoE whatever `impl` is); see `gptoss_jax.inspection`."""
+        logits. Same jitted model code, kernels and paged path as `logits`, with `model.Inspect` on; see
+        `gptoss_jax.inspection`."""
         return inspection.run(self.engine, self._check_ids(token_ids, "inspect"), hidden_states=hidden_states,
                               logits=logits)
 

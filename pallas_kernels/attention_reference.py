@@ -24,11 +24,13 @@ def _visible_pages(block_tables_BM: jax.Array, q_pos_BT: jax.Array, page_size: i
 
 
 def attention(q_BTNH: jax.Array, k_pages_PSKH: jax.Array, v_pages_PSKH: jax.Array, block_tables_BM: jax.Array,
-              q_pos_BT: jax.Array, sinks_N: jax.Array, window: int) -> jax.Array:
+              q_pos_BT: jax.Array, sinks_N: jax.Array, window: int, *, return_sink_mass: bool = False):
     """Causal attention of queries at absolute positions `q_pos_BT` (-1 = padding) over paged keys.
 
     A query at position `p` sees keys `p-window+1 .. p`. Each head's sink logit joins the softmax
     denominator only, so probabilities sum to less than 1 and a row with no visible key yields 0.
+    `return_sink_mass` (static; for inspection) also returns the probability each head gives its sink,
+    `[B, T, N]` fp32 = 1 - (mass on the keys); padded queries give 1.
     """
     B, T, N, H = q_BTNH.shape
     S, K = k_pages_PSKH.shape[1], k_pages_PSKH.shape[2]
@@ -53,4 +55,8 @@ def attention(q_BTNH: jax.Array, k_pages_PSKH: jax.Array, v_pages_PSKH: jax.Arra
     denom = jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sinks - m)
     p = p / denom
     out = jnp.einsum("bkgtj,bjkh->btkgh", p, v_BJKH.astype(jnp.float32))
-    return out.reshape(B, T, N, H).astype(q_BTNH.dtype)
+    out = out.reshape(B, T, N, H).astype(q_BTNH.dtype)
+    if not return_sink_mass:
+        return out
+    sink_BKGT = (jnp.exp(sinks - m) / denom)[..., 0]
+    return out, sink_BKGT.transpose(0, 3, 1, 2).reshape(B, T, N)
