@@ -11,11 +11,13 @@ import json
 import math
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
-from gptoss_jax import checkpoint, safetensors_io
+from gptoss_jax import checkpoint, params as params_lib, safetensors_io
 from gptoss_jax.config import from_hf_dict, from_original_dict
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -39,9 +41,7 @@ DEMO_CONFIG = {
 
 def _tensor_specs(cfg, layout: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """File tensor name -> (shape, dtype) of every tensor the layout holds."""
-    from gptoss_jax.params import shapes
-
-    tree = shapes(cfg)
+    tree = params_lib.shapes(cfg)
     specs = {}
     for name, targets in checkpoint.tensor_targets(cfg, layout).items():
         t = targets[0]
@@ -136,3 +136,24 @@ def to_original_config(hf: dict) -> dict:
         "rope_scaling_factor": rope.get("factor", 1.0), "rope_ntk_alpha": rope.get("beta_slow", 1.0),
         "rope_ntk_beta": rope.get("beta_fast", 32.0),
     }
+
+
+def random_params(cfg, dtype=jnp.bfloat16, seed: int = 0):
+    """Random `Params` at `cfg`'s shape drawn directly on device (no file): small normals, unit norms, MXFP4
+    scales near 1/16. For benchmarks at the real shapes, where writing and reading a checkpoint is not the point."""
+    shapes = params_lib.shapes(cfg, dtype)
+    leaves, tree = jax.tree.flatten(shapes)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    paths = [".".join(p) for p in params_lib.field_paths(shapes)]
+
+    def make(key, s, path):
+        if s.dtype == jnp.uint8:
+            if path.endswith("scales"):
+                return jax.random.randint(key, s.shape, 118, 124, jnp.int32).astype(jnp.uint8)
+            return jax.random.bits(key, s.shape, jnp.uint8)
+        if path.endswith("norm"):
+            return jnp.ones(s.shape, s.dtype)
+        return (0.02 * jax.random.normal(key, s.shape, jnp.float32)).astype(s.dtype)
+
+    out = [jax.jit(make, static_argnums=(1, 2))(k, s, p) for k, s, p in zip(keys, leaves, paths)]
+    return jax.tree.unflatten(tree, out)

@@ -30,32 +30,12 @@ import numpy as np  # noqa: E402
 import pallas_kernels  # noqa: E402
 from gptoss_jax import config, params as params_lib  # noqa: E402
 from gptoss_jax.engine import Engine  # noqa: E402
-from gptoss_jax.random_weights import DEMO_CONFIG  # noqa: E402
+from gptoss_jax.random_weights import DEMO_CONFIG, random_params  # noqa: E402
 from gptoss_jax.sampling import SamplingParams  # noqa: E402
 
 SMOKE = dict(DEMO_CONFIG, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, experts_per_token=2,
              vocab_size=512, hidden_size=64, intermediate_size=64, head_dim=16, num_attention_heads=4,
              num_key_value_heads=2, sliding_window=8, eos_token_id=1, pad_token_id=0)
-
-
-def random_params(cfg: config.ModelConfig, dtype) -> params_lib.Params:
-    """Random weights at `cfg`'s shape, made on device: small normals, unit norms, MXFP4 scales near 1/16."""
-    shapes = params_lib.shapes(cfg, dtype)
-    leaves, tree = jax.tree.flatten(shapes)
-    keys = jax.random.split(jax.random.PRNGKey(0), len(leaves))
-    paths = [".".join(p) for p in params_lib.field_paths(shapes)]
-
-    def make(key, s, path):
-        if s.dtype == jnp.uint8:
-            if path.endswith("scales"):
-                return jax.random.randint(key, s.shape, 118, 124, jnp.int32).astype(jnp.uint8)
-            return jax.random.bits(key, s.shape, jnp.uint8)
-        if path.endswith("norm"):
-            return jnp.ones(s.shape, s.dtype)
-        return (0.02 * jax.random.normal(key, s.shape, jnp.float32)).astype(s.dtype)
-
-    out = [jax.jit(make, static_argnums=(1, 2))(k, s, p) for k, s, p in zip(keys, leaves, paths)]
-    return jax.tree.unflatten(tree, out)
 
 
 def run_job(engine: Engine, prompts: list[list[int]], output_len: int) -> dict:
@@ -138,6 +118,7 @@ def main() -> None:
         print(f"[{name}] {n} x ({args.input_len} in, {out_len} out): {row['output_tok_s']:.0f} output tok/s, "
               f"TTFT median {row['ttft_s_median'] * 1e3:.0f} ms, TPOT median {row['tpot_ms_median']:.2f} ms, "
               f"{row['num_preemptions']} preemptions", flush=True)
+        engine.close()
         del engine
         gc.collect()
     Path(args.out).write_text(json.dumps(result, indent=1, default=str))
