@@ -232,3 +232,72 @@ def load(path: str | Path, dtype=jnp.bfloat16, *, cache_dir: str | Path | None =
     checkpointer.wait_until_finished()
     log.info("saved converted parameters to %s", target)
     return cfg, params
+
+
+# ---- sharded loading: each device reads only its slice ---------------------------------------------
+
+def load_params_sharded(path: str | Path, dtype, layout, *, progress: bool = True
+                        ) -> tuple[ModelConfig, params_lib.Params]:
+    """`load_params` straight into the placement of `layout` (a `sharding.rules.Layout`): every leaf is
+    built with `jax.make_array_from_callback`, so each device copies only its own slice out of the
+    memory-mapped safetensors (in a multi-host job each host reads only what its devices hold). The
+    expert axis is padded with zero experts to a multiple of the `model` axis, as `Layout.shard_params`."""
+    path = Path(path)
+    kind, files = find_files(path)
+    cfg = load_config(path)
+    shapes = layout.padded_shapes(params_lib.shapes(cfg, dtype))
+    plain = params_lib.shapes(cfg, dtype)
+    shardings = layout.param_shardings(cfg.num_kv_heads, shapes)
+    targets = tensor_targets(cfg, kind)
+    src: dict[tuple, tuple[Reader, str, tuple | None]] = {}
+    for file in files:
+        reader = Reader(file)
+        for name in reader.names():
+            for t in targets.get(name, []):
+                full = ("layers",) + t.field if t.layer is not None else t.field
+                want = _get_field(plain, full)
+                _check_tensor(name, file, reader.dtype_name(name), reader.shape(name),
+                              want.shape[1:] if t.layer is not None else want.shape, t, full)
+                if (full, t.layer) in src:
+                    raise CheckpointError(f"{file}: tensor '{name}' also appears in {src[(full, t.layer)][0].path}")
+                src[(full, t.layer)] = (reader, name, t.rows)
+    missing = sorted(n for n, ts in targets.items() for t in ts
+                     if ((("layers",) + t.field if t.layer is not None else t.field), t.layer) not in src)
+    if missing:
+        raise CheckpointError(f"{path}: missing {len(missing)} tensor(s), e.g. {missing[:5]} "
+                              f"(searched {[f.name for f in files]})")
+
+    def source(full, layer):
+        reader, name, rows = src[(full, layer)]
+        a = reader.get(name)
+        return a[rows[0]:rows[1]] if rows else a
+
+    def build(full):
+        sds, sharding = _get_field(shapes, full), _get_field(shardings, full)
+        np_dtype = np.dtype(sds.dtype)
+        if full[0] != "layers":
+            return jax.make_array_from_callback(sds.shape, sharding,
+                                                lambda idx: np.asarray(source(full, None)[idx]).astype(np_dtype))
+        num_real = _get_field(plain, full).shape[1] if full[1] == "experts" else None
+
+        def per_device(idx):
+            layers = range(*idx[0].indices(sds.shape[0]))
+            rest = tuple(idx[1:]) + (slice(None),) * (len(sds.shape) - len(idx))
+            dims = [len(range(*s.indices(n))) for s, n in zip(rest, sds.shape[1:])]
+            out = np.zeros([len(layers)] + dims, np_dtype)
+            for j, layer in enumerate(layers):
+                a = source(full, layer)
+                if num_real is not None:  # padded expert axis: ids >= num_real are zero experts
+                    lo, hi, _ = rest[0].indices(sds.shape[1])
+                    real = a[(slice(min(lo, num_real), min(hi, num_real)),) + rest[1:]]
+                    out[j, :real.shape[0]] = real
+                else:
+                    out[j] = a[rest]
+            return out
+
+        return jax.make_array_from_callback(sds.shape, sharding, per_device)
+
+    tree = shapes
+    for field in tqdm(params_lib.field_paths(shapes), desc=f"Loading {path.name} (sharded)", disable=not progress):
+        tree = _with_field(tree, field, build(field))
+    return cfg, tree

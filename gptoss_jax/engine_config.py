@@ -36,6 +36,12 @@ class EngineConfig:
     min_context_bucket: int = 1024         # smallest padded block-table width, in tokens
     max_logprobs: int = 20                 # largest `SamplingParams.logprobs` accepted
     warmup: bool = False                   # compile every bucket at start-up
+    # Devices (docs/SCALING.md): a (replicas x model_parallel) mesh. `parallel_mode` 'low_latency'
+    # splits attention heads over model_parallel, 'max_throughput' gives every device its own sequences;
+    # experts are split over model_parallel in both. KV page counts above are per attention rank.
+    parallel_mode: str = "low_latency"
+    model_parallel: int = 1
+    replicas: int = 1
 
     def __post_init__(self):
         positive = ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "max_prefill_seqs",
@@ -62,6 +68,12 @@ class EngineConfig:
                 raise ConfigError(f"EngineConfig.decode_batch_buckets={b!r}: positive integers whose largest "
                                   f"is at least max_num_seqs={self.max_num_seqs}")
             object.__setattr__(self, "decode_batch_buckets", tuple(sorted(set(b))))
+        for name in ("model_parallel", "replicas"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"EngineConfig.{name}={v!r}: must be an integer >= 1")
+        if self.parallel_mode not in ("low_latency", "max_throughput"):
+            raise ConfigError(f"EngineConfig.parallel_mode={self.parallel_mode!r}: 'low_latency' or 'max_throughput'")
         if not isinstance(self.enable_prefix_caching, bool) or not isinstance(self.warmup, bool):
             raise ConfigError("EngineConfig.enable_prefix_caching and .warmup must be true or false")
 

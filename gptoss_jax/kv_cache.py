@@ -99,10 +99,13 @@ class SequencePages:
     sliding: list[int] = dataclasses.field(default_factory=list)
     hashes: list[int] = dataclasses.field(default_factory=list)  # of leading full pages (prefix caching)
     num_registered: int = 0  # leading full pages already offered to the prefix cache
+    rank: int = 0  # the attention rank whose pool holds these pages (ids are rank-local)
 
 
 class KVCacheManager:
-    """Both pools and the per-sequence page operations the scheduler needs."""
+    """Both pools and the per-sequence page operations the scheduler needs (one attention rank)."""
+
+    num_ranks = 1
 
     def __init__(self, num_pages_full: int, num_pages_sliding: int, page_size: int, window: int,
                  num_sliding_layers: int, enable_prefix_caching: bool):
@@ -192,6 +195,50 @@ class KVCacheManager:
         pages.sliding.clear()
         pages.hashes.clear()
         pages.num_registered = 0
+
+
+class RankedKVCacheManager:
+    """One `KVCacheManager` per attention rank (a device group that owns its sequences and pages, see
+    docs/SCALING.md): page ids are rank-local, each rank with its own null page 0; on device rank `r`'s
+    pool is pages `[r * P, (r + 1) * P)` of the pool array. Every operation goes to `pages.rank`;
+    prefix caching works within a rank."""
+
+    def __init__(self, num_ranks: int, *args, **kwargs):
+        self.ranks = [KVCacheManager(*args, **kwargs) for _ in range(num_ranks)]
+        self.num_ranks = num_ranks
+        self.page_size, self.window = self.ranks[0].page_size, self.ranks[0].window
+
+    @property
+    def full(self) -> PagePool:  # rank 0's pool (statistics and tests of the single-rank engine)
+        return self.ranks[0].full
+
+    @property
+    def capacity_tokens(self) -> int:  # a sequence lives in one rank
+        return self.ranks[0].capacity_tokens
+
+    def usage(self) -> float:
+        return sum(m.full.num_used for m in self.ranks) / sum(m.full.num_pages - 1 for m in self.ranks)
+
+    def match_prefix(self, pages, token_ids):
+        return self.ranks[pages.rank].match_prefix(pages, token_ids)
+
+    def pages_needed(self, pages, first_query, end):
+        return self.ranks[pages.rank].pages_needed(pages, first_query, end)
+
+    def can_allocate(self, pages, first_query, end):
+        return self.ranks[pages.rank].can_allocate(pages, first_query, end)
+
+    def allocate(self, pages, first_query, end):
+        self.ranks[pages.rank].allocate(pages, first_query, end)
+
+    def slide(self, pages, next_query):
+        self.ranks[pages.rank].slide(pages, next_query)
+
+    def register(self, pages, token_ids, num_computed):
+        self.ranks[pages.rank].register(pages, token_ids, num_computed)
+
+    def free(self, pages):
+        self.ranks[pages.rank].free(pages)
 
 
 def pool_sizes(num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int, window: int, page_size: int,

@@ -111,6 +111,10 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(prefills) < cfg.max_prefill_seqs
                and len(self.running) < cfg.max_num_seqs):
             seq = self.waiting[0]
+            rank = self._pick_rank()
+            if rank is None:
+                break
+            seq.pages.rank = rank
             start, hit = self.kv.match_prefix(seq.pages, seq.token_ids)
             n = min(len(seq.token_ids) - start, cfg.prefill_chunk_size, budget)
             if not self.kv.can_allocate(seq.pages, start, start + n):
@@ -131,12 +135,26 @@ class Scheduler:
         """Allocate pages for `seq`, preempting the newest unscheduled sequences if needed; preempts
         `seq` itself (returns False) when nothing else can give pages back."""
         while not self.kv.can_allocate(seq.pages, first_query, end):
-            victims = [s for s in self.running if s is not seq and id(s) not in scheduled]
+            victims = [s for s in self.running if s is not seq and id(s) not in scheduled
+                       and s.pages.rank == seq.pages.rank]  # only its own rank's pages help
             self._preempt(victims[-1] if victims else seq)
             if not victims:
                 return False
         self.kv.allocate(seq.pages, first_query, end)
         return True
+
+    def _pick_rank(self) -> int | None:
+        """The attention rank a new sequence joins: the one with the most free full pages among those
+        below their share of `max_num_seqs` (None: all full)."""
+        R = self.kv.num_ranks
+        if R == 1:
+            return 0
+        counts = collections.Counter(s.pages.rank for s in self.running)
+        share = -(-self.config.max_num_seqs // R)
+        open_ranks = [r for r in range(R) if counts[r] < share]
+        if not open_ranks:
+            return None
+        return max(open_ranks, key=lambda r: (self.kv.ranks[r].full.num_available, -r))
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -41,6 +41,13 @@ class Sampled:
     top_lps: jax.Array   # f32 [..., B, num_top]
 
 
+def _sampler(layout, num_top: int):
+    """`_sample`, run per attention rank under a layout (rows are independent; the sampler's batch-wide
+    shortcuts then stay inside a rank instead of gathering every rank's logits)."""
+    fn = lambda logits_BV, pos_B, sp: _sample(logits_BV, pos_B, sp, num_top)
+    return fn if layout is None else layout.per_rank(fn, ("rows", "rows", "rows"), "rows")
+
+
 def _sample(logits_BV: jax.Array, pos_B: jax.Array, sp: SamplingBatch, num_top: int) -> Sampled:
     keys = jax.vmap(jax.random.fold_in)(sp.keys_B2, pos_B)
     tokens = sampling.sample(logits_BV, keys, sp.temperature_B, sp.top_k_B, sp.top_p_B, sp.min_p_B)
@@ -51,22 +58,22 @@ def _sample(logits_BV: jax.Array, pos_B: jax.Array, sp: SamplingBatch, num_top: 
     return Sampled(tokens, *lp)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl", "num_top"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "impl", "layout", "num_top"), donate_argnames=("cache",))
 def prefill(params: Params, cache: model.PagedKVCache, tokens_BT: jax.Array, positions_BT: jax.Array,
-            tables: model.PageTables, last_B: jax.Array, sp: SamplingBatch, *, cfg: ModelConfig, impl: str,
+            tables: model.PageTables, last_B: jax.Array, sp: SamplingBatch, *, cfg: ModelConfig, impl: str, layout=None,
             num_top: int) -> tuple[Sampled, model.PagedKVCache]:
     """One chunk per row (positions -1 pad); samples the token after each row's column `last_B`."""
     TRACES["prefill"] += 1
-    x, cache = model.forward(params, cache, tokens_BT, positions_BT, tables, cfg, impl)
+    x, cache = model.forward(params, cache, tokens_BT, positions_BT, tables, cfg, impl, layout=layout)
     with jax.named_scope("sample"):
         last_x = jnp.take_along_axis(x, last_B[:, None, None], axis=1)[:, 0]
         pos_B = jnp.take_along_axis(positions_BT, last_B[:, None], axis=1)[:, 0]
-        return _sample(model.unembed(params, last_x), pos_B, sp, num_top), cache
+        return _sampler(layout, num_top)(model.unembed(params, last_x), pos_B, sp), cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl", "num_steps", "num_top"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "impl", "layout", "num_steps", "num_top"), donate_argnames=("cache",))
 def decode(params: Params, cache: model.PagedKVCache, tokens_B: jax.Array, positions_B: jax.Array,
-           tables: model.PageTables, sp: SamplingBatch, *, cfg: ModelConfig, impl: str, num_steps: int,
+           tables: model.PageTables, sp: SamplingBatch, *, cfg: ModelConfig, impl: str, layout=None, num_steps: int,
            num_top: int) -> tuple[Sampled, model.PagedKVCache]:
     """`num_steps` decode steps on device, each feeding back the token it sampled (outputs `[steps, B]`).
     Rows at position -1 are padding and stay so."""
@@ -74,19 +81,19 @@ def decode(params: Params, cache: model.PagedKVCache, tokens_B: jax.Array, posit
 
     def one(carry, _):
         cache, tok_B, pos_B = carry
-        x, cache = model.forward(params, cache, tok_B[:, None], pos_B[:, None], tables, cfg, impl)
+        x, cache = model.forward(params, cache, tok_B[:, None], pos_B[:, None], tables, cfg, impl, layout=layout)
         with jax.named_scope("sample"):
-            out = _sample(model.unembed(params, x[:, 0]), pos_B, sp, num_top)
+            out = _sampler(layout, num_top)(model.unembed(params, x[:, 0]), pos_B, sp)
         return (cache, out.tokens, jnp.where(pos_B >= 0, pos_B + 1, -1)), out
 
     (cache, _, _), outs = jax.lax.scan(one, (cache, tokens_B, positions_B), None, length=num_steps)
     return outs, cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "impl", "layout"), donate_argnames=("cache",))
 def prompt_logits(params: Params, cache: model.PagedKVCache, tokens_BT: jax.Array, positions_BT: jax.Array,
-                  tables: model.PageTables, *, cfg: ModelConfig, impl: str) -> tuple[jax.Array, model.PagedKVCache]:
+                  tables: model.PageTables, *, cfg: ModelConfig, impl: str, layout=None) -> tuple[jax.Array, model.PagedKVCache]:
     """Logits `[B, T, V]` (fp32) at every position of a prefill chunk."""
     TRACES["prompt_logits"] += 1
-    x, cache = model.forward(params, cache, tokens_BT, positions_BT, tables, cfg, impl)
+    x, cache = model.forward(params, cache, tokens_BT, positions_BT, tables, cfg, impl, layout=layout)
     return model.unembed(params, x), cache
