@@ -73,27 +73,33 @@ class Engine:
                  **overrides: Any):
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
-        self.config = engine_config.load(config, **overrides)
+        self.config = ec = engine_config.load(config, **overrides)
         self.impl = pallas_kernels.check_impl(impl or pallas_kernels.default_impl())
-        if loaded is None:
-            self.model_path: Path | None = Path(model) if model is not None else demo.checkpoint_path()
-            self.model_config, self.params = checkpoint.load(self.model_path, DTYPES[dtype], cache_dir=cache_dir,
-                                                             progress=progress)
-        else:
-            self.model_path = Path(model) if model is not None else None
-            self.model_config, self.params = loaded
-        self.params = pallas_kernels.prepare_params(self.params, self.impl)
-        self.dtype = self.params.embed.dtype
         # Several devices: `layout` (a sharding.rules.Layout) or the config's mesh; None = one device.
-        ec = self.config
         if layout is None and ec.model_parallel * ec.replicas > 1:
             from sharding.rules import make_layout
 
             layout = make_layout(ec.model_parallel, ec.replicas, ec.parallel_mode)
         self.layout = layout
         self.num_ranks = layout.num_ranks if layout is not None else 1
-        if layout is not None:
-            self.params = layout.shard_params(self.params, self.model_config.num_kv_heads)
+        if loaded is None:
+            self.model_path: Path | None = Path(model) if model is not None else demo.checkpoint_path()
+            if layout is not None and cache_dir is None:  # each device reads only its slice, experts padded
+                self.model_config, self.params = checkpoint.load_params_sharded(self.model_path, DTYPES[dtype],
+                                                                                layout, progress=progress)
+            else:
+                self.model_config, self.params = checkpoint.load(self.model_path, DTYPES[dtype], cache_dir=cache_dir,
+                                                                 progress=progress)
+                if layout is not None:
+                    self.params = layout.shard_params(self.params, self.model_config.num_kv_heads)
+        else:
+            self.model_path = Path(model) if model is not None else None
+            self.model_config, self.params = loaded
+            if layout is not None:
+                self.params = layout.shard_params(self.params, self.model_config.num_kv_heads)
+        if layout is None:  # sharded: the expert-parallel MoE reads the checkpoint's expert layout
+            self.params = pallas_kernels.prepare_params(self.params, self.impl)
+        self.dtype = self.params.embed.dtype
         self.tokenizer = tokenizer
         if isinstance(tokenizer, (str, os.PathLike)) or (
                 tokenizer is None and self.model_config.vocab_size == tokenizer_lib.VOCAB_SIZE):
@@ -177,6 +183,12 @@ class Engine:
         self.scheduler.remove(seq)
         self._aborted.append(StepOutput(request_id, [], True, "abort", None, None, seq.num_prompt_tokens,
                                         seq.num_cached_prompt_tokens))
+
+    def close(self) -> None:
+        """Free the KV cache's device memory now (a new engine in the same process sizes its cache from
+        free memory, so it must not wait for garbage collection)."""
+        for buf in jax.tree.leaves(self.cache):
+            buf.delete()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._aborted)

@@ -6,11 +6,15 @@ over (sliding, full) pairs, so each attention reads its own page pool with a sta
 paged KV cache rides in the scan carry so XLA updates it in place (docs/engine.md, "Cache layout").
 """
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 import pallas_kernels
+from pallas_kernels import attention_reference, moe_reference
 from gptoss_jax import rope
 from gptoss_jax.config import ModelConfig
 from gptoss_jax.params import Params
@@ -53,6 +57,27 @@ class PageTables:
     full_cached_B: jax.Array  # int32 [B]
 
 
+@dataclasses.dataclass(frozen=True)
+class Inspect:
+    """Static option of `forward`: also return each layer's internals as `LayerRecords`. Router logits,
+    chosen experts and weights, and per-head sink mass are always recorded; `hidden_states` adds the
+    residual stream after each layer. The forward itself is unchanged (same `impl`, same outputs); the
+    records are side computations: the routing with `moe_reference.route` (what every MoE implementation
+    calls) and the sink mass with the reference attention (kernels do not expose it), which costs a second
+    attention pass. `inspect=None` (the default) traces exactly the serving program."""
+    hidden_states: bool = False
+
+
+@struct.dataclass
+class LayerRecords:
+    """Per-layer internals of one `forward(..., inspect=Inspect(...))`, stacked over layers in model order."""
+    router_logits: jax.Array   # f32 [L, B, T, E] (router bias included)
+    expert_ids: jax.Array      # i32 [L, B, T, k] the experts each token was sent to, best first
+    expert_weights: jax.Array  # f32 [L, B, T, k] softmax over the k chosen logits
+    sink_mass: jax.Array       # f32 [L, B, T, N] attention probability each head gives its sink
+    hidden_states: jax.Array | None  # f32 [L, B, T, D] residual stream after each layer, or None
+
+
 def _write_targets(table_BM: jax.Array, positions_BT: jax.Array, write_from_B: jax.Array, page_size: int):
     """(page, slot) `[B, T]` each new token's K/V goes to; padding and skipped tokens hit the null page."""
     M = table_BM.shape[1]
@@ -74,8 +99,10 @@ def _linear(x: jax.Array, w_OI: jax.Array, b_O: jax.Array) -> jax.Array:
 
 
 def _attention_block(cfg: ModelConfig, lp, x_BTD, cos, sin, k_all, v_all, idx, table_BM, write_page_BT,
-                     write_slot_BT, positions_BT, window: int, impl: str):
-    """One attention layer: project, write the new K/V into layer `idx` of the pool, attend through the table."""
+                     write_slot_BT, positions_BT, window: int, impl: str, inspect: bool = False, layout=None):
+    """One attention layer: project, write the new K/V into layer `idx` of the pool, attend through the table.
+    Also returns the sink mass `[B, T, N]` when `inspect` (else None). With a `layout` the write and the
+    attention run once per attention rank, on its rows and its pages (rank-local page ids)."""
     B, T, _ = x_BTD.shape
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     dtype = k_all.dtype
@@ -83,31 +110,86 @@ def _attention_block(cfg: ModelConfig, lp, x_BTD, cos, sin, k_all, v_all, idx, t
     q = rope.apply(_linear(t, lp.q_w, lp.q_b).astype(dtype).reshape(B, T, N, H), cos, sin)
     k = rope.apply(_linear(t, lp.k_w, lp.k_b).astype(dtype).reshape(B, T, K, H), cos, sin)
     v = _linear(t, lp.v_w, lp.v_b).astype(dtype).reshape(B, T, K, H)
-    k_all = k_all.at[idx, write_page_BT, write_slot_BT].set(k)
-    v_all = v_all.at[idx, write_page_BT, write_slot_BT].set(v)
-    o = pallas_kernels.attention(q, k_all[idx], v_all[idx], table_BM, positions_BT, lp.sinks, window, impl=impl)
-    return _linear(o.reshape(B, T, N * H), lp.o_w, lp.o_b), k_all, v_all
+
+    def attend(q, k, v, k_all, v_all, idx, table_BM, write_page_BT, write_slot_BT, positions_BT, sinks):
+        k_all = k_all.at[idx, write_page_BT, write_slot_BT].set(k)
+        v_all = v_all.at[idx, write_page_BT, write_slot_BT].set(v)
+        # All layers' pools as one flat pool, with this layer's pages found by offsetting the table: a
+        # reshape is free, while slicing layer `idx` out would copy its whole pool into the kernel call.
+        pool_k, pool_v = (a.reshape(-1, *a.shape[2:]) for a in (k_all, v_all))
+        table_BM = table_BM + idx * k_all.shape[1]
+        o = pallas_kernels.attention(q, pool_k, pool_v, table_BM, positions_BT, sinks, window, impl=impl)
+        if not inspect:
+            return o, k_all, v_all
+        # A side computation for the record: the output stays the serving implementation's.
+        _, sink = attention_reference.attention(q, pool_k, pool_v, table_BM, positions_BT, sinks, window,
+                                                return_sink_mass=True)
+        return o, k_all, v_all, sink
+
+    if layout is not None:
+        attend = layout.per_rank(attend, ("rows",) * 3 + ("pages",) * 2 + (None,) + ("rows",) * 4 + (None,),
+                                 ("rows", "pages", "pages") + (("rows",) if inspect else ()))
+    o, k_all, v_all, *sink = attend(q, k, v, k_all, v_all, idx, table_BM, write_page_BT, write_slot_BT,
+                                    positions_BT, lp.sinks)
+    return _linear(o.reshape(B, T, N * H), lp.o_w, lp.o_b), k_all, v_all, (sink[0] if inspect else None)
 
 
-def _moe_block(cfg: ModelConfig, lp, x_BTD, dtype, impl):
+def _moe_block(cfg: ModelConfig, lp, experts_all, layer, x_BTD, dtype, impl, inspect: bool = False, layout=None):
+    """The MoE layer `[B, T, D]`, and with `inspect` its routing (logits, ids, weights) `[B, T, ...]` (else None).
+
+    `experts_all` holds every layer's experts and `layer` says which: the kernels read the routed
+    experts straight out of the stacked arrays, where slicing one layer out first would copy all of its
+    experts (~0.8 GB per 20b layer) every step."""
     B, T, D = x_BTD.shape
     t = rms_norm(x_BTD, lp.mlp_norm, cfg.rms_norm_eps, dtype).reshape(B * T, D)
-    y = pallas_kernels.moe(t, lp.router_w, lp.router_b, lp.experts, top_k=cfg.experts_per_token,
+    routing = None
+    if inspect:  # every MoE implementation routes with `moe_reference.route`: the same function, recorded
+        idx, w, logits = moe_reference.route(t, lp.router_w, lp.router_b, cfg.experts_per_token)
+        routing = tuple(r.reshape(B, T, -1) for r in (logits, idx, w))
+    if layout is not None:  # experts split over `model` (padded), tokens as the ranks hold them
+        from sharding import expert_parallel
+
+        experts = jax.tree.map(lambda a: a[layer], experts_all)
+        y = expert_parallel.moe(t, lp.router_w, lp.router_b, experts, top_k=cfg.experts_per_token,
+                                swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha, mesh=layout.mesh,
+                                token_axes=layout.batch_spec()[0])
+        return y.reshape(B, T, D), routing
+    y = pallas_kernels.moe(t, lp.router_w, lp.router_b, experts_all, layer=layer, top_k=cfg.experts_per_token,
                            swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha, impl=impl)
-    return y.reshape(B, T, D)
+    return y.reshape(B, T, D), routing
 
 
+def _exact_in_fp32(fn):
+    """fp32 is the exactness mode: without HIGHEST precision, GPUs (XLA and the Pallas-Triton kernels
+    alike) run fp32 matmuls as TF32, ~1e-3 relative error. Resolved at trace time, so it reaches every
+    dot of the program, kernels included."""
+    @functools.wraps(fn)
+    def wrapped(params, *args, **kwargs):
+        if params.embed.dtype != jnp.float32:
+            return fn(params, *args, **kwargs)
+        with jax.default_matmul_precision("highest"):
+            return fn(params, *args, **kwargs)
+    return wrapped
+
+
+@_exact_in_fp32
 def forward(params: Params, cache: PagedKVCache, tokens_BT: jax.Array, positions_BT: jax.Array,
-            tables: PageTables, cfg: ModelConfig, impl: str = "reference") -> tuple[jax.Array, PagedKVCache]:
+            tables: PageTables, cfg: ModelConfig, impl: str = "reference", inspect: Inspect | None = None,
+            layout=None):
     """Run the layers on new tokens at `positions_BT` (-1 = padding), writing their K/V into `cache`.
 
     Returns the final-normed hidden states `[B, T, D]` (pass the rows you need to `unembed`) and the
     updated cache. Weights, the cache and matmul operands are in the parameters' dtype; the residual
     stream and every accumulation are fp32 (a bf16 residual drifts enough to flip router choices).
+    With `inspect=Inspect(...)` (static) it returns a third value, the `LayerRecords` of every layer.
+    `layout` (static `sharding.rules.Layout`; None on one device): rows are rank-major, page tables hold
+    rank-local page ids, experts are padded to the `model` axis (docs/SCALING.md).
     """
+    pin = layout.constrain_rows if layout is not None else (lambda a: a)
+    on = inspect is not None
     dtype = params.embed.dtype
     S = cache.page_size
-    x = params.embed[tokens_BT].astype(jnp.float32)  # the residual stream stays fp32
+    x = pin(params.embed[tokens_BT].astype(jnp.float32))  # the residual stream stays fp32
     cos, sin = rope.cos_sin(cfg, jnp.maximum(positions_BT, 0), dtype)
     s_page, s_slot = _write_targets(tables.sliding_BM, positions_BT, jnp.zeros_like(tables.full_cached_B), S)
     f_page, f_slot = _write_targets(tables.full_BM, positions_BT, tables.full_cached_B, S)
@@ -116,36 +198,50 @@ def forward(params: Params, cache: PagedKVCache, tokens_BT: jax.Array, positions
         ks, vs, kf, vf = caches
         with jax.named_scope("sliding_attention" if sliding else "full_attention"):
             if sliding:
-                a, ks, vs = _attention_block(cfg, lp, x, cos, sin, ks, vs, idx, tables.sliding_BM, s_page, s_slot,
-                                             positions_BT, cfg.sliding_window, impl)
+                a, ks, vs, sink = _attention_block(cfg, lp, x, cos, sin, ks, vs, idx, tables.sliding_BM, s_page,
+                                                   s_slot, positions_BT, cfg.sliding_window, impl, on, layout)
             else:
-                a, kf, vf = _attention_block(cfg, lp, x, cos, sin, kf, vf, idx, tables.full_BM, f_page, f_slot,
-                                             positions_BT, FULL_WINDOW, impl)
-            x = x + a
+                a, kf, vf, sink = _attention_block(cfg, lp, x, cos, sin, kf, vf, idx, tables.full_BM, f_page, f_slot,
+                                                   positions_BT, FULL_WINDOW, impl, on, layout)
+            x = pin(x + a)
         with jax.named_scope("moe"):
-            x = x + _moe_block(cfg, lp, x, dtype, impl)
-        return x, (ks, vs, kf, vf)
+            y, routing = _moe_block(cfg, lp, experts_all, 2 * idx + (0 if sliding else 1), x, dtype, impl, on, layout)
+            x = pin(x + y)
+        record = (*routing, sink, x if inspect.hidden_states else None) if on else None
+        return x, (ks, vs, kf, vf), record
 
     def pair(carry, inputs):
         x, caches = carry
         lp_pair, i = inputs
-        x, caches = layer(x, caches, jax.tree.map(lambda a: a[0], lp_pair), i, sliding=True)
-        x, caches = layer(x, caches, jax.tree.map(lambda a: a[1], lp_pair), i, sliding=False)
-        return (x, caches), None
+        x, caches, r0 = layer(x, caches, jax.tree.map(lambda a: a[0], lp_pair), i, sliding=True)
+        x, caches, r1 = layer(x, caches, jax.tree.map(lambda a: a[1], lp_pair), i, sliding=False)
+        return (x, caches), ((r0, r1) if on else None)
 
     pairs = cfg.num_layers // 2
     caches = (cache.k_sliding, cache.v_sliding, cache.k_full, cache.v_full)
+    experts_all = params.layers.experts  # indexed per layer inside the MoE, not sliced by the scan
+    scanned = params.layers.replace(experts=None)
+    records = []  # with `inspect`: per-layer records, stacked on a leading layer axis
     with jax.named_scope("layers"):
         if pairs:
-            stacked = jax.tree.map(lambda a: a[:2 * pairs].reshape(pairs, 2, *a.shape[1:]), params.layers)
-            (x, caches), _ = jax.lax.scan(pair, (x, caches), (stacked, jnp.arange(pairs)))
+            stacked = jax.tree.map(lambda a: a[:2 * pairs].reshape(pairs, 2, *a.shape[1:]), scanned)
+            (x, caches), ys = jax.lax.scan(pair, (x, caches), (stacked, jnp.arange(pairs)))
+            if on:  # [pairs] of (sliding, full) -> [2 * pairs] in layer order
+                records.append(jax.tree.map(lambda a, b: jnp.stack([a, b], 1).reshape(2 * pairs, *a.shape[1:]), *ys))
         if cfg.num_layers % 2:  # an odd layer count ends on a sliding layer
-            x, caches = layer(x, caches, jax.tree.map(lambda a: a[-1], params.layers), pairs, sliding=True)
+            x, caches, r = layer(x, caches, jax.tree.map(lambda a: a[-1], scanned), pairs, sliding=True)
+            if on:
+                records.append(jax.tree.map(lambda a: a[None], r))
     with jax.named_scope("final_norm"):
         x = rms_norm(x, params.final_norm, cfg.rms_norm_eps, dtype)
-    return x, PagedKVCache(*caches)
+    if layout is not None:  # the pools keep their placement from call to call (donated in place)
+        caches = tuple(jax.lax.with_sharding_constraint(c, layout.cache_sharding(cfg.num_kv_heads)) for c in caches)
+    if not on:
+        return x, PagedKVCache(*caches)
+    return x, PagedKVCache(*caches), LayerRecords(*jax.tree.map(lambda *a: jnp.concatenate(a), *records))
 
 
+@_exact_in_fp32
 def unembed(params: Params, x_BD: jax.Array) -> jax.Array:
     """Logits in fp32 for hidden states `[..., D]` (untied output matrix, no bias, no soft-cap)."""
     with jax.named_scope("unembed"):

@@ -41,9 +41,14 @@ def attention(q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sin
     return kernel.attention(*args)
 
 
-def moe(x_TD, router_w_ED, router_b_E, experts, *, top_k, swiglu_limit, swiglu_alpha,
+def moe(x_TD, router_w_ED, router_b_E, experts, *, top_k, swiglu_limit, swiglu_alpha, layer=None,
         impl: str = "reference"):
-    """Top-k MXFP4 experts; `experts` is `params.Experts` (reference) or `KernelExperts` (pallas)."""
-    fn = moe_prefill.moe_auto if check_impl(impl) == "pallas" else moe_reference.moe
-    return fn(x_TD, router_w_ED, router_b_E, experts, top_k=top_k, swiglu_limit=swiglu_limit,
-              swiglu_alpha=swiglu_alpha)
+    """Top-k MXFP4 experts; `experts` is `params.Experts` (reference) or `KernelExperts` (pallas), of one
+    layer, or of all layers stacked with `layer` (traced) choosing one: the kernels then index the
+    stacked arrays directly, so no per-layer copy of the experts is made."""
+    kw = dict(top_k=top_k, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
+    if check_impl(impl) == "pallas":
+        return moe_prefill.moe_auto(x_TD, router_w_ED, router_b_E, experts, layer=layer, **kw)
+    if layer is not None:
+        experts = jax.tree.map(lambda a: a[layer], experts)
+    return moe_reference.moe(x_TD, router_w_ED, router_b_E, experts, **kw)

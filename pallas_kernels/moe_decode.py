@@ -429,14 +429,20 @@ def run_kernels(x_TD, tok_sorted, w_sorted, slot_e, slot_start, slot_rows, kexp:
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def experts_forward(x_TD, idx_TK, w_TK, kexp: KernelExperts, *, swiglu_limit, swiglu_alpha,
+def experts_forward(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, *, swiglu_limit, swiglu_alpha,
                     kernel="gemv", block_m=1, block_n=16, block_k=256, block_n_down=16, num_warps=4,
                     num_stages=1, swap=False, prefetch=True, interpret=None):
-    """The expert math for given routing: sum_k w[t,k] * expert_{idx[t,k]}(x[t]) -> [T, D]."""
+    """The expert math for given routing: sum_k w[t,k] * expert_{idx[t,k]}(x[t]) -> [T, D].
+
+    With `layer` (traced), `kexp` carries a leading layer axis: it is viewed as one flat expert axis
+    (a free reshape) and the slots point at that layer's experts, so no layer slice is copied."""
     T, D = x_TD.shape
     k = idx_TK.shape[1]
-    E = kexp.gu_words.shape[0]
+    E = kexp.gu_words.shape[-4]
     tok_sorted, w_sorted, order, slot_e, slot_start, slot_rows = dispatch(idx_TK, w_TK, E, block_m)
+    if layer is not None:
+        kexp = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), kexp)
+        slot_e = slot_e + layer * E
     y = run_kernels(x_TD, tok_sorted, w_sorted, slot_e, slot_start, slot_rows, kexp,
                     swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha, kernel=kernel,
                     block_m=block_m, block_n=block_n, block_k=block_k, block_n_down=block_n_down,
@@ -463,12 +469,12 @@ def decode_config(T: int, k: int, E: int) -> dict:
 
 
 def moe(x_TD, router_w_ED, router_b_E, kexp: KernelExperts, *, top_k, swiglu_limit, swiglu_alpha,
-        interpret=None, **config):
+        layer=None, interpret=None, **config):
     """Drop-in for `moe_reference.moe` (decode regime), taking `prepare_experts(experts)`."""
     T = x_TD.shape[0]
     E = router_w_ED.shape[0]
     idx, w, _ = moe_reference.route(x_TD, router_w_ED, router_b_E, top_k)
     cfg = decode_config(T, top_k, E)
     cfg.update(config)
-    return experts_forward(x_TD, idx, w, kexp, swiglu_limit=float(swiglu_limit),
+    return experts_forward(x_TD, idx, w, kexp, layer, swiglu_limit=float(swiglu_limit),
                            swiglu_alpha=float(swiglu_alpha), interpret=interpret, **cfg)

@@ -21,20 +21,20 @@ def prefill_config(T: int, k: int, E: int) -> dict:
 
 
 def moe(x_TD, router_w_ED, router_b_E, kexp: KernelExperts, *, top_k, swiglu_limit, swiglu_alpha,
-        interpret=None, **config):
+        layer=None, interpret=None, **config):
     """Drop-in for `moe_reference.moe` (many tokens), taking `prepare_experts(experts)`."""
     T = x_TD.shape[0]
     E = router_w_ED.shape[0]
     idx, w, _ = moe_reference.route(x_TD, router_w_ED, router_b_E, top_k)
     cfg = prefill_config(T, top_k, E)
     cfg.update(config)
-    return moe_decode.experts_forward(x_TD, idx, w, kexp, swiglu_limit=float(swiglu_limit),
+    return moe_decode.experts_forward(x_TD, idx, w, kexp, layer, swiglu_limit=float(swiglu_limit),
                                       swiglu_alpha=float(swiglu_alpha), interpret=interpret, **cfg)
 
 
 def moe_auto(x_TD, router_w_ED, router_b_E, kexp: KernelExperts, *, top_k, swiglu_limit,
-             swiglu_alpha, interpret=None):
+             swiglu_alpha, layer=None, interpret=None):
     """Picks the decode or prefill block configuration from the (static) token count."""
     fn = moe_decode.moe if x_TD.shape[0] <= 64 else moe
     return fn(x_TD, router_w_ED, router_b_E, kexp, top_k=top_k, swiglu_limit=swiglu_limit,
-              swiglu_alpha=swiglu_alpha, interpret=interpret)
+              swiglu_alpha=swiglu_alpha, layer=layer, interpret=interpret)
