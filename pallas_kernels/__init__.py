@@ -7,6 +7,7 @@ the experts in their own relayout of the same bytes, made once at start-up by `p
 """
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import (attention_reference, flash_attention, moe_decode, moe_prefill, moe_reference,
                             paged_attention)
@@ -25,10 +26,20 @@ def check_impl(impl: str) -> str:
 
 
 def prepare_params(params, impl: str):
-    """Parameters in the layout `impl` reads: the kernels take the experts re-encoded (same bytes)."""
+    """Parameters in the layout `impl` reads: the kernels take the experts re-encoded (same bytes).
+
+    Converts one layer at a time into a donated buffer, so the peak is the experts twice plus one
+    layer (converting all layers at once needs several times their size, which 120b cannot afford)."""
     if check_impl(impl) == "reference":
         return params
-    return params.replace(layers=params.layers.replace(experts=moe_decode.prepare_experts(params.layers.experts)))
+    experts = params.layers.experts
+    one = jax.jit(lambda ex, l: moe_decode.prepare_experts(jax.tree.map(lambda a: a[l], ex)))
+    out = jax.tree.map(lambda s: jnp.zeros((experts.gate_up_blocks.shape[0],) + s.shape, s.dtype),
+                       jax.eval_shape(one, experts, 0))
+    put = jax.jit(lambda o, x, l: jax.tree.map(lambda a, b: a.at[l].set(b), o, x), donate_argnums=0)
+    for layer in range(experts.gate_up_blocks.shape[0]):
+        out = put(out, one(experts, layer), layer)
+    return params.replace(layers=params.layers.replace(experts=out))
 
 
 def attention(q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sinks_N, window: int, *,

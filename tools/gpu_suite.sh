@@ -1,27 +1,26 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks and benchmarks (run from the repo root on the GPU machine).
-#   bash tools/gpu_suite.sh decode   # GPU parity (kernels on), transformers peer, decode sweep
-#   bash tools/gpu_suite.sh serve    # engine throughput/latency, then the server under load
-# Logs and JSON results go to $OUT; the last lines printed are the summaries.
+#   bash tools/gpu_suite.sh parity   # GPU parity with the kernels on, and the transformers peer
+#   bash tools/gpu_suite.sh perf     # decode sweep, the server under load, the engine latency job
+# Logs and JSON results go to $OUT; the lines printed are the summaries.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 case "${1:-}" in
-decode)
+parity)
   python3 -m pytest -q -p no:cacheprovider tests/test_parity.py > "$OUT/parity.txt" 2>&1
   tail -n 4 "$OUT/parity.txt"
   python3 tools/peer_transformers.py --preset gpt-oss-20b --batch 1,64 --prompt-len 1024 --new-tokens 32 \
     --out "$OUT/peer_transformers.json" > "$OUT/peer.txt" 2>&1
   grep transformers "$OUT/peer.txt"
-  python3 tools/bench_decode.py --presets "${PRESETS:-gpt-oss-20b,gpt-oss-120b}" --out "$OUT/decode.json" \
-    > "$OUT/decode.txt" 2>&1
-  grep -E "TPOT|copy|skipped" "$OUT/decode.txt"
   ;;
-serve)
-  python3 tools/bench_engine.py --preset gpt-oss-20b --num-requests 256 --out "$OUT/engine_20b.json" \
-    > "$OUT/engine.txt" 2>&1
-  grep -E "^\[" "$OUT/engine.txt"
+perf)
+  python3 tools/bench_decode.py --presets gpt-oss-20b --batches 1,16,64,256 --reference "" \
+    --out "$OUT/decode_20b.json" > "$OUT/decode_20b.txt" 2>&1
+  python3 tools/bench_decode.py --presets gpt-oss-120b --batches 1,64 --reference "" \
+    --out "$OUT/decode_120b.json" > "$OUT/decode_120b.txt" 2>&1
+  grep -hE "TPOT|copy|skipped|Error" "$OUT"/decode_*.txt
   pip install -q --no-index --find-links wheels openai-harmony starlette uvicorn pydantic > /dev/null 2>&1
   python3 tools/make_checkpoint.py --preset gpt-oss-20b --out /tmp/ck20 > /dev/null 2>&1
   TIKTOKEN_ENCODINGS_BASE=wheels python3 -m gptoss_jax.serve --model /tmp/ck20 --port 8000 \
@@ -30,13 +29,15 @@ serve)
     [ "$(curl -s -o /dev/null -w '%{http_code}' http://127.0.0.1:8000/health)" = 200 ] && break; sleep 2
   done
   for c in 1 64; do
-    n=$([ "$c" = 1 ] && echo 8 || echo 256)
+    n=$([ "$c" = 1 ] && echo 4 || echo 128)
     python3 tools/bench_serving.py --base-url http://127.0.0.1:8000 --concurrency $c --num-prompts $n \
-      --input-len 1024 --output-len 256 --json "$OUT/serving_c$c.json" > "$OUT/serving_c$c.txt" 2>&1
-    tail -n 12 "$OUT/serving_c$c.txt"
+      --input-len 1024 --output-len 128 --json "$OUT/serving_c$c.json" > "$OUT/serving_c$c.txt" 2>&1
+    tail -n 14 "$OUT/serving_c$c.txt"
   done
-  curl -s http://127.0.0.1:8000/metrics | grep -E "^gptoss_(num_preemptions|requests_total|kv)" | head
-  kill %1
+  kill %1; wait
+  python3 tools/bench_engine.py --preset gpt-oss-20b --skip throughput --out "$OUT/engine_latency_20b.json" \
+    > "$OUT/engine.txt" 2>&1
+  grep -E "^\[|Error" "$OUT/engine.txt"
   ;;
-*) echo "usage: $0 decode|serve" >&2; exit 2 ;;
+*) echo "usage: $0 parity|perf" >&2; exit 2 ;;
 esac
