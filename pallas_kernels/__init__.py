@@ -25,20 +25,28 @@ def check_impl(impl: str) -> str:
     return impl
 
 
-def prepare_params(params, impl: str):
+def prepare_params(params, impl: str, experts_per_chunk: int = 16):
     """Parameters in the layout `impl` reads: the kernels take the experts re-encoded (same bytes).
 
-    Converts one layer at a time into a donated buffer, so the peak is the experts twice plus one
-    layer (converting all layers at once needs several times their size, which 120b cannot afford)."""
+    Converts `experts_per_chunk` experts of one layer at a time into a donated buffer, so the peak is
+    the experts twice plus one chunk's temporaries (a whole 120b layer at once needs ~18 GB of them)."""
     if check_impl(impl) == "reference":
         return params
     experts = params.layers.experts
-    one = jax.jit(lambda ex, l: moe_decode.prepare_experts(jax.tree.map(lambda a: a[l], ex)))
-    out = jax.tree.map(lambda s: jnp.zeros((experts.gate_up_blocks.shape[0],) + s.shape, s.dtype),
-                       jax.eval_shape(one, experts, 0))
-    put = jax.jit(lambda o, x, l: jax.tree.map(lambda a, b: a.at[l].set(b), o, x), donate_argnums=0)
-    for layer in range(experts.gate_up_blocks.shape[0]):
-        out = put(out, one(experts, layer), layer)
+    L, E = experts.gate_up_blocks.shape[:2]
+    c = min(E, experts_per_chunk)
+    while E % c:
+        c -= 1
+    one = jax.jit(lambda ex, l, e0: moe_decode.prepare_experts(
+        jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a[l], e0, c), ex)))
+    chunk = jax.eval_shape(one, experts, 0, 0)
+    out = jax.tree.map(lambda s: jnp.zeros((L, E) + s.shape[1:], s.dtype), chunk)
+    put = jax.jit(lambda o, x, l, e0: jax.tree.map(
+        lambda a, b: jax.lax.dynamic_update_slice(a, b[None], (l, e0) + (0,) * (a.ndim - 2)), o, x),
+        donate_argnums=0)
+    for layer in range(L):
+        for e0 in range(0, E, c):
+            out = put(out, one(experts, layer, e0), layer, e0)
     return params.replace(layers=params.layers.replace(experts=out))
 
 

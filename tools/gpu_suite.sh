@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks and benchmarks (run from the repo root on the GPU machine).
 #   bash tools/gpu_suite.sh parity   # GPU parity with the kernels on, and the transformers peer
-#   bash tools/gpu_suite.sh perf     # decode sweep, the server under load, the engine latency job
+#   bash tools/gpu_suite.sh perf     # 20b decode sweep, then everything `serve` does, then the engine latency job
+#   bash tools/gpu_suite.sh serve    # the server under load (20b), the 120b decode points
 # Logs and JSON results go to $OUT; the lines printed are the summaries.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -18,10 +19,10 @@ parity)
 perf)
   python3 tools/bench_decode.py --presets gpt-oss-20b --batches 1,16,64,256 --reference "" \
     --out "$OUT/decode_20b.json" > "$OUT/decode_20b.txt" 2>&1
-  python3 tools/bench_decode.py --presets gpt-oss-120b --batches 1,64 --reference "" \
-    --out "$OUT/decode_120b.json" > "$OUT/decode_120b.txt" 2>&1
-  grep -hE "TPOT|copy|skipped|Error" "$OUT"/decode_*.txt
-  pip install -q --no-index --find-links wheels openai-harmony starlette uvicorn pydantic > /dev/null 2>&1
+  grep -hE "TPOT|copy|skipped|Error" "$OUT"/decode_20b.txt
+  ;&
+serve)
+  python3 -m pip install -q --no-index --find-links wheels openai-harmony starlette uvicorn pydantic 2>&1 | tail -2
   python3 tools/make_checkpoint.py --preset gpt-oss-20b --out /tmp/ck20 > /dev/null 2>&1
   TIKTOKEN_ENCODINGS_BASE=wheels python3 -m gptoss_jax.serve --model /tmp/ck20 --port 8000 \
     --config configs/max_throughput.yaml > "$OUT/server.txt" 2>&1 &
@@ -35,9 +36,13 @@ perf)
     tail -n 14 "$OUT/serving_c$c.txt"
   done
   kill %1; wait
+  python3 tools/bench_decode.py --presets gpt-oss-120b --batches 1,64 --reference "" \
+    --out "$OUT/decode_120b.json" > "$OUT/decode_120b.txt" 2>&1
+  grep -hE "TPOT|copy|skipped|Error" "$OUT"/decode_120b.txt
+  [ "${1}" = serve ] && exit 0
   python3 tools/bench_engine.py --preset gpt-oss-20b --skip throughput --out "$OUT/engine_latency_20b.json" \
     > "$OUT/engine.txt" 2>&1
   grep -E "^\[|Error" "$OUT/engine.txt"
   ;;
-*) echo "usage: $0 parity|perf" >&2; exit 2 ;;
+*) echo "usage: $0 parity|perf|serve" >&2; exit 2 ;;
 esac
