@@ -13,6 +13,7 @@ from gptoss_jax import batch
 from gptoss_jax.engine import Engine
 from gptoss_jax.llm import LLM
 from gptoss_jax.sampling import SamplingParams
+from sharding import distributed
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -39,6 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    distributed.initialize()  # joins a multi-host job when GPTOSS_COORDINATOR etc. are set; else a no-op
     if (args.input is None) != (args.output is None):
         print("error: --input and --output go together", file=sys.stderr)
         return 2

@@ -16,6 +16,8 @@ import re
 import sys
 from pathlib import Path
 
+from sharding import distributed
+
 log = logging.getLogger("gptoss_jax.serve")
 
 
@@ -82,6 +84,7 @@ def _warmup_requests(st):
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    distributed.initialize()  # joins a multi-host job when GPTOSS_COORDINATOR etc. are set; else a no-op
     import uvicorn
 
     from gptoss_jax import demo, harmony, tokenizer as tokenizer_lib
