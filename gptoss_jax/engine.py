@@ -10,6 +10,7 @@ server's `AsyncEngine` both drive this loop. Design notes: docs/engine.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -355,9 +356,10 @@ class Engine:
                         num_top=self.num_top)
         jax.block_until_ready(self.cache)
 
-    def prompt_logits(self, token_ids: Seq[int]) -> np.ndarray:
-        """Logits `[len, vocab]` (fp32) at every position of one prompt, computed through the paged cache
-        in prefill chunks (pages are returned afterwards)."""
+    def run_prompt(self, token_ids: Seq[int], step_fn) -> list[tuple[Any, int]]:
+        """Feed one prompt through the paged cache in prefill chunks, outside the scheduler: per chunk,
+        `step_fn(params, cache, tokens_BT, positions_BT, tables) -> (result, cache)` with the prompt in row
+        0. Returns `(result, chunk length)` per chunk; the pages are borrowed and returned."""
         ids = [int(t) for t in token_ids]
         ec, pages = self.config, kv_cache.SequencePages()
         probe = Sequence("", ids, len(ids), SamplingParams(), (0, 0), len(ids), pages)
@@ -373,15 +375,19 @@ class Engine:
                 tokens = np.zeros((rows, T), np.int32)
                 positions = np.full((rows, T), -1, np.int32)
                 tokens[0, :n], positions[0, :n] = ids[start:start + n], np.arange(start, start + n)
-                logits, self.cache = steps.prompt_logits(
-                    self.params, self.cache, self._put(tokens), self._put(positions),
-                    self._tables([probe], rows, self._width([start + n])), cfg=self.model_config, impl=self.impl,
-                    layout=self.layout)
-                out.append(np.asarray(logits[0, :n], np.float32))
+                result, self.cache = step_fn(self.params, self.cache, self._put(tokens), self._put(positions),
+                                             self._tables([probe], rows, self._width([start + n])))
+                out.append((result, n))
                 self.kv.slide(pages, start + n)
         finally:
             self.kv.free(pages)
-        return np.concatenate(out)
+        return out
+
+    def prompt_logits(self, token_ids: Seq[int]) -> np.ndarray:
+        """Logits `[len, vocab]` (fp32) at every position of one prompt, computed through the paged cache
+        in prefill chunks."""
+        step = functools.partial(steps.prompt_logits, cfg=self.model_config, impl=self.impl, layout=self.layout)
+        return np.concatenate([np.asarray(lg[0, :n], np.float32) for lg, n in self.run_prompt(token_ids, step)])
 
 
 def _to_host(s: steps.Sampled, with_logprobs: bool) -> tuple[np.ndarray, ...]:

@@ -17,15 +17,11 @@ import functools
 from typing import Sequence as Seq
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from gptoss_jax import kv_cache, model
+from gptoss_jax import model
 from gptoss_jax.config import ModelConfig
-from gptoss_jax.engine_config import bucket
 from gptoss_jax.params import Params
-from gptoss_jax.sampling import SamplingParams
-from gptoss_jax.scheduler import Sequence
 
 TRACES: collections.Counter[str] = collections.Counter()  # compilations of `_step` (one per shape bucket)
 
@@ -79,34 +75,21 @@ def _step(params: Params, cache: model.PagedKVCache, tokens_BT: jax.Array, posit
 
 
 def run(engine, token_ids: Seq[int], *, hidden_states: bool = False, logits: bool = False) -> Inspection:
-    """Inspect one sequence on `engine` (a `gptoss_jax.Engine`; pages are borrowed from its pools and
-    returned). Mirrors `Engine.prompt_logits`: same chunks, buckets, tables, rows and layout."""
+    """Inspect one sequence on `engine` (a `gptoss_jax.Engine`) through `Engine.run_prompt`: the same
+    chunks, buckets, tables, rows and layout as `Engine.prompt_logits`."""
     ids = [int(t) for t in token_ids]
-    ec, mc, pages = engine.config, engine.model_config, kv_cache.SequencePages()
-    probe = Sequence("", ids, len(ids), SamplingParams(), (0, 0), len(ids), pages)
-    opts = model.Inspect(hidden_states=hidden_states)
+    mc = engine.model_config
+    step = functools.partial(_step, cfg=mc, impl=engine.impl, layout=engine.layout,
+                             opts=model.Inspect(hidden_states=hidden_states), with_logits=logits)
+
+    def chunk(params, cache, tokens, positions, tables):
+        lg, rec, cache = step(params, cache, tokens, positions, tables)
+        return (lg, rec), cache
+
     chunks = []
-    try:
-        for start in range(0, len(ids), ec.prefill_chunk_size):
-            n = min(ec.prefill_chunk_size, len(ids) - start)
-            if not engine.kv.can_allocate(pages, start, start + n):
-                raise ValueError(f"sequence of {len(ids)} tokens does not fit in the free KV cache")
-            engine.kv.allocate(pages, start, start + n)
-            T = bucket(n, ec.prefill_token_buckets())
-            rows = getattr(engine, "num_ranks", 1)  # the probe is row 0; other attention ranks get padding
-            tokens = np.zeros((rows, T), np.int32)
-            positions = np.full((rows, T), -1, np.int32)
-            tokens[0, :n], positions[0, :n] = ids[start:start + n], np.arange(start, start + n)
-            put = getattr(engine, "_put", jnp.asarray)
-            lg, rec, engine.cache = _step(engine.params, engine.cache, put(tokens), put(positions),
-                                          engine._tables([probe], rows, engine._width([start + n])), cfg=mc,
-                                          impl=engine.impl, layout=getattr(engine, "layout", None), opts=opts,
-                                          with_logits=logits)
-            host = jax.tree.map(lambda a: np.asarray(a[:, 0, :n]), rec)  # [L, n, ...] of row 0
-            chunks.append((None if lg is None else np.asarray(lg[0, :n], np.float32), host))
-            engine.kv.slide(pages, start + n)
-    finally:
-        engine.kv.free(pages)
+    for (lg, rec), n in engine.run_prompt(ids, chunk):
+        host = jax.tree.map(lambda a: np.asarray(a[:, 0, :n]), rec)  # [L, n, ...] of row 0
+        chunks.append((None if lg is None else np.asarray(lg[0, :n], np.float32), host))
     recs = [r for _, r in chunks]
     cat = lambda f: np.concatenate([getattr(r, f) for r in recs], axis=1)  # noqa: E731
     return Inspection(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np

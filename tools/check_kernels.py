@@ -11,7 +11,6 @@ import functools
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import (attention_reference, flash_attention, moe_decode, moe_prefill, moe_reference,

@@ -64,7 +64,7 @@ import dataclasses  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
 
 from gptoss_jax import config as config_lib, kv_cache, model, params as params_lib, steps  # noqa: E402
 from sharding.rules import make_layout  # noqa: E402
