@@ -9,7 +9,7 @@ the `block_m` rows.  Programs of the same expert and feature tile are adjacent i
 axis, so the expert's weights are served from L2 to its row tiles.  Empty experts cost nothing.
 """
 
-from pallas_kernels import moe_decode, moe_reference
+from pallas_kernels import moe_decode
 from pallas_kernels.moe_decode import KernelExperts, prepare_experts  # noqa: F401  (re-export)
 
 
@@ -22,14 +22,11 @@ def prefill_config(T: int, k: int, E: int) -> dict:
 
 def moe(x_TD, router_w_ED, router_b_E, kexp: KernelExperts, *, top_k, swiglu_limit, swiglu_alpha,
         layer=None, interpret=None, **config):
-    """Drop-in for `moe_reference.moe` (many tokens), taking `prepare_experts(experts)`."""
-    T = x_TD.shape[0]
-    E = router_w_ED.shape[0]
-    idx, w, _ = moe_reference.route(x_TD, router_w_ED, router_b_E, top_k)
-    cfg = prefill_config(T, top_k, E)
-    cfg.update(config)
-    return moe_decode.experts_forward(x_TD, idx, w, kexp, layer, swiglu_limit=float(swiglu_limit),
-                                      swiglu_alpha=float(swiglu_alpha), interpret=interpret, **cfg)
+    """Drop-in for `moe_reference.moe` (many tokens), taking `prepare_experts(experts)`: the decode entry
+    point with the grouped-GEMM block configuration."""
+    cfg = prefill_config(x_TD.shape[0], top_k, router_w_ED.shape[0]) | config
+    return moe_decode.moe(x_TD, router_w_ED, router_b_E, kexp, top_k=top_k, swiglu_limit=swiglu_limit,
+                          swiglu_alpha=swiglu_alpha, layer=layer, interpret=interpret, **cfg)
 
 
 def moe_auto(x_TD, router_w_ED, router_b_E, kexp: KernelExperts, *, top_k, swiglu_limit,
