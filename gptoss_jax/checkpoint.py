@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+import pallas_kernels
 from gptoss_jax import params as params_lib
 from gptoss_jax.config import ModelConfig, load_config
 from gptoss_jax.safetensors_io import Reader
@@ -116,38 +117,29 @@ def find_files(path: Path) -> tuple[str, list[Path]]:
     raise CheckpointError(f"{path}: no *.safetensors files (looked in {path} and {path / 'original'})")
 
 
-def _get_field(tree, field):
-    for name in field:
-        tree = getattr(tree, name)
-    return tree
+def device_shapes(cfg: ModelConfig, dtype, impl: str) -> params_lib.Params:
+    """`params.shapes`, with the experts in the layout the kernels of `impl` read."""
+    shapes = params_lib.shapes(cfg, dtype)
+    experts = pallas_kernels.expert_shapes(shapes.layers.experts, impl)
+    return shapes.replace(layers=shapes.layers.replace(experts=experts))
 
 
-def _with_field(tree, field, value):
-    if len(field) == 1:
-        return tree.replace(**{field[0]: value})
-    return tree.replace(**{field[0]: _with_field(getattr(tree, field[0]), field[1:], value)})
-
-
-@jax.jit
-def _put_rows(buf, x, layer):
-    return jax.lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), layer, 0)
-
-
-_put_rows_donated = jax.jit(_put_rows.__wrapped__, donate_argnums=0)
-
-
-def load_params(path: str | Path, dtype=jnp.bfloat16, *, progress: bool = True
+def load_params(path: str | Path, dtype=jnp.bfloat16, *, impl: str = "reference", progress: bool = True
                 ) -> tuple[ModelConfig, params_lib.Params]:
-    """Read a checkpoint folder into device `Params` (float weights in `dtype`, experts packed)."""
+    """Read a checkpoint folder into device `Params` (float weights in `dtype`, experts packed).
+
+    Experts come out in the layout `impl` reads, converted tensor by tensor as they are read (a 120b
+    checkpoint then fits one 80 GB GPU: it is never on the device in two layouts)."""
     path = Path(path)
     layout, files = find_files(path)
     cfg = load_config(path)
     shapes = params_lib.shapes(cfg, dtype)
+    dev_shapes = device_shapes(cfg, dtype, impl)
     targets = tensor_targets(cfg, layout)
     pending = {(t.field, t.layer) for ts in targets.values() for t in ts}
     where: dict[tuple, str] = {}
-    layered = {f: jnp.zeros(_get_field(shapes, f).shape, _get_field(shapes, f).dtype)
-               for f in params_lib.field_paths(shapes) if f[0] == "layers"}
+    layered = {f: jnp.zeros(params_lib.get_field(dev_shapes, f).shape, params_lib.get_field(dev_shapes, f).dtype)
+               for f in params_lib.field_paths(dev_shapes) if f[0] == "layers"}
     flat: dict[tuple, jax.Array] = {}
     unknown = []
     total = sum(f.stat().st_size for f in files)
@@ -162,7 +154,7 @@ def load_params(path: str | Path, dtype=jnp.bfloat16, *, progress: bool = True
                     continue
                 for t in targets[name]:
                     full = ("layers",) + t.field if t.layer is not None else t.field
-                    want = _get_field(shapes, full)
+                    want = params_lib.get_field(shapes, full)
                     want_shape = want.shape[1:] if t.layer is not None else want.shape
                     _check_tensor(name, file, reader.dtype_name(name), array.shape, want_shape, t, full)
                     part = array[t.rows[0]:t.rows[1]] if t.rows else array
@@ -172,7 +164,11 @@ def load_params(path: str | Path, dtype=jnp.bfloat16, *, progress: bool = True
                     if t.layer is None:
                         flat[full] = jnp.asarray(np.asarray(part), dtype=want.dtype)
                     else:
-                        layered[full] = _put_rows_donated(layered[full], jnp.asarray(np.asarray(part)), t.layer)
+                        x = jnp.asarray(np.asarray(part))
+                        if full[1] == "experts":
+                            x = pallas_kernels.relayout_expert_field(full[2], x.astype(want.dtype), impl)
+                            full = full[:2] + (pallas_kernels.expert_field(full[2], impl),)
+                        layered[full] = params_lib.put_layer(layered[full], x, t.layer)
                     pending.discard((t.field, t.layer))
     if unknown:
         log.warning("%s: ignored %d tensors not used by gpt-oss, e.g. %s", path, len(unknown), unknown[:3])
@@ -180,9 +176,9 @@ def load_params(path: str | Path, dtype=jnp.bfloat16, *, progress: bool = True
         names = sorted(n for n, ts in targets.items() for t in ts if (t.field, t.layer) in pending)
         raise CheckpointError(f"{path}: missing {len(names)} tensor(s), e.g. {names[:5]} "
                               f"(searched {[f.name for f in files]})")
-    tree = shapes
+    tree = dev_shapes
     for field, value in {**layered, **flat}.items():
-        tree = _with_field(tree, field, value)
+        tree = params_lib.with_field(tree, field, value)
     return cfg, tree
 
 
@@ -203,31 +199,31 @@ def _check_tensor(name, file, dtype_name, shape, want_shape, t: Target, field) -
 
 # ---- orbax cache of converted parameters -------------------------------------------------------
 
-def fingerprint(path: Path, dtype) -> str:
-    """Identifies a checkpoint's files and the load dtype, so a stale cache is never restored."""
+def fingerprint(path: Path, dtype, impl: str = "reference") -> str:
+    """Identifies a checkpoint's files, the load dtype and the expert layout, so a stale cache is never restored."""
     _, files = find_files(path)
-    h = hashlib.sha256(jnp.dtype(dtype).name.encode())
+    h = hashlib.sha256(f"{jnp.dtype(dtype).name}:{impl}".encode())
     for f in files + [p for p in (path / "config.json", path / "original" / "config.json") if p.exists()]:
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     return h.hexdigest()[:16]
 
 
-def load(path: str | Path, dtype=jnp.bfloat16, *, cache_dir: str | Path | None = None,
+def load(path: str | Path, dtype=jnp.bfloat16, *, impl: str = "reference", cache_dir: str | Path | None = None,
          progress: bool = True) -> tuple[ModelConfig, params_lib.Params]:
     """`load_params`, restoring from / saving to an orbax cache under `cache_dir` when given."""
     path = Path(path)
     if cache_dir is None:
-        return load_params(path, dtype, progress=progress)
+        return load_params(path, dtype, impl=impl, progress=progress)
     import orbax.checkpoint as ocp
 
     cfg = load_config(path)
-    target = Path(cache_dir).resolve() / f"{path.name}-{fingerprint(path, dtype)}"
+    target = Path(cache_dir).resolve() / f"{path.name}-{fingerprint(path, dtype, impl)}"
     checkpointer = ocp.StandardCheckpointer()
     if target.exists():
         log.info("restoring converted parameters from %s", target)
-        return cfg, checkpointer.restore(target, params_lib.shapes(cfg, dtype))
-    cfg, params = load_params(path, dtype, progress=progress)
+        return cfg, checkpointer.restore(target, device_shapes(cfg, dtype, impl))
+    cfg, params = load_params(path, dtype, impl=impl, progress=progress)
     checkpointer.save(target, params)
     checkpointer.wait_until_finished()
     log.info("saved converted parameters to %s", target)
@@ -255,7 +251,7 @@ def load_params_sharded(path: str | Path, dtype, layout, *, progress: bool = Tru
         for name in reader.names():
             for t in targets.get(name, []):
                 full = ("layers",) + t.field if t.layer is not None else t.field
-                want = _get_field(plain, full)
+                want = params_lib.get_field(plain, full)
                 _check_tensor(name, file, reader.dtype_name(name), reader.shape(name),
                               want.shape[1:] if t.layer is not None else want.shape, t, full)
                 if (full, t.layer) in src:
@@ -273,12 +269,12 @@ def load_params_sharded(path: str | Path, dtype, layout, *, progress: bool = Tru
         return a[rows[0]:rows[1]] if rows else a
 
     def build(full):
-        sds, sharding = _get_field(shapes, full), _get_field(shardings, full)
+        sds, sharding = params_lib.get_field(shapes, full), params_lib.get_field(shardings, full)
         np_dtype = np.dtype(sds.dtype)
         if full[0] != "layers":
             return jax.make_array_from_callback(sds.shape, sharding,
                                                 lambda idx: np.asarray(source(full, None)[idx]).astype(np_dtype))
-        num_real = _get_field(plain, full).shape[1] if full[1] == "experts" else None
+        num_real = params_lib.get_field(plain, full).shape[1] if full[1] == "experts" else None
 
         def per_device(idx):
             layers = range(*idx[0].indices(sds.shape[0]))
@@ -299,5 +295,5 @@ def load_params_sharded(path: str | Path, dtype, layout, *, progress: bool = Tru
 
     tree = shapes
     for field in tqdm(params_lib.field_paths(shapes), desc=f"Loading {path.name} (sharded)", disable=not progress):
-        tree = _with_field(tree, field, build(field))
+        tree = params_lib.with_field(tree, field, build(field))
     return cfg, tree

@@ -89,8 +89,9 @@ class Engine:
                 self.model_config, self.params = checkpoint.load_params_sharded(self.model_path, DTYPES[dtype],
                                                                                 layout, progress=progress)
             else:
-                self.model_config, self.params = checkpoint.load(self.model_path, DTYPES[dtype], cache_dir=cache_dir,
-                                                                 progress=progress)
+                self.model_config, self.params = checkpoint.load(
+                    self.model_path, DTYPES[dtype], impl=self.impl if layout is None else "reference",
+                    cache_dir=cache_dir, progress=progress)
                 if layout is not None:
                     self.params = layout.shard_params(self.params, self.model_config.num_kv_heads)
         else:

@@ -7,6 +7,7 @@ mesh axes.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -93,6 +94,12 @@ def logical_axes() -> Params:
     return Params(embed=("vocab", "embed"), layers=layers, final_norm=("embed",), unembed=("vocab", "embed"))
 
 
+@functools.partial(jax.jit, donate_argnums=0)
+def put_layer(buf: jax.Array, x: jax.Array, layer) -> jax.Array:
+    """`buf[layer] = x` in place (`buf` donated): stacked leaves are filled one layer at a time."""
+    return jax.lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), layer, 0)
+
+
 def nbytes(tree) -> int:
     return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
@@ -110,3 +117,16 @@ def field_paths(tree) -> list[tuple[str, ...]]:
 
     walk(tree, ())
     return out
+
+
+def get_field(tree, field: tuple[str, ...]):
+    for name in field:
+        tree = getattr(tree, name)
+    return tree
+
+
+def with_field(tree, field: tuple[str, ...], value):
+    """A copy of the dataclass tree with the leaf at `field` (a `field_paths` entry) replaced."""
+    if len(field) == 1:
+        return tree.replace(**{field[0]: value})
+    return tree.replace(**{field[0]: with_field(getattr(tree, field[0]), field[1:], value)})

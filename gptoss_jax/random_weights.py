@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
+import pallas_kernels
 from gptoss_jax import checkpoint, params as params_lib, safetensors_io
 from gptoss_jax.config import from_hf_dict, from_original_dict
 
@@ -45,7 +46,7 @@ def _tensor_specs(cfg, layout: str) -> dict[str, tuple[tuple[int, ...], np.dtype
     specs = {}
     for name, targets in checkpoint.tensor_targets(cfg, layout).items():
         t = targets[0]
-        leaf = checkpoint._get_field(tree, (("layers",) if t.layer is not None else ()) + t.field)
+        leaf = params_lib.get_field(tree, (("layers",) if t.layer is not None else ()) + t.field)
         shape = leaf.shape[1:] if t.layer is not None else leaf.shape
         if t.rows:
             shape = (targets[-1].rows[1],) + tuple(shape[1:])
@@ -138,22 +139,35 @@ def to_original_config(hf: dict) -> dict:
     }
 
 
-def random_params(cfg, dtype=jnp.bfloat16, seed: int = 0):
+def random_params(cfg, dtype=jnp.bfloat16, seed: int = 0, impl: str = "reference"):
     """Random `Params` at `cfg`'s shape drawn directly on device (no file): small normals, unit norms, MXFP4
-    scales near 1/16. For benchmarks at the real shapes, where writing and reading a checkpoint is not the point."""
+    scales near 1/16. For benchmarks at the real shapes, where writing and reading a checkpoint is not the point.
+    Experts come in the layout `impl` reads, drawn and converted one layer at a time, as the loader does."""
     shapes = params_lib.shapes(cfg, dtype)
-    leaves, tree = jax.tree.flatten(shapes)
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-    paths = [".".join(p) for p in params_lib.field_paths(shapes)]
+    tree = checkpoint.device_shapes(cfg, dtype, impl)
+    paths = params_lib.field_paths(shapes)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(paths))
+    make = jax.jit(_draw_device, static_argnums=(1, 2))
+    for key, path in zip(keys, paths):
+        s = params_lib.get_field(shapes, path)
+        if path[:2] != ("layers", "experts"):
+            tree = params_lib.with_field(tree, path, make(key, s, path[-1]))
+            continue
+        there = path[:2] + (pallas_kernels.expert_field(path[-1], impl),)
+        want = params_lib.get_field(tree, there)
+        buf, one = jnp.zeros(want.shape, want.dtype), jax.ShapeDtypeStruct(s.shape[1:], s.dtype)
+        for layer in range(s.shape[0]):
+            x = make(jax.random.fold_in(key, layer), one, path[-1])
+            buf = params_lib.put_layer(buf, pallas_kernels.relayout_expert_field(path[-1], x, impl), layer)
+        tree = params_lib.with_field(tree, there, buf)
+    return tree
 
-    def make(key, s, path):
-        if s.dtype == jnp.uint8:
-            if path.endswith("scales"):
-                return jax.random.randint(key, s.shape, 118, 124, jnp.int32).astype(jnp.uint8)
-            return jax.random.bits(key, s.shape, jnp.uint8)
-        if path.endswith("norm"):
-            return jnp.ones(s.shape, s.dtype)
-        return (0.02 * jax.random.normal(key, s.shape, jnp.float32)).astype(s.dtype)
 
-    out = [jax.jit(make, static_argnums=(1, 2))(k, s, p) for k, s, p in zip(keys, leaves, paths)]
-    return jax.tree.unflatten(tree, out)
+def _draw_device(key, s, name: str):
+    if s.dtype == jnp.uint8:
+        if name.endswith("scales"):
+            return jax.random.randint(key, s.shape, 118, 124, jnp.int32).astype(jnp.uint8)
+        return jax.random.bits(key, s.shape, jnp.uint8)
+    if name.endswith("norm"):
+        return jnp.ones(s.shape, s.dtype)
+    return (0.02 * jax.random.normal(key, s.shape, jnp.float32)).astype(s.dtype)

@@ -3,12 +3,16 @@
 `attention` and `moe` are the only entry points the model calls; `impl` picks the implementation:
 `"pallas"` (the kernels; the default on GPUs) or `"reference"` (pure JAX; the default elsewhere,
 since the Pallas-Triton kernels only lower for GPUs and would run interpreted). The kernels read
-the experts in their own relayout of the same bytes, made once at start-up by `prepare_params`.
+the experts in their own relayout of the same bytes, made tensor by tensor as the checkpoint loads
+(`relayout_expert_field`), or by `prepare_params` for parameters already on device.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
+from gptoss_jax.params import put_layer
 from pallas_kernels import (attention_reference, flash_attention, moe_decode, moe_prefill, moe_reference,
                             paged_attention)
 
@@ -25,29 +29,42 @@ def check_impl(impl: str) -> str:
     return impl
 
 
-def prepare_params(params, impl: str, experts_per_chunk: int = 16):
-    """Parameters in the layout `impl` reads: the kernels take the experts re-encoded (same bytes).
+def expert_shapes(experts, impl: str):
+    """The experts' shapes (`jax.ShapeDtypeStruct` tree) in the layout `impl` reads."""
+    return experts if check_impl(impl) == "reference" else jax.eval_shape(moe_decode.prepare_experts, experts)
 
-    Converts `experts_per_chunk` experts of one layer at a time into a donated buffer, so the peak is
-    the experts twice plus one chunk's temporaries (a whole 120b layer at once needs ~18 GB of them)."""
-    if check_impl(impl) == "reference":
-        return params
+
+def expert_field(name: str, impl: str) -> str:
+    """The field of `impl`'s expert layout made from the `params.Experts` field `name`."""
+    return name if check_impl(impl) == "reference" else moe_decode.KERNEL_FIELDS[name]
+
+
+def relayout_expert_field(name: str, x: jax.Array, impl: str) -> jax.Array:
+    """One `params.Experts` field (of one layer) as `impl` reads it. The loader calls this tensor by
+    tensor, so a checkpoint is never on the device in both layouts at once."""
+    return x if check_impl(impl) == "reference" else _relayout_jit(name, x)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _relayout_jit(name, x):
+    return moe_decode.relayout_field(name, x)
+
+
+def prepare_params(params, impl: str):
+    """Parameters already on device, in the layout `impl` reads (the loader and `random_params` produce it
+    directly). Converts one field of one layer at a time into a preallocated buffer, so the peak is the
+    experts plus their converted copy, never a whole layer's temporaries on top."""
     experts = params.layers.experts
-    L, E = experts.gate_up_blocks.shape[:2]
-    c = min(E, experts_per_chunk)
-    while E % c:
-        c -= 1
-    one = jax.jit(lambda ex, l, e0: moe_decode.prepare_experts(
-        jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a[l], e0, c), ex)))
-    chunk = jax.eval_shape(one, experts, 0, 0)
-    out = jax.tree.map(lambda s: jnp.zeros((L, E) + s.shape[1:], s.dtype), chunk)
-    put = jax.jit(lambda o, x, l, e0: jax.tree.map(
-        lambda a, b: jax.lax.dynamic_update_slice(a, b[None], (l, e0) + (0,) * (a.ndim - 2)), o, x),
-        donate_argnums=0)
-    for layer in range(L):
-        for e0 in range(0, E, c):
-            out = put(out, one(experts, layer, e0), layer, e0)
-    return params.replace(layers=params.layers.replace(experts=out))
+    if check_impl(impl) == "reference" or isinstance(experts, moe_decode.KernelExperts):
+        return params
+    shapes, out = expert_shapes(experts, impl), {}
+    for name, kname in moe_decode.KERNEL_FIELDS.items():
+        src, want = getattr(experts, name), getattr(shapes, kname)
+        buf = jnp.zeros(want.shape, want.dtype)
+        for layer in range(src.shape[0]):
+            buf = put_layer(buf, relayout_expert_field(name, src[layer], impl), layer)
+        out[kname] = buf
+    return params.replace(layers=params.layers.replace(experts=moe_decode.KernelExperts(**out)))
 
 
 def attention(q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sinks_N, window: int, *,

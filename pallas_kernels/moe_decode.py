@@ -85,23 +85,29 @@ def encode_words(blocks_u8: jax.Array) -> jax.Array:
     return out
 
 
+# Each kernel field is made from one checkpoint field, so the loader relayouts tensor by tensor, layer
+# by layer, and never holds the experts twice.
+KERNEL_FIELDS = {"gate_up_blocks": "gu_words", "gate_up_scales": "gu_scales", "gate_up_bias": "gu_bias",
+                 "down_blocks": "dn_words", "down_scales": "dn_scales", "down_bias": "dn_bias"}
+
+
+def relayout_field(name: str, a: jax.Array) -> jax.Array:
+    """One `params.Experts` field `name` (any leading axes before the expert axis) in kernel layout."""
+    if name.startswith("down"):
+        return encode_words(a) if name == "down_blocks" else a
+    if name == "gate_up_blocks":
+        a = encode_words(a)
+    # [..., E, 2I, *t] -> [..., E, 2, I, *t]: gate = even rows, up = odd rows, features in phase order
+    ntrail = {"gate_up_blocks": 1, "gate_up_scales": 1, "gate_up_bias": 0}[name]
+    lead = a.ndim - 2 - ntrail
+    I = a.shape[lead + 1] // 2
+    a = a.reshape(*a.shape[:lead + 1], I, 2, *a.shape[lead + 2:])
+    return jnp.take(jnp.moveaxis(a, lead + 2, lead + 1), jnp.asarray(phase_order(I)), axis=lead + 2)
+
+
 def prepare_experts(experts) -> KernelExperts:
-    """Re-encoding + relayout of one layer's `params.Experts` (works on a leading layer axis too)."""
-    gub, gus, gubias = experts.gate_up_blocks, experts.gate_up_scales, experts.gate_up_bias
-    lead = gub.shape[:-4]
-    E, I2 = gub.shape[-4:-2]
-    I = I2 // 2
-    order = jnp.asarray(phase_order(I))
-
-    def split(a, ntrail):
-        # [..., E, 2I, *t] -> [..., E, 2, I, *t]: gate = even rows, up = odd rows, features in phase order
-        a = a.reshape(*lead, E, I, 2, *a.shape[len(lead) + 2:])
-        a = jnp.moveaxis(a, len(lead) + 2, len(lead) + 1)
-        return jnp.take(a, order, axis=len(lead) + 2)
-
-    return KernelExperts(gu_words=split(encode_words(gub), 1), gu_scales=split(gus, 1),
-                         gu_bias=split(gubias, 0), dn_words=encode_words(experts.down_blocks),
-                         dn_scales=experts.down_scales, dn_bias=experts.down_bias)
+    """Re-encoding + relayout of `params.Experts` (one layer, or stacked on a leading layer axis)."""
+    return KernelExperts(**{k: relayout_field(n, getattr(experts, n)) for n, k in KERNEL_FIELDS.items()})
 
 
 # ----------------------------------------------------------------------------------------------

@@ -6,7 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gptoss_jax import checkpoint, random_weights, safetensors_io
+import pallas_kernels
+from gptoss_jax import checkpoint, params as params_lib, random_weights, safetensors_io
+from pallas_kernels import moe_decode
 from gptoss_jax.checkpoint import CheckpointError
 from parity_configs import PARITY
 
@@ -51,6 +53,27 @@ def test_hf_single_sharded_and_original_layouts_agree(small_checkpoint, tmp_path
     _to_original(small_checkpoint, tmp_path / "orig")
     _, p_orig = checkpoint.load_params(tmp_path / "orig", jnp.float32, progress=False)
     _leaves_equal(ref, p_orig)
+
+
+def test_kernel_layout_loads_tensor_by_tensor(small_checkpoint, tmp_path):
+    """`impl="pallas"` relayouts each expert tensor as it loads: the same arrays as relayouting the
+    loaded checkpoint afterwards, in both checkpoint layouts, and the orbax cache keys on the layout."""
+    _, ref = checkpoint.load_params(small_checkpoint, jnp.float32, progress=False)
+    want = pallas_kernels.prepare_params(ref, "pallas")
+    assert isinstance(want.layers.experts, moe_decode.KernelExperts)
+    _leaves_equal(want.layers.experts, moe_decode.prepare_experts(ref.layers.experts))
+    assert pallas_kernels.prepare_params(want, "pallas") is want  # already in kernel layout
+    _, direct = checkpoint.load_params(small_checkpoint, jnp.float32, impl="pallas", progress=False)
+    _leaves_equal(want, direct)
+    _to_original(small_checkpoint, tmp_path / "orig")
+    _leaves_equal(want, checkpoint.load_params(tmp_path / "orig", jnp.float32, impl="pallas", progress=False)[1])
+    _, cached = checkpoint.load(small_checkpoint, jnp.float32, impl="pallas", cache_dir=tmp_path / "c", progress=False)
+    _, plain = checkpoint.load(small_checkpoint, jnp.float32, cache_dir=tmp_path / "c", progress=False)
+    assert len(list((tmp_path / "c").iterdir())) == 2
+    _leaves_equal(want, cached)
+    _leaves_equal(want, checkpoint.load(small_checkpoint, jnp.float32, impl="pallas", cache_dir=tmp_path / "c",
+                                        progress=False)[1])
+    assert isinstance(plain.layers.experts, params_lib.Experts)
 
 
 def test_experts_stay_packed_and_dtypes(small_checkpoint):

@@ -29,7 +29,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import pallas_kernels  # noqa: E402
 from gptoss_jax import config, model, params as params_lib, steps  # noqa: E402
 from gptoss_jax.random_weights import random_params  # noqa: E402
 
@@ -128,14 +127,10 @@ def main() -> None:
     for n, preset in enumerate(args.presets.split(",")):
         cfg = (config.from_hf_dict(json.loads(Path(preset).read_text()), preset) if preset.endswith(".json")
                else config.preset(preset))
-        params = random_params(cfg)
-        weights = params_lib.nbytes(params)
-        kernel_params = pallas_kernels.prepare_params(params, "pallas")
-        jax.block_until_ready(kernel_params)
         with_reference = n == 0 and ref_batches
-        if not with_reference:  # the kernels' relayout replaces the experts: free the originals
-            for leaf in jax.tree.leaves(params.layers.experts):
-                leaf.delete()
+        kernel_params = random_params(cfg, impl="pallas")  # drawn in the kernels' layout, layer by layer
+        params = random_params(cfg) if with_reference else None
+        weights = params_lib.nbytes(kernel_params)
         for context in contexts:
             for batch in [int(b) for b in args.batches.split(",")]:
                 kv = batch * (context + 2 * PAGE) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2 / 2

@@ -93,7 +93,7 @@ def main() -> None:
     result = {"preset": "smoke" if args.smoke else args.preset, "device": jax.devices()[0].device_kind,
               "jax": jax.__version__, "commit": commit or "unknown", "impl": args.impl or pallas_kernels.default_impl()}
     t0 = time.perf_counter()
-    params = random_params(cfg, jnp.bfloat16)
+    params = random_params(cfg, jnp.bfloat16, impl=result["impl"])
     jax.block_until_ready(params)
     result["param_bytes"] = params_lib.nbytes(params)
     print(f"random weights: {result['param_bytes'] / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f}s", flush=True)

@@ -3,8 +3,9 @@
     python tools/convert_checkpoint.py --model /models/gpt-oss-20b --cache-dir /models/converted
 
 Afterwards `LLM(model, cache_dir=...)` and `--cache-dir` restore the converted parameters directly.
-The cache key covers the source files (names, sizes, mtimes) and the dtype, so a changed checkpoint
-is converted again rather than restored stale.
+The cache key covers the source files (names, sizes, mtimes), the dtype and the expert layout
+(`--impl`, default: what this machine's engine uses), so a changed checkpoint is converted again
+rather than restored stale.
 """
 
 import argparse
@@ -16,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax.numpy as jnp  # noqa: E402
 
+import pallas_kernels  # noqa: E402
 from gptoss_jax import checkpoint  # noqa: E402
 
 
@@ -24,10 +26,13 @@ def main(argv=None) -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--cache-dir", required=True)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--impl", choices=pallas_kernels.IMPLS, default=pallas_kernels.default_impl())
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    checkpoint.load(args.model, jnp.dtype(args.dtype), cache_dir=args.cache_dir)
-    target = Path(args.cache_dir).resolve() / f"{Path(args.model).name}-{checkpoint.fingerprint(Path(args.model), jnp.dtype(args.dtype))}"
+    dtype = jnp.dtype(args.dtype)
+    checkpoint.load(args.model, dtype, impl=args.impl, cache_dir=args.cache_dir)
+    key = checkpoint.fingerprint(Path(args.model), dtype, args.impl)
+    target = Path(args.cache_dir).resolve() / f"{Path(args.model).name}-{key}"
     print(f"{target} ready in {time.perf_counter() - t0:.1f}s")
 
 

@@ -1,0 +1,135 @@
+"""Where a decode step's time goes: a `jax.profiler` trace of the engine's compiled decode step, summed
+per GPU kernel, next to the step's wall time.
+
+Same setup as tools/bench_decode.py (random weights in the kernels' layout, synthetic paged context);
+one device call of `--steps` tokens is traced. The summary says how much of the wall time the GPU was
+busy (the rest is launch gaps and host syncs), how many kernels one token launches, and the kernels
+that cost most, by name. XLA flags (e.g. command buffers) are read at start-up, so compare them with
+separate runs:
+
+    XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true python tools/profile_decode.py --label dsf
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import pallas_kernels  # noqa: E402
+
+from bench_decode import synthetic_state  # noqa: E402
+from gptoss_jax import config, steps  # noqa: E402
+from gptoss_jax.random_weights import random_params  # noqa: E402
+
+
+def summarize_trace(trace_dir: str, top: int = 25) -> dict:
+    """GPU kernel time from the perfetto trace `jax.profiler` wrote under `trace_dir`."""
+    path = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))[-1]
+    events = json.load(gzip.open(path))["traceEvents"]
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    by_thread = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and "GPU" in procs.get(e["pid"], "") and "dur" in e:
+            by_thread[threads.get((e["pid"], e["tid"]), str(e["tid"]))].append(e)
+    out = {}
+    for name, evs in by_thread.items():
+        evs.sort(key=lambda e: e["ts"])
+        busy, end = 0.0, -1e30
+        for e in evs:  # union of intervals
+            s, f = e["ts"], e["ts"] + e["dur"]
+            busy += max(0.0, f - max(s, end))
+            end = max(end, f)
+        totals, counts = collections.Counter(), collections.Counter()
+        for e in evs:
+            totals[e["name"][:120]] += e["dur"]
+            counts[e["name"][:120]] += 1
+        out[name] = {"events": len(evs), "span_us": end - evs[0]["ts"], "busy_us": busy,
+                     "top": [{"name": n, "us": t, "count": counts[n]} for n, t in totals.most_common(top)]}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="gpt-oss-20b", help="preset name or a HF config.json path")
+    ap.add_argument("--batch", default="1", help="comma-separated batch sizes")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--unroll", default="1", help="comma-separated layer-scan unroll factors, or 'full'")
+    ap.add_argument("--impl", default=pallas_kernels.default_impl(), choices=pallas_kernels.IMPLS)
+    ap.add_argument("--label", default="baseline")
+    ap.add_argument("--out", default="profile.json")
+    args = ap.parse_args()
+    cfg = (config.from_hf_dict(json.loads(Path(args.preset).read_text()), args.preset)
+           if args.preset.endswith(".json") else config.preset(args.preset))
+    params = random_params(cfg, impl=args.impl)
+    results = []
+    for B in [int(b) for b in args.batch.split(",")]:
+        for unroll in args.unroll.split(","):
+            results.append(profile(params, cfg, B, args, True if unroll == "full" else int(unroll)))
+    Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+def profile(params, cfg, B: int, args, unroll) -> dict:
+    cache, tables = synthetic_state(cfg, B, args.context, params.embed.dtype)
+    sp = steps.SamplingBatch(temperature_B=jnp.zeros(B), top_k_B=jnp.zeros(B, jnp.int32), top_p_B=jnp.ones(B),
+                             min_p_B=jnp.zeros(B), keys_B2=jnp.zeros((B, 2), jnp.uint32),
+                             want_logprobs_B=jnp.zeros(B, bool))
+    tokens, positions = jnp.ones(B, jnp.int32), jnp.full(B, args.context, jnp.int32)
+    state = {"cache": cache}
+
+    def run():
+        out, state["cache"] = steps.decode(params, state["cache"], tokens, positions, tables, sp, cfg=cfg,
+                                           impl=args.impl, num_steps=args.steps, num_top=1, unroll=unroll)
+        out.tokens.block_until_ready()
+
+    t0 = time.perf_counter()
+    run()
+    compile_s = time.perf_counter() - t0
+    ts = []
+    for _ in range(args.reps):
+        t0 = time.perf_counter()
+        run()
+        ts.append(time.perf_counter() - t0)
+    tpot_us = statistics.median(ts) / args.steps * 1e6
+    trace_dir = tempfile.mkdtemp()
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+    t0 = time.perf_counter()
+    run()
+    traced_us = (time.perf_counter() - t0) * 1e6
+    jax.profiler.stop_trace()
+    summary = summarize_trace(trace_dir)
+    for buf in jax.tree.leaves(state["cache"]):
+        buf.delete()
+    result = {"label": args.label, "xla_flags": os.environ.get("XLA_FLAGS", ""), "preset": args.preset, "batch": B,
+              "context": args.context, "unroll": unroll, "steps": args.steps, "compile_s": compile_s,
+              "tpot_us": tpot_us, "traced_tpot_us": traced_us / args.steps, "threads": summary}
+    print(f"[{args.label}] {args.preset} B={B} ctx={args.context} unroll={unroll}: TPOT {tpot_us:.0f} us, traced "
+          f"{traced_us / args.steps:.0f} us (compile {compile_s:.0f}s; flags '{result['xla_flags']}')", flush=True)
+    for name, t in summary.items():
+        print(f"  {name}: {t['events'] / args.steps:.0f} events/token, busy {t['busy_us'] / args.steps:.0f} us/token "
+              f"of span {t['span_us'] / args.steps:.0f}", flush=True)
+        for row in t["top"][:12]:
+            print(f"    {row['us'] / args.steps:8.1f} us/token  x{row['count'] / args.steps:5.1f}  {row['name'][:90]}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
