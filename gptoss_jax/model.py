@@ -92,24 +92,28 @@ def rms_norm(x: jax.Array, gain: jax.Array, eps: float, dtype) -> jax.Array:
     return (t * gain.astype(jnp.float32)).astype(dtype)
 
 
-def _linear(x: jax.Array, w_OI: jax.Array, b_O: jax.Array) -> jax.Array:
-    """`x @ w.T + b`, accumulated and returned in fp32."""
-    y = jnp.einsum("...i,oi->...o", x, w_OI, preferred_element_type=jnp.float32)
-    return y + b_O.astype(jnp.float32)
-
-
-def _attention_block(cfg: ModelConfig, lp, x_BTD, cos, sin, k_all, v_all, idx, table_BM, write_page_BT,
-                     write_slot_BT, positions_BT, window: int, impl: str, inspect: bool = False, layout=None):
+def _attention_block(cfg: ModelConfig, lp, dense_all, layer, x_BTD, cos, sin, k_all, v_all, idx, table_BM,
+                     write_page_BT, write_slot_BT, positions_BT, window: int, impl: str, inspect: bool = False,
+                     layout=None):
     """One attention layer: project, write the new K/V into layer `idx` of the pool, attend through the table.
     Also returns the sink mass `[B, T, N]` when `inspect` (else None). With a `layout` the write and the
-    attention run once per attention rank, on its rows and its pages (rank-local page ids)."""
+    attention run once per attention rank, on its rows and its pages (rank-local page ids).
+
+    `dense_all` (`params.layers`) holds every layer's projection weights and `layer` says which, as for the
+    experts: the decode kernel reads them in place instead of the scan copying each layer's ~53 MB out first."""
     B, T, _ = x_BTD.shape
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     dtype = k_all.dtype
+
+    def proj(x, name):
+        w, b = getattr(dense_all, f"{name}_w"), getattr(lp, f"{name}_b")
+        y = pallas_kernels.linear(x.reshape(B * T, -1), w, b, layer, impl=impl if layout is None else "reference")
+        return y.reshape(B, T, -1)
+
     t = rms_norm(x_BTD, lp.attn_norm, cfg.rms_norm_eps, dtype)
-    q = rope.apply(_linear(t, lp.q_w, lp.q_b).astype(dtype).reshape(B, T, N, H), cos, sin)
-    k = rope.apply(_linear(t, lp.k_w, lp.k_b).astype(dtype).reshape(B, T, K, H), cos, sin)
-    v = _linear(t, lp.v_w, lp.v_b).astype(dtype).reshape(B, T, K, H)
+    q = rope.apply(proj(t, "q").astype(dtype).reshape(B, T, N, H), cos, sin)
+    k = rope.apply(proj(t, "k").astype(dtype).reshape(B, T, K, H), cos, sin)
+    v = proj(t, "v").astype(dtype).reshape(B, T, K, H)
 
     def attend(q, k, v, k_all, v_all, idx, table_BM, write_page_BT, write_slot_BT, positions_BT, sinks):
         k_all = k_all.at[idx, write_page_BT, write_slot_BT].set(k)
@@ -131,7 +135,7 @@ def _attention_block(cfg: ModelConfig, lp, x_BTD, cos, sin, k_all, v_all, idx, t
                                  ("rows", "pages", "pages") + (("rows",) if inspect else ()))
     o, k_all, v_all, *sink = attend(q, k, v, k_all, v_all, idx, table_BM, write_page_BT, write_slot_BT,
                                     positions_BT, lp.sinks)
-    return _linear(o.reshape(B, T, N * H), lp.o_w, lp.o_b), k_all, v_all, (sink[0] if inspect else None)
+    return proj(o.reshape(B, T, N * H), "o"), k_all, v_all, (sink[0] if inspect else None)
 
 
 def _moe_block(cfg: ModelConfig, lp, experts_all, layer, x_BTD, dtype, impl, inspect: bool = False, layout=None):
@@ -198,15 +202,16 @@ def forward(params: Params, cache: PagedKVCache, tokens_BT: jax.Array, positions
     def layer(x, caches, lp, idx, sliding: bool):
         ks, vs, kf, vf = caches
         with jax.named_scope("sliding_attention" if sliding else "full_attention"):
+            n = 2 * idx + (0 if sliding else 1)  # the layer's index in model order
             if sliding:
-                a, ks, vs, sink = _attention_block(cfg, lp, x, cos, sin, ks, vs, idx, tables.sliding_BM, s_page,
-                                                   s_slot, positions_BT, cfg.sliding_window, impl, on, layout)
+                a, ks, vs, sink = _attention_block(cfg, lp, dense_all, n, x, cos, sin, ks, vs, idx, tables.sliding_BM,
+                                                   s_page, s_slot, positions_BT, cfg.sliding_window, impl, on, layout)
             else:
-                a, kf, vf, sink = _attention_block(cfg, lp, x, cos, sin, kf, vf, idx, tables.full_BM, f_page, f_slot,
-                                                   positions_BT, FULL_WINDOW, impl, on, layout)
+                a, kf, vf, sink = _attention_block(cfg, lp, dense_all, n, x, cos, sin, kf, vf, idx, tables.full_BM,
+                                                   f_page, f_slot, positions_BT, FULL_WINDOW, impl, on, layout)
             x = pin(x + a)
         with jax.named_scope("moe"):
-            y, routing = _moe_block(cfg, lp, experts_all, 2 * idx + (0 if sliding else 1), x, dtype, impl, on, layout)
+            y, routing = _moe_block(cfg, lp, experts_all, n, x, dtype, impl, on, layout)
             x = pin(x + y)
         record = (*routing, sink, x if inspect.hidden_states else None) if on else None
         return x, (ks, vs, kf, vf), record
@@ -220,8 +225,9 @@ def forward(params: Params, cache: PagedKVCache, tokens_BT: jax.Array, positions
 
     pairs = cfg.num_layers // 2
     caches = (cache.k_sliding, cache.v_sliding, cache.k_full, cache.v_full)
-    experts_all = params.layers.experts  # indexed per layer inside the MoE, not sliced by the scan
-    scanned = params.layers.replace(experts=None)
+    # The big per-layer weights are indexed inside the blocks (no copy), the rest is sliced by the scan.
+    experts_all, dense_all = params.layers.experts, params.layers
+    scanned = params.layers.replace(experts=None, q_w=None, k_w=None, v_w=None, o_w=None)
     records = []  # with `inspect`: per-layer records, stacked on a leading layer axis
     with jax.named_scope("layers"):
         if pairs:

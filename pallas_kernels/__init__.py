@@ -1,6 +1,6 @@
 """The two hot operations of gpt-oss, each with a pure-JAX reference beside its Pallas kernels.
 
-`attention` and `moe` are the only entry points the model calls; `impl` picks the implementation:
+`attention`, `moe` and `linear` are the only entry points the model calls; `impl` picks the implementation:
 `"pallas"` (the kernels; the default on GPUs) or `"reference"` (pure JAX; the default elsewhere,
 since the Pallas-Triton kernels only lower for GPUs and would run interpreted). The kernels read
 the experts in their own relayout of the same bytes, made tensor by tensor as the checkpoint loads
@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from gptoss_jax.params import put_layer
-from pallas_kernels import (attention_reference, flash_attention, moe_decode, moe_prefill, moe_reference,
-                            paged_attention)
+from pallas_kernels import (attention_reference, flash_attention, linear_decode, moe_decode, moe_prefill,
+                            moe_reference, paged_attention)
 
 IMPLS = ("reference", "pallas")
 
@@ -75,6 +75,14 @@ def attention(q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sin
         return attention_reference.attention(*args)
     kernel = paged_attention if q_BTNH.shape[1] == 1 else flash_attention  # decode / prefill chunk
     return kernel.attention(*args)
+
+
+def linear(x_TI, w_LOI, b_O, layer, *, impl: str = "reference"):
+    """`x @ w[layer].T + b` in fp32, for a weight stacked over layers. Decode-sized inputs (<= 64 rows) take
+    the kernel, which reads the layer in place; larger ones amortise XLA's copy of the layer slice."""
+    if check_impl(impl) == "pallas" and x_TI.shape[0] <= linear_decode.MAX_ROWS:
+        return linear_decode.linear(x_TI, w_LOI, b_O, layer)
+    return linear_decode.reference(x_TI, w_LOI, b_O, layer)
 
 
 def moe(x_TD, router_w_ED, router_b_E, experts, *, top_k, swiglu_limit, swiglu_alpha, layer=None,

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import attention_reference, flash_attention, moe_decode, moe_reference, paged_attention
+from pallas_kernels import (attention_reference, flash_attention, linear_decode, moe_decode, moe_reference,
+                            paged_attention)
 from tools import kernel_cases as kc
 
 LINES = []
@@ -232,6 +233,40 @@ def bench_moe_prefill(model, T, mm, configs):
             f"(pallas {t_rd/best[0]:5.1f}x faster) | XLA dequant+einsum scan {t_ref*1e3:8.2f} ms")
 
 
+def bench_linear(bw, Ts, configs, L=8):
+    """Decode projections over L stacked layers (more bytes than L2): the kernel reading each layer in
+    place vs XLA on the stacked weight (layer slice copied, then GEMM) and on separate arrays (no copy)."""
+    for name, O, K in (("q_proj", 4096, 2880), ("o_proj", 2880, 4096), ("k_proj", 512, 2880)):
+        w = (jax.random.normal(jax.random.PRNGKey(O + K), (L, O, K), jnp.float32) * 0.02).astype(jnp.bfloat16)
+        sep = [w[i] + 0 for i in range(L)]
+        b = jnp.zeros((O,), jnp.bfloat16)
+        layers = jnp.arange(L, dtype=jnp.int32)  # traced, as in the layer scan
+        nbytes = O * K * 2
+        for T in Ts:
+            x = jax.random.normal(jax.random.PRNGKey(T), (T, K), jnp.float32).astype(jnp.bfloat16)
+            best = None
+            for cfg in configs:
+                run = jax.jit(lambda x, w, ls, cfg=cfg: [linear_decode.linear(x, w, b, ls[i], **cfg)
+                                                         for i in range(L)])
+                try:
+                    t = timeit(run, x, w, layers) / L
+                except Exception as e:  # noqa: BLE001
+                    log(f"  linear {name} T={T} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                log(f"  linear {name} T={T:3d} {t*1e6:7.1f} us {nbytes/t/1e12:5.2f} TB/s cfg={cfg}")
+                if best is None or t < best[0]:
+                    best = (t, cfg)
+            t_stk = timeit(jax.jit(lambda x, w, ls: [linear_decode.reference(x, w, b, ls[i]) for i in range(L)]),
+                           x, w, layers) / L
+            t_sep = timeit(jax.jit(lambda x, ws: [jnp.einsum("ti,oi->to", x, wi, preferred_element_type=jnp.float32)
+                                                  for wi in ws]), x, sep) / L
+            log(f"ROW linear_decode {name} [{O}x{K}] T={T:3d} | pallas {best[0]*1e6:6.1f} us "
+                f"{nbytes/best[0]/1e12:5.2f} TB/s ({nbytes/best[0]/bw*100:4.1f}% of {bw/1e12:.2f}) | XLA stacked "
+                f"(slice copy + GEMM) {t_stk*1e6:6.1f} us | XLA separate arrays {t_sep*1e6:6.1f} us "
+                f"({nbytes/t_sep/bw*100:4.1f}%) | best {best[1]}")
+        del w, sep
+
+
 def bench_paged(bw, cases, split_opts):
     for (B, ctx, window, S) in cases:
         q, kp, vp, bt, pos, sinks = kc.paged(jax.random.PRNGKey(B + ctx), B, 64, 8, 64, S, [ctx] * B)
@@ -320,7 +355,8 @@ def main():
     args = ap.parse_args()
     log(f"device: {jax.devices()[0].device_kind}  date {time.strftime('%Y-%m-%d %H:%M')}")
     bw, mm = ceilings()
-    only = set(args.only.split(",")) if args.only else {"moe_decode", "paged", "flash", "moe_prefill", "ragged"}
+    only = set(args.only.split(",")) if args.only else {"linear", "moe_decode", "paged", "flash", "moe_prefill",
+                                                        "ragged"}
 
     def dec_cfgs(T, k, E):
         base = moe_decode.decode_config(T, k, E)
@@ -332,6 +368,15 @@ def main():
         return out
 
     t0 = time.time()
+    if "linear" in only:
+        lcfgs = [dict(block_n=16, block_k=256, num_warps=4, num_stages=3),
+                 dict(block_n=32, block_k=256, num_warps=4, num_stages=3),
+                 dict(block_n=16, block_k=512, num_warps=4, num_stages=3),
+                 dict(block_n=32, block_k=128, num_warps=4, num_stages=4),
+                 dict(block_n=64, block_k=128, num_warps=4, num_stages=3),
+                 dict(block_n=16, block_k=256, num_warps=8, num_stages=4)]
+        bench_linear(bw, (1, 16, 64), lcfgs[:1] if args.quick else lcfgs)
+    log(f"[{time.time()-t0:.0f}s]")
     if "moe_decode" in only:
         bench_moe_decode("20b", (1, 4, 16, 64), bw, dec_cfgs, L=3)
         bench_moe_decode("120b", (1, 4, 16), bw, dec_cfgs, L=2)

@@ -11,10 +11,11 @@ import functools
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import (attention_reference, flash_attention, moe_decode, moe_prefill, moe_reference,
-                            paged_attention)
+from pallas_kernels import (attention_reference, flash_attention, linear_decode, moe_decode, moe_prefill,
+                            moe_reference, paged_attention)
 from tools import kernel_cases as kc
 
 TOL = 2e-2
@@ -81,6 +82,16 @@ def main():
         pad_zero = bool((np.abs(np.asarray(out, np.float32)[np.asarray(pos) < 0]).max(initial=0.0) == 0.0))
         rows.append((name.strip(), f"chunks={chunks} win={'full' if window > 2**30 else window} "
                      f"sinks*{sink_scale} {cfg} pad0={pad_zero}", e, fin and pad_zero))
+        print(*rows[-1], flush=True)
+
+    for name, (T, O, K, L) in {"linear_decode": (1, 4096, 2880, 3), "linear_decode ": (7, 2880, 4096, 2),
+                               "linear_decode  ": (64, 512, 2880, 2), "linear_decode   ": (33, 1000, 300, 2)}.items():
+        key, k1, k2, k3 = jax.random.split(key, 4)
+        x = jax.random.normal(k1, (T, K), jnp.float32).astype(jnp.bfloat16)
+        w = (jax.random.normal(k2, (L, O, K), jnp.float32) * 0.02).astype(jnp.bfloat16)
+        b = jax.random.normal(k3, (O,), jnp.float32).astype(jnp.bfloat16)
+        e, fin = rel(linear_decode.linear(x, w, b, L - 1), linear_decode.reference(x, w, b, L - 1))
+        rows.append((name.strip(), f"T={T} O={O} K={K} layer {L - 1} of {L}", e, fin))
         print(*rows[-1], flush=True)
 
     print(f"\n{'kernel':14s} {'case':70s} {'rel_err':>9s} finite pass")
