@@ -444,8 +444,14 @@ def experts_forward(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, *, swig
     (a free reshape) and the slots point at that layer's experts, so no layer slice is copied."""
     T, D = x_TD.shape
     k = idx_TK.shape[1]
-    E = kexp.gu_words.shape[-4]
-    tok_sorted, w_sorted, order, slot_e, slot_start, slot_rows = dispatch(idx_TK, w_TK, E, block_m)
+    P, E = T * k, kexp.gu_words.shape[-4]
+    if block_m == 1:  # a slot per pair, in token order: nothing to sort, nothing to permute back
+        pairs = jnp.arange(P, dtype=jnp.int32)
+        tok_sorted, w_sorted, slot_e = pairs // k, w_TK.reshape(P).astype(jnp.float32), idx_TK.reshape(P)
+        slot_start, slot_rows, order = pairs, jnp.ones((P,), jnp.int32), None
+    else:
+        tok_sorted, w_sorted, order, slot_e, slot_start, slot_rows = dispatch(idx_TK, w_TK, E, block_m)
+    slot_e = slot_e.astype(jnp.int32)
     if layer is not None:
         kexp = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), kexp)
         slot_e = slot_e + layer * E
@@ -454,9 +460,9 @@ def experts_forward(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, *, swig
                     block_m=block_m, block_n=block_n, block_k=block_k, block_n_down=block_n_down,
                     num_warps=num_warps, num_stages=num_stages, swap=swap, prefetch=prefetch,
                     interpret=interpret)
-    P = T * k
-    inv = jnp.zeros((P,), jnp.int32).at[order].set(jnp.arange(P, dtype=jnp.int32))
-    return jnp.sum(y[inv].reshape(T, k, D), axis=1).astype(x_TD.dtype)
+    if order is not None:
+        y = y[jnp.zeros((P,), jnp.int32).at[order].set(jnp.arange(P, dtype=jnp.int32))]
+    return jnp.sum(y[:P].reshape(T, k, D), axis=1).astype(x_TD.dtype)
 
 
 def decode_config(T: int, k: int, E: int) -> dict:

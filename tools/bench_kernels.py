@@ -369,12 +369,12 @@ def main():
 
     t0 = time.time()
     if "linear" in only:
-        lcfgs = [dict(block_n=16, block_k=256, num_warps=4, num_stages=3),
-                 dict(block_n=32, block_k=256, num_warps=4, num_stages=3),
-                 dict(block_n=16, block_k=512, num_warps=4, num_stages=3),
-                 dict(block_n=32, block_k=128, num_warps=4, num_stages=4),
-                 dict(block_n=64, block_k=128, num_warps=4, num_stages=3),
-                 dict(block_n=16, block_k=256, num_warps=8, num_stages=4)]
+        lcfgs = [dict(block_n=32, block_k=256, programs=528, num_warps=4, num_stages=3),
+                 dict(block_n=16, block_k=256, programs=1056, num_warps=4, num_stages=2),
+                 dict(block_n=32, block_k=128, programs=1056, num_warps=4, num_stages=2),
+                 dict(block_n=64, block_k=256, programs=528, num_warps=4, num_stages=2),
+                 dict(block_n=32, block_k=512, programs=264, num_warps=4, num_stages=2),
+                 dict(block_n=32, block_k=256, programs=1056, num_warps=4, num_stages=2)]
         bench_linear(bw, (1, 16, 64), lcfgs[:1] if args.quick else lcfgs)
     log(f"[{time.time()-t0:.0f}s]")
     if "moe_decode" in only:

@@ -37,7 +37,7 @@ from gptoss_jax import config, steps  # noqa: E402
 from gptoss_jax.random_weights import random_params  # noqa: E402
 
 
-def summarize_trace(trace_dir: str, top: int = 25) -> dict:
+def summarize_trace(trace_dir: str, top: int = 60) -> dict:
     """GPU kernel time from the perfetto trace `jax.profiler` wrote under `trace_dir`."""
     path = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))[-1]
     events = json.load(gzip.open(path))["traceEvents"]
@@ -56,12 +56,14 @@ def summarize_trace(trace_dir: str, top: int = 25) -> dict:
             s, f = e["ts"], e["ts"] + e["dur"]
             busy += max(0.0, f - max(s, end))
             end = max(end, f)
-        totals, counts = collections.Counter(), collections.Counter()
+        totals, counts, args = collections.Counter(), collections.Counter(), {}
         for e in evs:
             totals[e["name"][:120]] += e["dur"]
             counts[e["name"][:120]] += 1
+            args.setdefault(e["name"][:120], str(e.get("args", ""))[:300])
         out[name] = {"events": len(evs), "span_us": end - evs[0]["ts"], "busy_us": busy,
-                     "top": [{"name": n, "us": t, "count": counts[n]} for n, t in totals.most_common(top)]}
+                     "top": [{"name": n, "us": t, "count": counts[n], "args": args[n]}
+                             for n, t in totals.most_common(top)]}
     return out
 
 
