@@ -351,6 +351,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="")
+    ap.add_argument("--models", default="20b,120b", help="MoE shapes to run")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     log(f"device: {jax.devices()[0].device_kind}  date {time.strftime('%Y-%m-%d %H:%M')}")
@@ -363,8 +364,12 @@ def main():
         out = [base]
         if args.quick or base["kernel"] != "gemv":
             return out
-        out += [dict(base, prefetch=not base["prefetch"]), dict(base, block_k=1024),
-                dict(base, block_k=256), dict(base, num_warps=8)]
+        out += [dict(base, prefetch=not base["prefetch"]), dict(base, block_k=256),
+                dict(kernel="mma", block_m=16, block_n=32, block_k=256, block_n_down=32, num_warps=4, num_stages=3),
+                dict(kernel="mma", block_m=16, block_n=32, block_k=256, block_n_down=32, num_warps=4, num_stages=3,
+                     swap=True),
+                dict(kernel="mma", block_m=16, block_n=64, block_k=128, block_n_down=64, num_warps=4, num_stages=3,
+                     swap=True)]
         return out
 
     t0 = time.time()
@@ -378,8 +383,9 @@ def main():
         bench_linear(bw, (1, 16, 64), lcfgs[:1] if args.quick else lcfgs)
     log(f"[{time.time()-t0:.0f}s]")
     if "moe_decode" in only:
-        bench_moe_decode("20b", (1, 4, 16, 64), bw, dec_cfgs, L=3)
-        bench_moe_decode("120b", (1, 4, 16), bw, dec_cfgs, L=2)
+        for model, Ts, L in (("20b", (1, 4, 16, 64), 3), ("120b", (1, 4, 16), 2)):
+            if model in args.models.split(","):
+                bench_moe_decode(model, Ts, bw, dec_cfgs, L=L)
     log(f"[{time.time()-t0:.0f}s]")
     if "paged" in only:
         bench_paged(bw, [(64, 8192, 2**31 - 1, 16), (64, 8192, 128, 16), (8, 32768, 2**31 - 1, 16)],
