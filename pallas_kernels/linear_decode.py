@@ -39,23 +39,23 @@ def reference(x_TI, w_LOI, b_O, layer):
     return y + b_O.astype(jnp.float32)
 
 
-def _kernel(layer_ref, x_ref, w_ref, y_ref, *, bn, bk, per, K, O):
+def _kernel(layer_ref, x_ref, w_ref, y_ref, *, rows, bn, bk, per, K, O):
     n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
     split = pl.program_id(1)
     layer = layer_ref[0]
-    rows = x_ref.shape[0]
+    row_ok = jnp.arange(rows) < x_ref.shape[0]  # rows beyond T load as zeros: no padded copy of x
     col_ok = n0 + jnp.arange(bn) < O
 
     def body(i, acc):
         k0 = pl.multiple_of((split * per + i) * bk, bk)
         k_ok = k0 + jnp.arange(bk) < K
-        x = plt.load(x_ref.at[:, pl.ds(k0, bk)], mask=k_ok[None, :], other=0)
+        x = plt.load(x_ref.at[pl.ds(0, rows), pl.ds(k0, bk)], mask=row_ok[:, None] & k_ok[None, :], other=0)
         w = plt.load(w_ref.at[layer, pl.ds(n0, bn), pl.ds(k0, bk)], mask=col_ok[:, None] & k_ok[None, :],
                      other=0)
         return acc + jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
     acc = jax.lax.fori_loop(0, per, body, jnp.zeros((rows, bn), jnp.float32))
-    plt.store(y_ref.at[split, :, pl.ds(n0, bn)], acc, mask=jnp.broadcast_to(col_ok[None, :], acc.shape))
+    plt.store(y_ref.at[split, pl.ds(0, rows), pl.ds(n0, bn)], acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
 def split_k(O: int, K: int, block_n: int, block_k: int, programs: int) -> tuple[int, int]:
@@ -80,12 +80,11 @@ def linear(x_TI, w_LOI, b_O, layer, *, block_n=32, block_k=256, programs=528, nu
     splits, per = split_k(O, K, block_n, block_k, programs)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    x = jnp.pad(x_TI.astype(w_LOI.dtype), ((0, rows - T), (0, 0)))
     y = pl.pallas_call(
-        functools.partial(_kernel, bn=block_n, bk=block_k, per=per, K=K, O=O),
+        functools.partial(_kernel, rows=rows, bn=block_n, bk=block_k, per=per, K=K, O=O),
         grid=(pl.cdiv(O, block_n), splits),
-        out_shape=jax.ShapeDtypeStruct((splits, rows, O), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((splits, T, O), jnp.float32),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="decode_linear",
-    )(jnp.reshape(layer, (1,)).astype(jnp.int32), x, w_LOI)
-    return jnp.sum(y[:, :T], axis=0) + b_O.astype(jnp.float32)
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), x_TI.astype(w_LOI.dtype), w_LOI)
+    return jnp.sum(y, axis=0) + b_O.astype(jnp.float32)

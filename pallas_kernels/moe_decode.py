@@ -395,7 +395,8 @@ def run_kernels(x_TD, tok_sorted, w_sorted, slot_e, slot_start, slot_rows, kexp:
     bn2 = _pick_bn(D, block_n_down)
     assert D % 32 == 0 and I % 32 == 0 and block_k % 32 == 0
     S = slot_e.shape[0]
-    pad = lambda a: jnp.concatenate([a, jnp.zeros((bm,) + a.shape[1:], a.dtype)])
+    # slots of bm > 1 rows may read up to bm - 1 entries past the last pair; one-row slots never do
+    pad = lambda a: a if bm == 1 else jnp.concatenate([a, jnp.zeros((bm,) + a.shape[1:], a.dtype)])
     tok_p, w_p = pad(tok_sorted), pad(w_sorted)
     params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     if interpret is None:

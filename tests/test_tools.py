@@ -25,3 +25,15 @@ def test_make_checkpoint_then_convert_then_restore(tmp_path):
     _, restored = checkpoint.load(tmp_path / "ck", jnp.bfloat16, cache_dir=tmp_path / "cache", progress=False)
     assert (direct.layers.experts.down_blocks == restored.layers.experts.down_blocks).all()
     assert (direct.unembed == restored.unembed).all()
+
+
+def test_bench_throughput_smoke(tmp_path):
+    """The throughput benchmark's whole path (random weights, jobs, latency run, JSON) on a tiny model."""
+    import json
+
+    _run(REPO / "tools" / "bench_throughput.py", "--smoke", "--out", tmp_path / "tp.json")
+    result = json.loads((tmp_path / "tp.json").read_text())
+    names = [j["job"] for j in result["jobs"]]
+    assert names == ["throughput 24/16", "latency"]
+    for job in result["jobs"]:
+        assert job["output_tokens"] == job["requests"] * job["output_len"] and job["output_tok_s"] > 0

@@ -6,7 +6,7 @@ it out (synthetic tables, so no million-token prefill is needed), then `steps.de
 sampling and cache writes, `--steps` tokens per call as the low-latency profile does -- timed.
 Reports TPOT, output tok/s per user and per GPU, and the fraction of the memory roofline: the bytes
 the step must read (weights once, distinct routed experts, unembedding, visible KV) over the copy
-bandwidth measured in the same run. Host scheduling is not in these figures (tools/bench_engine.py
+bandwidth measured in the same run. Host scheduling is not in these figures (tools/bench_throughput.py
 measures the whole engine loop). `--reference` adds the pure-JAX path for the ratio.
 
     python tools/bench_decode.py --presets gpt-oss-20b,gpt-oss-120b --out $OUT/decode.json

@@ -4,6 +4,8 @@
 #   bash tools/gpu_suite.sh perf     # 20b decode sweep, then everything `serve` does, then the engine latency job
 #   bash tools/gpu_suite.sh serve    # the server under load (20b), the 120b decode points
 #   bash tools/gpu_suite.sh profile  # where the decode step's time goes (traces; XLA flag and unroll variants)
+#   bash tools/gpu_suite.sh sweep    # decode sweep of both models (1k / 8k context), batch-1 profile, GPU parity
+#   bash tools/gpu_suite.sh throughput gpt-oss-20b   # offline 1k/1k and 8k/1k jobs + batch-1 latency
 # Logs and JSON results go to $OUT; the lines printed are the summaries.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -41,7 +43,7 @@ serve)
     --out "$OUT/decode_120b.json" > "$OUT/decode_120b.txt" 2>&1
   grep -hE "TPOT|copy|skipped|Error" "$OUT"/decode_120b.txt
   [ "${1}" = serve ] && exit 0
-  python3 tools/bench_engine.py --preset gpt-oss-20b --skip throughput --out "$OUT/engine_latency_20b.json" \
+  python3 tools/bench_throughput.py --preset gpt-oss-20b --skip throughput --out "$OUT/engine_latency_20b.json" \
     > "$OUT/engine.txt" 2>&1
   grep -E "^\[|Error" "$OUT/engine.txt"
   ;;
@@ -58,5 +60,19 @@ profile)
     --out "$OUT/prof_dsf.json" > "$OUT/prof_dsf.txt" 2>&1
   grep -hE "^\[|events/token|Error" "$OUT/prof_dsf.txt"
   ;;
-*) echo "usage: $0 parity|perf|serve|profile" >&2; exit 2 ;;
+sweep)
+  timeout 330 python3 tools/bench_decode.py --presets gpt-oss-20b,gpt-oss-120b --reference 1,64 \
+    --out "$OUT/decode_sweep.json" > "$OUT/decode_sweep.txt" 2>&1
+  grep -hE "TPOT|copy|skipped|Error" "$OUT/decode_sweep.txt"
+  timeout 60 python3 tools/profile_decode.py --batch 1 --out "$OUT/profile_b1.json" > "$OUT/profile_b1.txt" 2>&1
+  grep -hE "^\[|events/token|Error" "$OUT/profile_b1.txt"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_parity.py > "$OUT/parity.txt" 2>&1
+  tail -n 3 "$OUT/parity.txt"
+  ;;
+throughput)
+  python3 tools/bench_throughput.py --preset "${2:-gpt-oss-20b}" --out "$OUT/throughput_${2:-gpt-oss-20b}.json" \
+    > "$OUT/throughput.txt" 2>&1
+  grep -E "^\[|Error|random" "$OUT/throughput.txt"
+  ;;
+*) echo "usage: $0 parity|perf|serve|profile|sweep|throughput [preset]" >&2; exit 2 ;;
 esac

@@ -1,12 +1,14 @@
-"""Engine benchmark: an offline throughput job and a batch-1 decode latency run, through `Engine`.
+"""Offline max-throughput jobs through `Engine`, as `trtllm-bench throughput` runs them, plus a batch-1
+latency run.
 
-Throughput: `--num-requests` requests of `--input-len` random prompt tokens and exactly
-`--output-len` output tokens (stop tokens off), all submitted at once under the max_throughput
+Each `--jobs` entry `IN/OUT` submits `--num-requests` requests of IN random prompt tokens that each
+produce exactly OUT tokens (stop tokens off, temperature 1), all at once, under the max_throughput
 profile. Latency: one request under the low_latency profile. Prints output tokens/s, TTFT and TPOT
-(time per output token after the first). Weights are random at the real shape, drawn on device.
+(time per output token after the first). Weights are random at the real shape, drawn on device in
+the kernels' layout.
 
-    python tools/bench_engine.py --preset gpt-oss-20b --out $OUT/engine.json   # on the GPU
-    python tools/bench_engine.py --smoke                                        # tiny model, CPU check
+    python tools/bench_throughput.py --preset gpt-oss-20b --jobs 1024/1024x256,8192/1024x64 --out $OUT/tp.json
+    python tools/bench_throughput.py --smoke                                   # tiny model, CPU check
 """
 
 from __future__ import annotations
@@ -68,54 +70,62 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="gpt-oss-20b")
     ap.add_argument("--smoke", action="store_true", help="tiny model and job, for a CPU check of the script")
-    ap.add_argument("--num-requests", type=int, default=512)
-    ap.add_argument("--input-len", type=int, default=1024)
-    ap.add_argument("--output-len", type=int, default=1024)
+    ap.add_argument("--num-requests", type=int, default=256, help="requests of a job that names no count")
+    ap.add_argument("--jobs", default="1024/1024x256,8192/1024x64",
+                    help="comma-separated INPUT/OUTPUT[xREQUESTS] throughput jobs")
+    ap.add_argument("--latency-input-len", type=int, default=1024)
     ap.add_argument("--latency-output-len", type=int, default=256)
     ap.add_argument("--throughput-config", default="max_throughput")
     ap.add_argument("--latency-config", default="low_latency")
     ap.add_argument("--impl", choices=["pallas", "reference"], default=None, help="default: pallas on GPU")
-    ap.add_argument("--skip", choices=["throughput", "latency"], help="run only the other job")
-    ap.add_argument("--out", default="engine_bench.json")
+    ap.add_argument("--skip", choices=["throughput", "latency"], help="leave out those jobs")
+    ap.add_argument("--out", default="throughput.json")
     args = ap.parse_args()
     overrides = {}
     if args.smoke:
         cfg = config.from_hf_dict(SMOKE)
-        args.num_requests, args.input_len, args.output_len, args.latency_output_len = 8, 24, 16, 16
+        args.jobs, args.latency_input_len, args.latency_output_len = "24/16x8", 24, 16
         overrides = dict(max_num_seqs=4, prefill_chunk_size=16, max_num_batched_tokens=64, page_size=4,
                          kv_cache_tokens=1024, decode_steps_per_call=2)
     else:
         cfg = config.preset(args.preset)
-    max_len = args.input_len + max(args.output_len, args.latency_output_len)
-    # One block-table width and one prefill length: a short fixed set of programs to compile.
-    overrides.update(max_model_len=max_len, min_context_bucket=max_len, warmup=True)
+    jobs = []
+    for spec in args.jobs.split(","):
+        try:
+            lens, _, n = spec.partition("x")
+            inp, out = (int(v) for v in lens.split("/"))
+            jobs.append((f"throughput {inp}/{out}", args.throughput_config, int(n or args.num_requests), inp, out))
+        except ValueError:
+            ap.error(f"--jobs: '{spec}' is not INPUT/OUTPUT[xREQUESTS], e.g. 1024/1024x256")
+    jobs.append(("latency", args.latency_config, 1, args.latency_input_len, args.latency_output_len))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"preset": "smoke" if args.smoke else args.preset, "device": jax.devices()[0].device_kind,
-              "jax": jax.__version__, "commit": commit or "unknown", "impl": args.impl or pallas_kernels.default_impl()}
+              "jax": jax.__version__, "commit": commit or "unknown", "impl": args.impl or pallas_kernels.default_impl(),
+              "jobs": []}
     t0 = time.perf_counter()
     params = random_params(cfg, jnp.bfloat16, impl=result["impl"])
     jax.block_until_ready(params)
     result["param_bytes"] = params_lib.nbytes(params)
     print(f"random weights: {result['param_bytes'] / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f}s", flush=True)
     rng = np.random.default_rng(0)
-
-    jobs = [("throughput", args.throughput_config, args.num_requests, args.output_len),
-            ("latency", args.latency_config, 1, args.latency_output_len)]
-    for name, profile, n, out_len in jobs:
-        if args.skip == name:
+    for name, profile, n, input_len, output_len in jobs:
+        if args.skip and name.startswith(args.skip):
             continue
         t0 = time.perf_counter()
         chunk = overrides.get("prefill_chunk_size")
+        # One block-table width and one prefill length: a short fixed set of programs to compile.
+        max_len = input_len + output_len
         engine = Engine(loaded=(cfg, params), config=profile, impl=args.impl,
-                        **{**overrides, "min_prefill_bucket": chunk or 2048})
+                        **{**overrides, "max_model_len": max_len, "min_context_bucket": max_len, "warmup": True,
+                           "min_prefill_bucket": chunk or 2048})
         warm = time.perf_counter() - t0
         print(f"[{name}] {profile}: engine ready (warm-up {warm:.1f}s, {engine.stats().num_compiles} programs, "
               f"{engine.kv.full.num_pages} full pages)", flush=True)
-        prompts = [rng.integers(0, cfg.vocab_size, args.input_len).tolist() for _ in range(n)]
-        row = run_job(engine, prompts, out_len)
-        row.update(profile=profile, warmup_s=warm, config=dataclasses.asdict(engine.config))
-        result[name] = row
-        print(f"[{name}] {n} x ({args.input_len} in, {out_len} out): {row['output_tok_s']:.0f} output tok/s, "
+        prompts = [rng.integers(0, cfg.vocab_size, input_len).tolist() for _ in range(n)]
+        row = run_job(engine, prompts, output_len)
+        row.update(job=name, profile=profile, warmup_s=warm, config=dataclasses.asdict(engine.config))
+        result["jobs"].append(row)
+        print(f"[{name}] {n} x ({input_len} in, {output_len} out): {row['output_tok_s']:.0f} output tok/s, "
               f"TTFT median {row['ttft_s_median'] * 1e3:.0f} ms, TPOT median {row['tpot_ms_median']:.2f} ms, "
               f"{row['num_preemptions']} preemptions", flush=True)
         engine.close()
