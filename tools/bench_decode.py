@@ -77,12 +77,18 @@ def synthetic_state(cfg, batch: int, context: int, dtype):
     return cache, tables
 
 
+def row_tokens(cfg, batch: int) -> jax.Array:
+    """A different token in every row. Identical rows would all route to the same k experts, so a
+    batch would read only k experts per layer instead of ~all of them (an unrealistically cheap step)."""
+    return jnp.asarray(np.random.default_rng(batch).integers(0, cfg.vocab_size, batch), jnp.int32)
+
+
 def time_decode(params, cfg, batch, context, impl, num_steps, reps) -> float:
     cache, tables = synthetic_state(cfg, batch, context, params.embed.dtype)
     sp = steps.SamplingBatch(temperature_B=jnp.zeros(batch), top_k_B=jnp.zeros(batch, jnp.int32),
                              top_p_B=jnp.ones(batch), min_p_B=jnp.zeros(batch),
                              keys_B2=jnp.zeros((batch, 2), jnp.uint32), want_logprobs_B=jnp.zeros(batch, bool))
-    tokens = jnp.ones(batch, jnp.int32)
+    tokens = row_tokens(cfg, batch)
     positions = jnp.full(batch, context, jnp.int32)
     state = {"cache": cache}
 

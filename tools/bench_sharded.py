@@ -92,7 +92,9 @@ def bench(cfg, layout, params, rows_per_rank: int, context: int, iters: int) -> 
         sliding[b, cols] = 1 + (rows_np[b] * (sw + 1) + np.arange(len(cols))) % (n_sliding - 1)
     put = lambda x: jax.device_put(x, layout.named(layout.batch_spec(x.ndim)))
     tables = model.PageTables(put(sliding), put(full), put(np.zeros(B, np.int32)))
-    tokens, positions = put(np.ones(B, np.int32)), put(np.full(B, context - 1, np.int32))
+    # a different token per row: identical rows would all route to the same experts (a too-cheap MoE)
+    tokens = put(np.random.default_rng(B).integers(0, cfg.vocab_size, B).astype(np.int32))
+    positions = put(np.full(B, context - 1, np.int32))
     f32 = np.float32
     sp = steps.SamplingBatch(put(np.zeros(B, f32)), put(np.zeros(B, np.int32)), put(np.ones(B, f32)),
                              put(np.zeros(B, f32)), put(np.zeros((B, 2), np.uint32)), put(np.zeros(B, bool)))

@@ -66,7 +66,7 @@ sweep)
   grep -hE "TPOT|copy|skipped|Error" "$OUT/decode_sweep.txt"
   timeout 60 python3 tools/profile_decode.py --batch 1 --out "$OUT/profile_b1.json" > "$OUT/profile_b1.txt" 2>&1
   grep -hE "^\[|events/token|Error" "$OUT/profile_b1.txt"
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_parity.py > "$OUT/parity.txt" 2>&1
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/test_parity.py > "$OUT/parity.txt" 2>&1
   tail -n 3 "$OUT/parity.txt"
   ;;
 throughput)

@@ -32,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import pallas_kernels  # noqa: E402
 
-from bench_decode import synthetic_state  # noqa: E402
+from bench_decode import row_tokens, synthetic_state  # noqa: E402
 from gptoss_jax import config, steps  # noqa: E402
 from gptoss_jax.random_weights import random_params  # noqa: E402
 
@@ -94,7 +94,7 @@ def profile(params, cfg, B: int, args, unroll) -> dict:
     sp = steps.SamplingBatch(temperature_B=jnp.zeros(B), top_k_B=jnp.zeros(B, jnp.int32), top_p_B=jnp.ones(B),
                              min_p_B=jnp.zeros(B), keys_B2=jnp.zeros((B, 2), jnp.uint32),
                              want_logprobs_B=jnp.zeros(B, bool))
-    tokens, positions = jnp.ones(B, jnp.int32), jnp.full(B, args.context, jnp.int32)
+    tokens, positions = row_tokens(cfg, B), jnp.full(B, args.context, jnp.int32)
     state = {"cache": cache}
 
     def run():
