@@ -32,6 +32,9 @@ import numpy as np  # noqa: E402
 from gptoss_jax import config, model, params as params_lib, steps  # noqa: E402
 from gptoss_jax.random_weights import random_params  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_reference import decode_bytes  # noqa: E402
+
 PAGE = 16
 
 
@@ -47,18 +50,6 @@ def copy_bandwidth() -> float:
         ts.append(time.perf_counter() - t0)
     del x
     return 2 * 4 * (1 << 30) / statistics.median(ts)
-
-
-def step_bytes(cfg: config.ModelConfig, batch: int, context: int) -> float:
-    """Fewest bytes one decode token-step reads (see tools/bench_reference.py for the terms)."""
-    D, I, E, k = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.experts_per_token
-    H, N, K = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    attn = 2 * (D * H * (N + 2 * K) + N * H * D) + 2 * E * D
-    expert = (2 * I * D + D * I) * 4.25 / 8 + 2 * (2 * I + D)
-    distinct = E * (1 - (1 - k / E) ** batch)
-    kv = sum(batch * 2 * K * H * 2 * (min(context, cfg.sliding_window) if cfg.is_sliding(l) else context)
-             for l in range(cfg.num_layers))
-    return cfg.num_layers * (attn + distinct * expert) + 2 * cfg.vocab_size * D + kv
 
 
 def synthetic_state(cfg, batch: int, context: int, dtype):
@@ -148,7 +139,7 @@ def main() -> None:
                 for impl in impls:
                     p = kernel_params if impl == "pallas" else params
                     tpot = time_decode(p, cfg, batch, context, impl, args.steps, args.reps)
-                    need = step_bytes(cfg, batch, context)
+                    need = decode_bytes(cfg, batch, context)
                     row = {"preset": preset, "impl": impl, "batch": batch, "context": context, "tpot_ms": tpot * 1e3,
                            "tok_s_per_user": 1 / tpot, "tok_s_per_gpu": batch / tpot, "min_bytes": need,
                            "roofline_fraction": need / tpot / bw}
