@@ -362,8 +362,11 @@ def main():
     def dec_cfgs(T, k, E):
         base = moe_decode.decode_config(T, k, E)
         out = [base]
-        if args.quick or base["kernel"] != "gemv":
+        if args.quick:
             return out
+        if base["kernel"] != "gemv":  # CUDA-core GEMV with several rows per slot: decode once, bm FMAs
+            return out + [dict(kernel="gemv", block_m=bm, block_n=16, block_k=512, block_n_down=16, num_warps=4,
+                               num_stages=1, prefetch=False) for bm in (2, 4, 8)]
         out += [dict(base, prefetch=not base["prefetch"]), dict(base, block_k=256),
                 dict(kernel="mma", block_m=16, block_n=32, block_k=256, block_n_down=32, num_warps=4, num_stages=3),
                 dict(kernel="mma", block_m=16, block_n=32, block_k=256, block_n_down=32, num_warps=4, num_stages=3,
