@@ -35,6 +35,9 @@ from gptoss_jax.engine import Engine  # noqa: E402
 from gptoss_jax.random_weights import DEMO_CONFIG, random_params  # noqa: E402
 from gptoss_jax.sampling import SamplingParams  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode import copy_bandwidth  # noqa: E402
+
 SMOKE = dict(DEMO_CONFIG, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, experts_per_token=2,
              vocab_size=512, hidden_size=64, intermediate_size=64, head_dim=16, num_attention_heads=4,
              num_key_value_heads=2, sliding_window=8, eos_token_id=1, pad_token_id=0)
@@ -102,6 +105,9 @@ def main() -> None:
     result = {"preset": "smoke" if args.smoke else args.preset, "device": jax.devices()[0].device_kind,
               "jax": jax.__version__, "commit": commit or "unknown", "impl": args.impl or pallas_kernels.default_impl(),
               "jobs": []}
+    if not args.smoke:  # the ceiling, measured in the same run
+        result["copy_TBps"] = copy_bandwidth() / 1e12
+        print(f"copy bandwidth {result['copy_TBps']:.2f} TB/s", flush=True)
     t0 = time.perf_counter()
     params = random_params(cfg, jnp.bfloat16, impl=result["impl"])
     jax.block_until_ready(params)
