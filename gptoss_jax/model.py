@@ -179,7 +179,7 @@ def _exact_in_fp32(fn):
 @_exact_in_fp32
 def forward(params: Params, cache: PagedKVCache, tokens_BT: jax.Array, positions_BT: jax.Array,
             tables: PageTables, cfg: ModelConfig, impl: str = "reference", inspect: Inspect | None = None,
-            layout=None, unroll: int | bool = 1):
+            layout=None):
     """Run the layers on new tokens at `positions_BT` (-1 = padding), writing their K/V into `cache`.
 
     Returns the final-normed hidden states `[B, T, D]` (pass the rows you need to `unembed`) and the
@@ -187,8 +187,7 @@ def forward(params: Params, cache: PagedKVCache, tokens_BT: jax.Array, positions
     stream and every accumulation are fp32 (a bf16 residual drifts enough to flip router choices).
     With `inspect=Inspect(...)` (static) it returns a third value, the `LayerRecords` of every layer.
     `layout` (static `sharding.rules.Layout`; None on one device): rows are rank-major, page tables hold
-    rank-local page ids, experts are padded to the `model` axis (docs/SCALING.md). `unroll` (static) is
-    the layer scan's unroll factor (`True`: no loop at all).
+    rank-local page ids, experts are padded to the `model` axis (docs/SCALING.md).
     """
     pin = layout.constrain_rows if layout is not None else (lambda a: a)
     on = inspect is not None
@@ -232,7 +231,7 @@ def forward(params: Params, cache: PagedKVCache, tokens_BT: jax.Array, positions
     with jax.named_scope("layers"):
         if pairs:
             stacked = jax.tree.map(lambda a: a[:2 * pairs].reshape(pairs, 2, *a.shape[1:]), scanned)
-            (x, caches), ys = jax.lax.scan(pair, (x, caches), (stacked, jnp.arange(pairs)), unroll=unroll)
+            (x, caches), ys = jax.lax.scan(pair, (x, caches), (stacked, jnp.arange(pairs)))
             if on:  # [pairs] of (sliding, full) -> [2 * pairs] in layer order
                 records.append(jax.tree.map(lambda a, b: jnp.stack([a, b], 1).reshape(2 * pairs, *a.shape[1:]), *ys))
         if cfg.num_layers % 2:  # an odd layer count ends on a sliding layer

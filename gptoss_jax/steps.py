@@ -71,19 +71,17 @@ def prefill(params: Params, cache: model.PagedKVCache, tokens_BT: jax.Array, pos
         return _sampler(layout, num_top)(model.unembed(params, last_x), pos_B, sp), cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl", "layout", "num_steps", "num_top", "unroll"),
-                   donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "impl", "layout", "num_steps", "num_top"), donate_argnames=("cache",))
 def decode(params: Params, cache: model.PagedKVCache, tokens_B: jax.Array, positions_B: jax.Array,
            tables: model.PageTables, sp: SamplingBatch, *, cfg: ModelConfig, impl: str, layout=None, num_steps: int,
-           num_top: int, unroll: int | bool = 1) -> tuple[Sampled, model.PagedKVCache]:
+           num_top: int) -> tuple[Sampled, model.PagedKVCache]:
     """`num_steps` decode steps on device, each feeding back the token it sampled (outputs `[steps, B]`).
-    Rows at position -1 are padding and stay so. `unroll`: the layer scan's (`model.forward`)."""
+    Rows at position -1 are padding and stay so."""
     TRACES["decode"] += 1
 
     def one(carry, _):
         cache, tok_B, pos_B = carry
-        x, cache = model.forward(params, cache, tok_B[:, None], pos_B[:, None], tables, cfg, impl, layout=layout,
-                                 unroll=unroll)
+        x, cache = model.forward(params, cache, tok_B[:, None], pos_B[:, None], tables, cfg, impl, layout=layout)
         with jax.named_scope("sample"):
             out = _sampler(layout, num_top)(model.unembed(params, x[:, 0]), pos_B, sp)
         return (cache, out.tokens, jnp.where(pos_B >= 0, pos_B + 1, -1)), out

@@ -3,7 +3,7 @@
 #   bash tools/gpu_suite.sh parity   # GPU parity with the kernels on, and the transformers peer
 #   bash tools/gpu_suite.sh perf     # 20b decode sweep, then everything `serve` does, then the engine latency job
 #   bash tools/gpu_suite.sh serve    # the server under load (20b), the 120b decode points
-#   bash tools/gpu_suite.sh profile  # where the decode step's time goes (traces; XLA flag and unroll variants)
+#   bash tools/gpu_suite.sh profile  # where the decode step's time goes (traces; XLA flag variants)
 #   bash tools/gpu_suite.sh sweep    # decode sweep of both models (1k / 8k context), batch-1 profile, GPU parity
 #   bash tools/gpu_suite.sh throughput gpt-oss-20b   # offline 1k/1k and 8k/1k jobs + batch-1 latency
 # Logs and JSON results go to $OUT; the lines printed are the summaries.
@@ -48,13 +48,13 @@ serve)
   grep -E "^\[|Error" "$OUT/engine.txt"
   ;;
 profile)
-  timeout 240 python3 tools/profile_decode.py --batch 1,64 --unroll 1,full --out "$OUT/prof_base.json" > "$OUT/prof_base.txt" 2>&1
+  timeout 240 python3 tools/profile_decode.py --batch 1,64 --out "$OUT/prof_base.json" > "$OUT/prof_base.txt" 2>&1
   grep -hE "^\[|events/token|Error" "$OUT/prof_base.txt"
   timeout 150 python3 tools/bench_decode.py --presets gpt-oss-120b --batches 1,64 --contexts 1024 --reference "" \
     --out "$OUT/decode_120b.json" > "$OUT/decode_120b.txt" 2>&1
   grep -hE "TPOT|copy|skipped|Error" "$OUT/decode_120b.txt"
   XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL timeout 120 python3 tools/profile_decode.py --batch 1 \
-    --unroll 1,full --label cmdbuf --out "$OUT/prof_cmdbuf.json" > "$OUT/prof_cmdbuf.txt" 2>&1
+    --label cmdbuf --out "$OUT/prof_cmdbuf.json" > "$OUT/prof_cmdbuf.txt" 2>&1
   grep -hE "^\[|Error" "$OUT/prof_cmdbuf.txt"
   XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true timeout 80 python3 tools/profile_decode.py --batch 1 --label dsf \
     --out "$OUT/prof_dsf.json" > "$OUT/prof_dsf.txt" 2>&1

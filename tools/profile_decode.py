@@ -74,7 +74,6 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--unroll", default="1", help="comma-separated layer-scan unroll factors, or 'full'")
     ap.add_argument("--impl", default=pallas_kernels.default_impl(), choices=pallas_kernels.IMPLS)
     ap.add_argument("--label", default="baseline")
     ap.add_argument("--out", default="profile.json")
@@ -84,12 +83,11 @@ def main() -> None:
     params = random_params(cfg, impl=args.impl)
     results = []
     for B in [int(b) for b in args.batch.split(",")]:
-        for unroll in args.unroll.split(","):
-            results.append(profile(params, cfg, B, args, True if unroll == "full" else int(unroll)))
+        results.append(profile(params, cfg, B, args))
     Path(args.out).write_text(json.dumps(results, indent=1))
 
 
-def profile(params, cfg, B: int, args, unroll) -> dict:
+def profile(params, cfg, B: int, args) -> dict:
     cache, tables = synthetic_state(cfg, B, args.context, params.embed.dtype)
     sp = steps.SamplingBatch(temperature_B=jnp.zeros(B), top_k_B=jnp.zeros(B, jnp.int32), top_p_B=jnp.ones(B),
                              min_p_B=jnp.zeros(B), keys_B2=jnp.zeros((B, 2), jnp.uint32),
@@ -99,7 +97,7 @@ def profile(params, cfg, B: int, args, unroll) -> dict:
 
     def run():
         out, state["cache"] = steps.decode(params, state["cache"], tokens, positions, tables, sp, cfg=cfg,
-                                           impl=args.impl, num_steps=args.steps, num_top=1, unroll=unroll)
+                                           impl=args.impl, num_steps=args.steps, num_top=1)
         out.tokens.block_until_ready()
 
     t0 = time.perf_counter()
@@ -121,9 +119,9 @@ def profile(params, cfg, B: int, args, unroll) -> dict:
     for buf in jax.tree.leaves(state["cache"]):
         buf.delete()
     result = {"label": args.label, "xla_flags": os.environ.get("XLA_FLAGS", ""), "preset": args.preset, "batch": B,
-              "context": args.context, "unroll": unroll, "steps": args.steps, "compile_s": compile_s,
+              "context": args.context, "steps": args.steps, "compile_s": compile_s,
               "tpot_us": tpot_us, "traced_tpot_us": traced_us / args.steps, "threads": summary}
-    print(f"[{args.label}] {args.preset} B={B} ctx={args.context} unroll={unroll}: TPOT {tpot_us:.0f} us, traced "
+    print(f"[{args.label}] {args.preset} B={B} ctx={args.context}: TPOT {tpot_us:.0f} us, traced "
           f"{traced_us / args.steps:.0f} us (compile {compile_s:.0f}s; flags '{result['xla_flags']}')", flush=True)
     for name, t in summary.items():
         print(f"  {name}: {t['events'] / args.steps:.0f} events/token, busy {t['busy_us'] / args.steps:.0f} us/token "
