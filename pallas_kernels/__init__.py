@@ -1,4 +1,4 @@
-"""The two hot operations of gpt-oss, each with a pure-JAX reference beside its Pallas kernels.
+"""The hot operations of gpt-oss, each with a pure-JAX reference beside its Pallas kernels.
 
 `attention`, `moe` and `linear` are the only entry points the model calls; `impl` picks the implementation:
 `"pallas"` (the kernels; the default on GPUs) or `"reference"` (pure JAX; the default elsewhere,

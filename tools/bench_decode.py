@@ -17,10 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -33,7 +31,7 @@ from gptoss_jax import config, model, params as params_lib, steps  # noqa: E402
 from gptoss_jax.random_weights import random_params  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_reference import decode_bytes  # noqa: E402
+from bench_reference import decode_bytes, timeit  # noqa: E402
 
 PAGE = 16
 
@@ -42,14 +40,8 @@ def copy_bandwidth() -> float:
     """Device copy bandwidth in bytes/s (read + write), XLA elementwise over 4 GiB."""
     x = jax.random.bits(jax.random.PRNGKey(0), (1 << 30,), jnp.uint32)
     inc = jax.jit(lambda a: a + 1)
-    inc(x).block_until_ready()
-    ts = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        inc(x).block_until_ready()
-        ts.append(time.perf_counter() - t0)
-    del x
-    return 2 * 4 * (1 << 30) / statistics.median(ts)
+    t = timeit(lambda: inc(x).block_until_ready(), warmup=1, reps=10)
+    return 2 * 4 * (1 << 30) / t
 
 
 def synthetic_state(cfg, batch: int, context: int, dtype):
@@ -74,7 +66,9 @@ def row_tokens(cfg, batch: int) -> jax.Array:
     return jnp.asarray(np.random.default_rng(batch).integers(0, cfg.vocab_size, batch), jnp.int32)
 
 
-def time_decode(params, cfg, batch, context, impl, num_steps, reps) -> float:
+def decode_call(params, cfg, batch: int, context: int, impl: str, num_steps: int):
+    """`(run, free)`: `run()` makes one compiled decode call (`num_steps` tokens for every row of a
+    synthetic `context`-token batch) and blocks until it is done; `free()` releases its cache."""
     cache, tables = synthetic_state(cfg, batch, context, params.embed.dtype)
     sp = steps.SamplingBatch(temperature_B=jnp.zeros(batch), top_k_B=jnp.zeros(batch, jnp.int32),
                              top_p_B=jnp.ones(batch), min_p_B=jnp.zeros(batch),
@@ -88,15 +82,18 @@ def time_decode(params, cfg, batch, context, impl, num_steps, reps) -> float:
                                            num_steps=num_steps, num_top=1)
         out.tokens.block_until_ready()
 
-    run()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        run()
-        ts.append(time.perf_counter() - t0)
-    for buf in jax.tree.leaves(state["cache"]):
-        buf.delete()
-    return statistics.median(ts) / num_steps
+    def free():
+        for buf in jax.tree.leaves(state["cache"]):
+            buf.delete()
+
+    return run, free
+
+
+def time_decode(params, cfg, batch, context, impl, num_steps, reps) -> float:
+    run, free = decode_call(params, cfg, batch, context, impl, num_steps)
+    t = timeit(run, warmup=1, reps=reps)
+    free()
+    return t / num_steps
 
 
 def main() -> None:

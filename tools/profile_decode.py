@@ -18,7 +18,6 @@ import glob
 import gzip
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -28,12 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 import pallas_kernels  # noqa: E402
 
-from bench_decode import row_tokens, synthetic_state  # noqa: E402
-from gptoss_jax import config, steps  # noqa: E402
+from bench_decode import decode_call  # noqa: E402
+from bench_reference import timeit  # noqa: E402
+from gptoss_jax import config  # noqa: E402
 from gptoss_jax.random_weights import random_params  # noqa: E402
 
 
@@ -88,27 +87,11 @@ def main() -> None:
 
 
 def profile(params, cfg, B: int, args) -> dict:
-    cache, tables = synthetic_state(cfg, B, args.context, params.embed.dtype)
-    sp = steps.SamplingBatch(temperature_B=jnp.zeros(B), top_k_B=jnp.zeros(B, jnp.int32), top_p_B=jnp.ones(B),
-                             min_p_B=jnp.zeros(B), keys_B2=jnp.zeros((B, 2), jnp.uint32),
-                             want_logprobs_B=jnp.zeros(B, bool))
-    tokens, positions = row_tokens(cfg, B), jnp.full(B, args.context, jnp.int32)
-    state = {"cache": cache}
-
-    def run():
-        out, state["cache"] = steps.decode(params, state["cache"], tokens, positions, tables, sp, cfg=cfg,
-                                           impl=args.impl, num_steps=args.steps, num_top=1)
-        out.tokens.block_until_ready()
-
+    run, free = decode_call(params, cfg, B, args.context, args.impl, args.steps)
     t0 = time.perf_counter()
     run()
     compile_s = time.perf_counter() - t0
-    ts = []
-    for _ in range(args.reps):
-        t0 = time.perf_counter()
-        run()
-        ts.append(time.perf_counter() - t0)
-    tpot_us = statistics.median(ts) / args.steps * 1e6
+    tpot_us = timeit(run, warmup=0, reps=args.reps) / args.steps * 1e6
     trace_dir = tempfile.mkdtemp()
     jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
     t0 = time.perf_counter()
@@ -116,8 +99,7 @@ def profile(params, cfg, B: int, args) -> dict:
     traced_us = (time.perf_counter() - t0) * 1e6
     jax.profiler.stop_trace()
     summary = summarize_trace(trace_dir)
-    for buf in jax.tree.leaves(state["cache"]):
-        buf.delete()
+    free()
     result = {"label": args.label, "xla_flags": os.environ.get("XLA_FLAGS", ""), "preset": args.preset, "batch": B,
               "context": args.context, "steps": args.steps, "compile_s": compile_s,
               "tpot_us": tpot_us, "traced_tpot_us": traced_us / args.steps, "threads": summary}
