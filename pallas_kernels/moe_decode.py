@@ -33,6 +33,7 @@ order (the gate/up rows are permuted at load); kernel B (down) ends with bias x 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -238,6 +239,202 @@ def _down_gemv_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, w_ref, a_ref, w
             y = (jnp.sum(acc[r], axis=1) * (2.0 ** F16_SHIFT) + b) * w_ref[r0 + r]
             plt.store(y_ref.at[r0 + r, pl.ds(n0, bn)], y.astype(y_ref.dtype),
                       mask=jnp.full((bn,), r < rows))
+
+
+# ----------------------------------------------------------------------------------------------
+# Half-precision GEMV kernels (bf16 models, few rows per slot)
+#
+# The f32 GEMV above converts every decoded weight f16 -> f32 (8 conversions per word), and the
+# conversion unit, not memory, bounds it (~3.6e12 weights/s on the H200).  Here one inline-PTX block
+# per word decodes the 4 f16x2 pairs, multiplies them with 4 f16x2 activation pairs (HFMA2: two
+# weights per instruction), adds the two halves and converts once: ~2 ops per weight.  The products
+# are exact in f16 and each word's 8-term sum is rounded to f16 (11 bits) before the f32 block sum,
+# so the result carries ~2^-11 relative error per word, below the bf16 rounding of the output.
+# Range: activations enter scaled by a power of two so that |x| < 2^14 (per token for the block
+# input; a fixed 2^a_shift for the SwiGLU output, bounded by limit * (limit + 1) through the clamp),
+# hence every product is <= 6 and every word sum <= 48: no overflow, and products below f16's
+# normal range carry absolute errors < 2^-24 against sums of order 1.
+
+_WORD_DOT_PTX = """{
+.reg .b32 wd_p0, wd_p1, wd_p2, wd_p3, wd_t0, wd_t1, wd_acc;
+.reg .b16 wd_lo, wd_hi;
+and.b32 wd_p0, $1, 0x8E008E00;
+shl.b32 wd_t0, $1, 3;
+and.b32 wd_p1, wd_t0, 0x8E008E00;
+shl.b32 wd_t0, $1, 6;
+shl.b32 wd_t1, $1, 1;
+and.b32 wd_t0, wd_t0, 0x0E000E00;
+and.b32 wd_t1, wd_t1, 0x80008000;
+or.b32 wd_p2, wd_t0, wd_t1;
+shl.b32 wd_t0, $1, 9;
+shl.b32 wd_t1, $1, 2;
+and.b32 wd_t0, wd_t0, 0x0E000E00;
+and.b32 wd_t1, wd_t1, 0x80008000;
+or.b32 wd_p3, wd_t0, wd_t1;
+mul.rn.f16x2 wd_acc, wd_p0, $2;
+fma.rn.f16x2 wd_acc, wd_p1, $3, wd_acc;
+fma.rn.f16x2 wd_acc, wd_p2, $4, wd_acc;
+fma.rn.f16x2 wd_acc, wd_p3, $5, wd_acc;
+mov.b32 {wd_lo, wd_hi}, wd_acc;
+add.rn.f16 wd_lo, wd_lo, wd_hi;
+cvt.f32.f16 $0, wd_lo;
+}"""
+
+
+def _f16_halves(v):
+    """u32 f16x2 -> (low, high) as f32."""
+    h = lambda b: jax.lax.bitcast_convert_type(b.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+    return h(v & np.uint32(0xFFFF)), h(v >> np.uint32(16))
+
+
+def _word_dots(w, xqs, interpret):
+    """Per u32 word and row r: sum_j decode_j(w) * x_rj in f16 arithmetic -> f32, the word decoded once.
+    xqs[r]: 4 u32 f16x2 pairs (phase j low, j + 4 high) shaped like w.  Off-GPU the same arithmetic in
+    jnp (rounded to f16 after each operation)."""
+    if not interpret:  # one asm block per row (Pallas lowers single-result asm only); ptxas shares the decode
+        return [plt.elementwise_inline_asm(_WORD_DOT_PTX, args=[w, *xq], constraints="=f,r,r,r,r,r", pack=1,
+                                           result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.float32)])[0]
+                for xq in xqs]
+    r16 = lambda v: v.astype(jnp.float16).astype(jnp.float32)
+    vals = _decode_words(w)
+    out = []
+    for xq in xqs:
+        lo, hi = zip(*[_f16_halves(x) for x in xq])
+        acc_lo, acc_hi = r16(vals[0] * lo[0]), r16(vals[4] * hi[0])
+        for j in range(1, 4):
+            acc_lo, acc_hi = r16(vals[j] * lo[j] + acc_lo), r16(vals[j + 4] * hi[j] + acc_hi)
+        out.append(r16(acc_lo + acc_hi))
+    return out
+
+
+def _gemv16_partials(w, xqs, interpret):
+    """w u32 [bn, nb, 4], xqs[r] four u32 [nb, 4] -> per row, per-block partial sums [bn, nb] (f32)."""
+    xb = [[jnp.broadcast_to(x[None], w.shape) for x in xq] for xq in xqs]
+    return [jnp.sum(d, axis=2) for d in _word_dots(w, xb, interpret)]
+
+
+def half_pairs(x_TK: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[T, K] -> (u32 [T, 4, K/32, 4] f16x2 pairs of phases (j, j + 4) scaled by 2^c_t so |x| < 2^14,
+    f32 [T] 2^(14 - c_t): the factor that undoes the scaling and the decode's 2^-14)."""
+    T, K = x_TK.shape
+    x = x_TK.astype(jnp.float32)
+    _, e = jnp.frexp(jnp.max(jnp.abs(x), axis=1))  # amax < 2^e
+    x8 = to_phases(jnp.ldexp(x, (14 - e)[:, None]).astype(jnp.float16))  # [T, 8, K/8]
+    pairs = jnp.stack([x8[:, :4], x8[:, 4:]], axis=-1)                  # [T, 4, K/8, 2]
+    words = jax.lax.bitcast_convert_type(pairs, jnp.uint32).reshape(T, 4, K // 32, 4)
+    return words, jnp.ldexp(jnp.ones((T,), jnp.float32), e)
+
+
+def activation_shift(limit: float) -> int:
+    """Power of two that maps the clamped SwiGLU output (|a| <= limit * (limit + 1)) below 2^14."""
+    return 14 - math.ceil(math.log2(max(limit, 1.0) * (limit + 1.0)))
+
+
+def _gate_up_gemv16_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, tok_ref, xs_ref, xq_ref, wq_ref, ws_ref,
+                           bias_ref, a_ref, *, bm, bn, nb, G, half, limit, alpha, a_shift, prefetch, interpret):
+    s = pl.program_id(0)
+    n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
+    rows = slot_rows_ref[s]
+
+    @pl.when(rows > 0)
+    def _():
+        e = slot_e_ref[s]
+        r0 = slot_start_ref[s]
+        toks = [tok_ref[r0 + r] for r in range(bm)]
+
+        def load(i):
+            b0 = i * nb
+            ok = (b0 + jnp.arange(nb)) < G
+            w = [plt.load(wq_ref.at[e, h, pl.ds(n0, bn), pl.ds(b0, nb), :], mask=ok[None, :, None], other=0)
+                 for h in (jnp.int32(0), jnp.int32(1))]
+            sc = [plt.load(ws_ref.at[e, h, pl.ds(n0, bn), pl.ds(b0, nb)], mask=ok[None, :], other=0)
+                  for h in (jnp.int32(0), jnp.int32(1))]
+            x = [[plt.load(xq_ref.at[toks[r], jnp.int32(j), pl.ds(b0, nb), :], mask=ok[:, None] & (r < rows),
+                           other=0) for j in range(4)] for r in range(bm)]
+            return w, sc, x
+
+        def compute(tiles, acc):
+            w, sc, x = tiles
+            out = []
+            for h in range(2):
+                scale = _scale_f32(sc[h])
+                out.append([a + d * scale for a, d in zip(acc[h], _gemv16_partials(w[h], x, interpret))])
+            return out
+
+        zero = jnp.zeros((bn, nb), jnp.float32)
+        acc = _gemv_steps(load, pl.cdiv(G, nb), compute, [[zero] * bm, [zero] * bm], prefetch)
+        bg = bias_ref[e, jnp.int32(0), pl.ds(n0, bn)].astype(jnp.float32)
+        bu = bias_ref[e, jnp.int32(1), pl.ds(n0, bn)].astype(jnp.float32)
+        # phase-order row c goes to f16 column 2 (c mod I/2) + (c >= I/2): u32 pairs of phases (j, j + 4)
+        upper = (n0 >= half).astype(jnp.int32)
+        cols = 2 * (n0 - upper * half + jnp.arange(bn)) + upper
+        for r in range(bm):
+            xs = xs_ref[toks[r]]
+            g = jnp.sum(acc[0][r], axis=1) * xs + bg
+            u = jnp.sum(acc[1][r], axis=1) * xs + bu
+            act = _swiglu(g, u, limit, alpha) * (2.0 ** a_shift)
+            plt.store(a_ref.at[r0 + r, cols], act.astype(jnp.float16), mask=jnp.full((bn,), r < rows))
+
+
+def _down_gemv16_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, w_ref, aq_ref, wq_ref, ws_ref, bias_ref,
+                        y_ref, *, bm, bn, nb, G, out_scale, prefetch, interpret):
+    s = pl.program_id(0)
+    n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
+    rows = slot_rows_ref[s]
+
+    @pl.when(rows > 0)
+    def _():
+        e = slot_e_ref[s]
+        r0 = slot_start_ref[s]
+
+        def load(i):
+            b0 = i * nb
+            ok = (b0 + jnp.arange(nb)) < G
+            w = plt.load(wq_ref.at[e, pl.ds(n0, bn), pl.ds(b0, nb), :], mask=ok[None, :, None], other=0)
+            sc = plt.load(ws_ref.at[e, pl.ds(n0, bn), pl.ds(b0, nb)], mask=ok[None, :], other=0)
+            a = [[plt.load(aq_ref.at[r0 + r, jnp.int32(j), pl.ds(b0, nb), :], mask=ok[:, None] & (r < rows),
+                           other=0) for j in range(4)] for r in range(bm)]
+            return w, sc, a
+
+        def compute(tiles, acc):
+            w, sc, a = tiles
+            scale = _scale_f32(sc)
+            return [c + d * scale for c, d in zip(acc, _gemv16_partials(w, a, interpret))]
+
+        acc = _gemv_steps(load, pl.cdiv(G, nb), compute, [jnp.zeros((bn, nb), jnp.float32)] * bm, prefetch)
+        b = bias_ref[e, pl.ds(n0, bn)].astype(jnp.float32)
+        for r in range(bm):
+            y = (jnp.sum(acc[r], axis=1) * out_scale + b) * w_ref[r0 + r]
+            plt.store(y_ref.at[r0 + r, pl.ds(n0, bn)], y, mask=jnp.full((bn,), r < rows))
+
+
+def run_gemv16(x_TD, tok_sorted, w_sorted, slot_e, slot_start, slot_rows, kexp: KernelExperts, *,
+               swiglu_limit, swiglu_alpha, block_m, block_n, block_k, block_n_down, num_warps, prefetch,
+               interpret):
+    """The two half-precision GEMV kernels on dispatched pairs; returns y [P + block_m, D] f32 in sorted order."""
+    T, D = x_TD.shape
+    E, _, I, _ = kexp.gu_words.shape
+    P, S, bm = tok_sorted.shape[0], slot_e.shape[0], block_m
+    bn, bn2, nb = _pick_bn(I // 2, block_n), _pick_bn(D, block_n_down), block_k // 32
+    pad = lambda a: a if bm == 1 else jnp.concatenate([a, jnp.zeros((bm,) + a.shape[1:], a.dtype)])
+    call = functools.partial(pl.pallas_call, interpret=interpret,
+                             compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1))
+    xq, xs = half_pairs(x_TD)
+    a_shift = activation_shift(swiglu_limit)
+    a = call(functools.partial(_gate_up_gemv16_kernel, bm=bm, bn=bn, nb=nb, G=D // 32, half=I // 2,
+                               limit=swiglu_limit, alpha=swiglu_alpha, a_shift=a_shift, prefetch=prefetch,
+                               interpret=interpret),
+             grid=(S, I // bn), out_shape=jax.ShapeDtypeStruct((P + bm, I), jnp.float16),
+             name="mxfp4_gate_up_swiglu_gemv16",
+             )(slot_e, slot_start, slot_rows, pad(tok_sorted), xs, xq, kexp.gu_words.reshape(E, 2, I, D // 32, 4),
+               kexp.gu_scales, kexp.gu_bias)
+    aq = jax.lax.bitcast_convert_type(a.reshape(P + bm, I // 2, 2), jnp.uint32).reshape(P + bm, 4, I // 32, 4)
+    return call(functools.partial(_down_gemv16_kernel, bm=bm, bn=bn2, nb=nb, G=I // 32,
+                                  out_scale=2.0 ** (F16_SHIFT - a_shift), prefetch=prefetch, interpret=interpret),
+                grid=(S, D // bn2), out_shape=jax.ShapeDtypeStruct((P + bm, D), jnp.float32),
+                name="mxfp4_down_gemv16",
+                )(slot_e, slot_start, slot_rows, pad(w_sorted), aq, kexp.dn_words.reshape(E, D, I // 32, 4),
+                  kexp.dn_scales, kexp.dn_bias)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -456,22 +653,32 @@ def experts_forward(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, *, swig
     if layer is not None:
         kexp = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), kexp)
         slot_e = slot_e + layer * E
-    y = run_kernels(x_TD, tok_sorted, w_sorted, slot_e, slot_start, slot_rows, kexp,
-                    swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha, kernel=kernel,
-                    block_m=block_m, block_n=block_n, block_k=block_k, block_n_down=block_n_down,
-                    num_warps=num_warps, num_stages=num_stages, swap=swap, prefetch=prefetch,
-                    interpret=interpret)
+    if kernel == "gemv16":
+        y = run_gemv16(x_TD, tok_sorted, w_sorted, slot_e, slot_start, slot_rows, kexp, swiglu_limit=swiglu_limit,
+                       swiglu_alpha=swiglu_alpha, block_m=block_m, block_n=block_n, block_k=block_k,
+                       block_n_down=block_n_down, num_warps=num_warps, prefetch=prefetch,
+                       interpret=jax.default_backend() != "gpu" if interpret is None else interpret)
+    else:
+        y = run_kernels(x_TD, tok_sorted, w_sorted, slot_e, slot_start, slot_rows, kexp,
+                        swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha, kernel=kernel,
+                        block_m=block_m, block_n=block_n, block_k=block_k, block_n_down=block_n_down,
+                        num_warps=num_warps, num_stages=num_stages, swap=swap, prefetch=prefetch,
+                        interpret=interpret)
     if order is not None:
         y = y[jnp.zeros((P,), jnp.int32).at[order].set(jnp.arange(P, dtype=jnp.int32))]
     return jnp.sum(y[:P].reshape(T, k, D), axis=1).astype(x_TD.dtype)
 
 
-def decode_config(T: int, k: int, E: int) -> dict:
-    """Kernel and block sizes for the decode regime (1-64 tokens), best of the H200 sweep
-    (docs/kernels.md): the GEMV path, one pair per slot, while experts average <= 1 routed row
-    (register double buffer only for a single token); beyond that tensor cores amortise the decode
-    over the rows of a slot."""
-    if T * k <= E:
+def decode_config(T: int, k: int, E: int, half: bool = False) -> dict:
+    """Kernel and block sizes for the decode regime (1-64 tokens), best of the H200 sweeps
+    (docs/kernels.md).  bf16 models (`half`): the half-precision GEMV, one pair per slot, while experts
+    average <= 2 routed rows; fp32 models: the f32 GEMV while they average <= 1.  Register double
+    buffering pays only for a single token.  Beyond that, tensor cores amortise the decode over the rows
+    of a slot."""
+    if half and T * k <= 2 * E:
+        return dict(kernel="gemv16", block_m=1, block_n=16, block_k=512 if T == 1 else 1024, block_n_down=16,
+                    num_warps=4, num_stages=1, prefetch=T == 1)
+    if not half and T * k <= E:
         return dict(kernel="gemv", block_m=1, block_n=16, block_k=512, block_n_down=16, num_warps=4,
                     num_stages=1, prefetch=T == 1)
     bm = 16
@@ -487,7 +694,7 @@ def moe(x_TD, router_w_ED, router_b_E, kexp: KernelExperts, *, top_k, swiglu_lim
     T = x_TD.shape[0]
     E = router_w_ED.shape[0]
     idx, w, _ = moe_reference.route(x_TD, router_w_ED, router_b_E, top_k)
-    cfg = decode_config(T, top_k, E)
+    cfg = decode_config(T, top_k, E, half=x_TD.dtype != jnp.float32)
     cfg.update(config)
     return experts_forward(x_TD, idx, w, kexp, layer, swiglu_limit=float(swiglu_limit),
                            swiglu_alpha=float(swiglu_alpha), interpret=interpret, **cfg)

@@ -55,6 +55,8 @@ def test_prepare_experts_phase_order():
     (1, 8, 4, 96, 64, False, {}),
     (5, 8, 4, 96, 64, True, dict(kernel="gemv", block_m=2, block_k=64, block_n=32, prefetch=False)),  # K tail
     (13, 4, 2, 64, 96, True, dict(kernel="mma", block_m=16, block_k=64)),
+    (1, 8, 4, 96, 64, False, dict(kernel="gemv16", block_k=64)),  # K tail
+    (9, 4, 4, 64, 96, True, dict(kernel="gemv16", block_m=2, block_k=64, prefetch=False)),
 ])
 def test_moe_decode_matches_reference(T, E, k, D, I, empty, cfg):
     rng = np.random.default_rng(T * 100 + E)
@@ -100,3 +102,37 @@ def test_dispatch_slots_cover_every_pair_once():
         seen[s:s + r] += 1
         assert (e_sorted[s:s + r] == e).all()
     assert (seen == 1).all()
+
+
+def test_half_pairs_scaling_is_exact_and_in_range():
+    """The f16 activation pairs: each token scaled by a power of two below 2^14, pairs (j, j + 4) in
+    phase order, and the returned factor undoing scaling and decode exactly."""
+    rng = np.random.default_rng(3)
+    x = np.asarray(jnp.asarray(rng.normal(size=(3, 64)) * np.array([[1e-3], [1.0], [900.0]]), jnp.bfloat16),
+                   np.float32)
+    x[1, 5] = 0.0
+    words, factor = moe_decode.half_pairs(jnp.asarray(x))
+    halves = np.asarray(words).reshape(3, 4, 8).view(np.float16).reshape(3, 4, 8, 2).astype(np.float32)
+    back = np.zeros_like(x)
+    for j in range(4):
+        for h in range(2):  # pair j holds features 8m + j (low half) and 8m + j + 4 (high half)
+            back[:, 8 * np.arange(8) + j + 4 * h] = halves[:, j, :, h]
+    scaled = back * np.asarray(factor)[:, None] / 2.0 ** 14
+    np.testing.assert_array_equal(scaled, x)
+    assert np.abs(back).max() < 2.0 ** 14 and (np.abs(back).max(axis=1) >= 2.0 ** 13).all()
+
+
+def test_activation_shift_bounds_clamped_swiglu():
+    assert moe_decode.activation_shift(7.0) == 8  # |a| <= 7 * 8 = 56 < 2^6
+    g = jnp.linspace(-50, 50, 20001)
+    a = moe_reference.swiglu(jnp.stack([g, g], -1).reshape(-1), 7.0, 1.702)
+    assert float(jnp.max(jnp.abs(a))) * 2.0 ** 8 < 2.0 ** 14
+
+
+def test_decode_config_choice():
+    """bf16 takes the half-precision GEMV up to 2 rows per expert on average, fp32 never does."""
+    assert moe_decode.decode_config(1, 4, 32, half=True)["kernel"] == "gemv16"
+    assert moe_decode.decode_config(16, 4, 32, half=True)["kernel"] == "gemv16"
+    assert moe_decode.decode_config(64, 4, 32, half=True)["kernel"] == "mma"
+    assert moe_decode.decode_config(1, 4, 32)["kernel"] == "gemv"
+    assert moe_decode.decode_config(16, 4, 32)["kernel"] == "mma"

@@ -118,6 +118,10 @@ def bench_moe_decode(model, Ts, bw, configs, L):
             def run(xs, disp, kx, cfg=cfg):
                 outs = []
                 for i in range(L):
+                    if cfg["kernel"] == "gemv16":  # no dispatch: one program row per (token, expert) pair
+                        outs.append(moe_decode.experts_forward(xs[i], idxs[i], ws[i], layer(kx, i),
+                                                               swiglu_limit=kc.LIMIT, swiglu_alpha=kc.ALPHA, **cfg))
+                        continue
                     tok, w, _, se, ss, sr = disp[i]
                     outs.append(moe_decode.run_kernels(xs[i], tok, w, se, ss, sr, layer(kx, i),
                                                        swiglu_limit=kc.LIMIT, swiglu_alpha=kc.ALPHA, **cfg))
@@ -360,20 +364,16 @@ def main():
                                                         "ragged"}
 
     def dec_cfgs(T, k, E):
-        base = moe_decode.decode_config(T, k, E)
+        base = moe_decode.decode_config(T, k, E, half=True)
         out = [base]
         if args.quick:
             return out
-        if base["kernel"] != "gemv":  # CUDA-core GEMV with several rows per slot: decode once, bm FMAs
-            return out + [dict(kernel="gemv", block_m=bm, block_n=16, block_k=512, block_n_down=16, num_warps=4,
-                               num_stages=1, prefetch=False) for bm in (2, 4, 8)]
-        out += [dict(base, prefetch=not base["prefetch"]), dict(base, block_k=256),
-                dict(kernel="mma", block_m=16, block_n=32, block_k=256, block_n_down=32, num_warps=4, num_stages=3),
-                dict(kernel="mma", block_m=16, block_n=32, block_k=256, block_n_down=32, num_warps=4, num_stages=3,
-                     swap=True),
-                dict(kernel="mma", block_m=16, block_n=64, block_k=128, block_n_down=64, num_warps=4, num_stages=3,
-                     swap=True)]
-        return out
+        g16 = dict(kernel="gemv16", block_m=1, block_n=16, block_k=512, block_n_down=16, num_warps=4,
+                   num_stages=1, prefetch=T == 1)
+        if T * k <= E:
+            return out + [g16, dict(g16, prefetch=T != 1), dict(g16, block_k=1024), dict(g16, block_n=32,
+                                                                                       block_n_down=32)]
+        return out + [dict(g16, block_m=bm, block_k=bk) for bm in (1, 2, 4) for bk in (512, 1024)]
 
     t0 = time.time()
     if "linear" in only:
@@ -386,7 +386,7 @@ def main():
         bench_linear(bw, (1, 16, 64), lcfgs[:1] if args.quick else lcfgs)
     log(f"[{time.time()-t0:.0f}s]")
     if "moe_decode" in only:
-        for model, Ts, L in (("20b", (1, 4, 16, 64), 3), ("120b", (1, 4, 16), 2)):
+        for model, Ts, L in (("20b", (1, 4, 16, 64), 3), ("120b", (1, 4, 16, 64), 2)):
             if model in args.models.split(","):
                 bench_moe_decode(model, Ts, bw, dec_cfgs, L=L)
     log(f"[{time.time()-t0:.0f}s]")
