@@ -17,8 +17,12 @@ subnormals included) with 1-5 integer ops: `w & M`, `(w << 3) & M`, and two shif
 That is ~1.6 ops per weight instead of ~4 for the checkpoint's nibble order.  Activations are fed
 in the matching "phase" order `x8[t, j, m] = x[t, 8m + j]`.
 
-Two kernel families on that encoding (`kernel=` in the config):
-* "gemv" (few rows per expert, decode): 3-D tiles `[block_n rows, nb 32-blocks, 4 words]` so that
+Three kernel families on that encoding (`kernel=` in the config):
+* "gemv16" (bf16 models, <= 2 rows per expert on average: the serving decode default): the GEMV below
+  with the word decoded by inline PTX into f16x2 pairs multiplied by f16x2 activation pairs (HFMA2),
+  one f16 -> f32 conversion per 8 weights; section "Half-precision GEMV kernels" says why and what it
+  costs in precision.  Off-GPU the same arithmetic runs in jnp (inline PTX has no interpreter);
+* "gemv" (f32 GEMV, fp32 models): 3-D tiles `[block_n rows, nb 32-blocks, 4 words]` so that
   one thread owns whole 32-element blocks (one 16-byte load); FMAs in f32 into a per-block partial
   sum and the E8M0 scale applied once per block, no tensor cores and no shared-memory round trip;
   the next K step's tiles are loaded before the current one is used (register double buffer).
