@@ -356,6 +356,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="")
     ap.add_argument("--models", default="20b,120b", help="MoE shapes to run")
+    ap.add_argument("--tokens", default="", help="MoE decode token counts (default: 1,4,16,64)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     log(f"device: {jax.devices()[0].device_kind}  date {time.strftime('%Y-%m-%d %H:%M')}")
@@ -370,6 +371,10 @@ def main():
             return out
         g16 = dict(kernel="gemv16", block_m=1, block_n=16, block_k=512, block_n_down=16, num_warps=4,
                    num_stages=1, prefetch=T == 1)
+        if T == 1:  # latency-bound: fewer, larger K steps and smaller row tiles put more bytes in flight
+            return out + [dict(g16, block_n=bn, block_n_down=bn, block_k=bk, prefetch=pf, num_warps=w)
+                          for bn, bk, pf, w in ((8, 1024, True, 4), (8, 2048, False, 4), (8, 4096, False, 4),
+                                                (4, 4096, False, 4), (8, 4096, False, 8), (16, 2048, False, 4))]
         if T * k <= E:
             return out + [g16, dict(g16, prefetch=T != 1), dict(g16, block_k=1024), dict(g16, block_n=32,
                                                                                        block_n_down=32)]
@@ -387,6 +392,8 @@ def main():
     log(f"[{time.time()-t0:.0f}s]")
     if "moe_decode" in only:
         for model, Ts, L in (("20b", (1, 4, 16, 64), 3), ("120b", (1, 4, 16, 64), 2)):
+            if args.tokens:
+                Ts = tuple(int(t) for t in args.tokens.split(","))
             if model in args.models.split(","):
                 bench_moe_decode(model, Ts, bw, dec_cfgs, L=L)
     log(f"[{time.time()-t0:.0f}s]")
