@@ -143,7 +143,23 @@ def _swiglu(g, u, limit, alpha):
 
 
 # ----------------------------------------------------------------------------------------------
-# GEMV kernels (few rows per slot)
+# GEMV kernels (few rows per slot), f32 or half-precision arithmetic
+#
+# f32 ("gemv", fp32 models): each word's 8 decoded halves are converted to f32 and multiplied in
+# f32.  Those conversions (8 per word), not memory, bound it on the H200 (~3.6e12 weights/s).
+# Half precision ("gemv16", bf16 models): one inline-PTX block per word decodes the 4 f16x2 pairs,
+# multiplies them with 4 f16x2 activation pairs (HFMA2: two weights per instruction), adds the two
+# halves and converts once: ~2 ops per weight.  The products are exact in f16 and each word's 8-term
+# sum is rounded to f16 (11 bits) before the f32 block sum, so the result carries ~2^-11 relative
+# error per word, below the bf16 rounding of the output.  Range: activations enter scaled by a power
+# of two so that |x| < 2^14 (per token for the block input; a fixed 2^a_shift for the SwiGLU output,
+# bounded by limit * (limit + 1) through the clamp), hence every product is <= 6 and every word sum
+# <= 48: no overflow, and products below f16's normal range carry absolute errors < 2^-24 against
+# sums of order 1.
+#
+# Both read activations as `[rows, phases, K/32, 4]` words per 32-block (8 f32 phases, or 4 u32 f16x2
+# pairs of phases (j, j + 4)) and scale each row's sum by a per-row factor (2^14 undoes the decode's
+# 2^-14; the half path folds its activation scaling into it).
 
 
 def _gemv_steps(load, n_steps, compute, acc0, prefetch):
@@ -158,106 +174,6 @@ def _gemv_steps(load, n_steps, compute, acc0, prefetch):
     _, acc = jax.lax.fori_loop(0, n_steps, body, (load(0), acc0))
     return acc
 
-
-def _gemv_partial(w, x8):
-    """w u32 [bn, nb, 4], x8 eight f32 [nb, 4] -> per-block partial sums [bn, nb]."""
-    vals = _decode_words(w)
-    p = vals[0] * x8[0][None]
-    for j in range(1, 8):
-        p = p + vals[j] * x8[j][None]
-    return jnp.sum(p, axis=2)
-
-
-def _gate_up_gemv_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, tok_ref, x_ref, wq_ref, ws_ref,
-                         bias_ref, a_ref, *, bm, bn, nb, G, limit, alpha, prefetch):
-    s = pl.program_id(0)
-    n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
-    rows = slot_rows_ref[s]
-
-    @pl.when(rows > 0)
-    def _():
-        e = slot_e_ref[s]
-        r0 = slot_start_ref[s]
-        toks = [tok_ref[r0 + r] for r in range(bm)]
-
-        def load(i):
-            b0 = i * nb
-            ok = (b0 + jnp.arange(nb)) < G
-            w = [plt.load(wq_ref.at[e, h, pl.ds(n0, bn), pl.ds(b0, nb), :], mask=ok[None, :, None],
-                          other=0) for h in (jnp.int32(0), jnp.int32(1))]
-            sc = [plt.load(ws_ref.at[e, h, pl.ds(n0, bn), pl.ds(b0, nb)], mask=ok[None, :], other=0)
-                  for h in (jnp.int32(0), jnp.int32(1))]
-            x = [[plt.load(x_ref.at[toks[r], jnp.int32(j), pl.ds(b0, nb), :], mask=ok[:, None] & (r < rows),
-                           other=0.0) for j in range(8)] for r in range(bm)]
-            return w, sc, x
-
-        def compute(tiles, acc):
-            w, sc, x = tiles
-            out = []
-            for h in range(2):
-                scale = _scale_f32(sc[h])
-                out.append([acc[h][r] + _gemv_partial(w[h], x[r]) * scale for r in range(bm)])
-            return out
-
-        zero = jnp.zeros((bn, nb), jnp.float32)
-        acc = _gemv_steps(load, pl.cdiv(G, nb), compute, [[zero] * bm, [zero] * bm], prefetch)
-        bg = bias_ref[e, jnp.int32(0), pl.ds(n0, bn)].astype(jnp.float32)
-        bu = bias_ref[e, jnp.int32(1), pl.ds(n0, bn)].astype(jnp.float32)
-        for r in range(bm):
-            g = jnp.sum(acc[0][r], axis=1) * (2.0 ** F16_SHIFT) + bg
-            u = jnp.sum(acc[1][r], axis=1) * (2.0 ** F16_SHIFT) + bu
-            act = _swiglu(g, u, limit, alpha)
-            plt.store(a_ref.at[r0 + r, pl.ds(n0, bn)], act.astype(a_ref.dtype),
-                      mask=jnp.full((bn,), r < rows))
-
-
-def _down_gemv_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, w_ref, a_ref, wq_ref, ws_ref,
-                      bias_ref, y_ref, *, bm, bn, nb, G, prefetch):
-    s = pl.program_id(0)
-    n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
-    rows = slot_rows_ref[s]
-
-    @pl.when(rows > 0)
-    def _():
-        e = slot_e_ref[s]
-        r0 = slot_start_ref[s]
-
-        def load(i):
-            b0 = i * nb
-            ok = (b0 + jnp.arange(nb)) < G
-            w = plt.load(wq_ref.at[e, pl.ds(n0, bn), pl.ds(b0, nb), :], mask=ok[None, :, None], other=0)
-            sc = plt.load(ws_ref.at[e, pl.ds(n0, bn), pl.ds(b0, nb)], mask=ok[None, :], other=0)
-            a = [[plt.load(a_ref.at[r0 + r, jnp.int32(j), pl.ds(b0, nb), :], mask=ok[:, None] & (r < rows),
-                           other=0.0) for j in range(8)] for r in range(bm)]
-            return w, sc, a
-
-        def compute(tiles, acc):
-            w, sc, a = tiles
-            scale = _scale_f32(sc)
-            return [acc[r] + _gemv_partial(w, a[r]) * scale for r in range(bm)]
-
-        acc = _gemv_steps(load, pl.cdiv(G, nb), compute, [jnp.zeros((bn, nb), jnp.float32)] * bm,
-                          prefetch)
-        b = bias_ref[e, pl.ds(n0, bn)].astype(jnp.float32)
-        for r in range(bm):
-            y = (jnp.sum(acc[r], axis=1) * (2.0 ** F16_SHIFT) + b) * w_ref[r0 + r]
-            plt.store(y_ref.at[r0 + r, pl.ds(n0, bn)], y.astype(y_ref.dtype),
-                      mask=jnp.full((bn,), r < rows))
-
-
-# ----------------------------------------------------------------------------------------------
-# Half-precision GEMV kernels (bf16 models, few rows per slot)
-#
-# The f32 GEMV above converts every decoded weight f16 -> f32 (8 conversions per word), and the
-# conversion unit, not memory, bounds it (~3.6e12 weights/s on the H200).  Here one inline-PTX block
-# per word decodes the 4 f16x2 pairs, multiplies them with 4 f16x2 activation pairs (HFMA2: two
-# weights per instruction), adds the two halves and converts once: ~2 ops per weight.  The products
-# are exact in f16 and each word's 8-term sum is rounded to f16 (11 bits) before the f32 block sum,
-# so the result carries ~2^-11 relative error per word, below the bf16 rounding of the output.
-# Range: activations enter scaled by a power of two so that |x| < 2^14 (per token for the block
-# input; a fixed 2^a_shift for the SwiGLU output, bounded by limit * (limit + 1) through the clamp),
-# hence every product is <= 6 and every word sum <= 48: no overflow, and products below f16's
-# normal range carry absolute errors < 2^-24 against sums of order 1.
 
 _WORD_DOT_PTX = """{
 .reg .b32 wd_p0, wd_p1, wd_p2, wd_p3, wd_t0, wd_t1, wd_acc;
@@ -292,9 +208,9 @@ def _f16_halves(v):
 
 
 def _word_dots(w, xqs, interpret):
-    """Per u32 word and row r: sum_j decode_j(w) * x_rj in f16 arithmetic -> f32, the word decoded once.
-    xqs[r]: 4 u32 f16x2 pairs (phase j low, j + 4 high) shaped like w.  Off-GPU the same arithmetic in
-    jnp (rounded to f16 after each operation)."""
+    """Per u32 word and row r: sum_j decode_j(w) * x_rj in f16 arithmetic -> f32.  xqs[r]: 4 u32 f16x2
+    pairs (phase j low, j + 4 high) shaped like w.  Off-GPU the same arithmetic in jnp (rounded to f16
+    after each operation): PTX has no interpreter."""
     if not interpret:  # one asm block per row (Pallas lowers single-result asm only); ptxas shares the decode
         return [plt.elementwise_inline_asm(_WORD_DOT_PTX, args=[w, *xq], constraints="=f,r,r,r,r,r", pack=1,
                                            result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.float32)])[0]
@@ -311,10 +227,19 @@ def _word_dots(w, xqs, interpret):
     return out
 
 
-def _gemv16_partials(w, xqs, interpret):
-    """w u32 [bn, nb, 4], xqs[r] four u32 [nb, 4] -> per row, per-block partial sums [bn, nb] (f32)."""
-    xb = [[jnp.broadcast_to(x[None], w.shape) for x in xq] for xq in xqs]
-    return [jnp.sum(d, axis=2) for d in _word_dots(w, xb, interpret)]
+def _gemv_partials(w, xs, f16, interpret):
+    """w u32 [bn, nb, 4]; xs[r]: the row's phase tiles [nb, 4] -> per row, per-block partial sums [bn, nb]."""
+    if f16:
+        xb = [[jnp.broadcast_to(x[None], w.shape) for x in xq] for xq in xs]
+        return [jnp.sum(d, axis=2) for d in _word_dots(w, xb, interpret)]
+    vals = _decode_words(w)
+    out = []
+    for x8 in xs:
+        p = vals[0] * x8[0][None]
+        for j in range(1, 8):
+            p = p + vals[j] * x8[j][None]
+        out.append(jnp.sum(p, axis=2))
+    return out
 
 
 def half_pairs(x_TK: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -334,8 +259,8 @@ def activation_shift(limit: float) -> int:
     return 14 - math.ceil(math.log2(max(limit, 1.0) * (limit + 1.0)))
 
 
-def _gate_up_gemv16_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, tok_ref, xs_ref, xq_ref, wq_ref, ws_ref,
-                           bias_ref, a_ref, *, bm, bn, nb, G, half, limit, alpha, a_shift, prefetch, interpret):
+def _gate_up_gemv_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, tok_ref, xs_ref, x_ref, wq_ref, ws_ref,
+                         bias_ref, a_ref, *, bm, bn, nb, G, I, f16, limit, alpha, a_shift, prefetch, interpret):
     s = pl.program_id(0)
     n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
     rows = slot_rows_ref[s]
@@ -353,8 +278,8 @@ def _gate_up_gemv16_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, tok_ref, x
                  for h in (jnp.int32(0), jnp.int32(1))]
             sc = [plt.load(ws_ref.at[e, h, pl.ds(n0, bn), pl.ds(b0, nb)], mask=ok[None, :], other=0)
                   for h in (jnp.int32(0), jnp.int32(1))]
-            x = [[plt.load(xq_ref.at[toks[r], jnp.int32(j), pl.ds(b0, nb), :], mask=ok[:, None] & (r < rows),
-                           other=0) for j in range(4)] for r in range(bm)]
+            x = [[plt.load(x_ref.at[toks[r], jnp.int32(j), pl.ds(b0, nb), :], mask=ok[:, None] & (r < rows),
+                           other=0) for j in range(x_ref.shape[1])] for r in range(bm)]
             return w, sc, x
 
         def compute(tiles, acc):
@@ -362,26 +287,27 @@ def _gate_up_gemv16_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, tok_ref, x
             out = []
             for h in range(2):
                 scale = _scale_f32(sc[h])
-                out.append([a + d * scale for a, d in zip(acc[h], _gemv16_partials(w[h], x, interpret))])
+                out.append([a + d * scale for a, d in zip(acc[h], _gemv_partials(w[h], x, f16, interpret))])
             return out
 
         zero = jnp.zeros((bn, nb), jnp.float32)
         acc = _gemv_steps(load, pl.cdiv(G, nb), compute, [[zero] * bm, [zero] * bm], prefetch)
         bg = bias_ref[e, jnp.int32(0), pl.ds(n0, bn)].astype(jnp.float32)
         bu = bias_ref[e, jnp.int32(1), pl.ds(n0, bn)].astype(jnp.float32)
-        # phase-order row c goes to f16 column 2 (c mod I/2) + (c >= I/2): u32 pairs of phases (j, j + 4)
-        upper = (n0 >= half).astype(jnp.int32)
-        cols = 2 * (n0 - upper * half + jnp.arange(bn)) + upper
+        if f16:  # phase-order row c goes to f16 column 2 (c mod I/2) + (c >= I/2): u32 pairs of phases (j, j + 4)
+            upper = (n0 >= I // 2).astype(jnp.int32)
+            cols = 2 * (n0 - upper * (I // 2) + jnp.arange(bn)) + upper
+        else:
+            cols = n0 + jnp.arange(bn)
         for r in range(bm):
             xs = xs_ref[toks[r]]
-            g = jnp.sum(acc[0][r], axis=1) * xs + bg
-            u = jnp.sum(acc[1][r], axis=1) * xs + bu
-            act = _swiglu(g, u, limit, alpha) * (2.0 ** a_shift)
-            plt.store(a_ref.at[r0 + r, cols], act.astype(jnp.float16), mask=jnp.full((bn,), r < rows))
+            act = _swiglu(jnp.sum(acc[0][r], axis=1) * xs + bg, jnp.sum(acc[1][r], axis=1) * xs + bu, limit, alpha)
+            plt.store(a_ref.at[r0 + r, cols], (act * 2.0 ** a_shift).astype(a_ref.dtype),
+                      mask=jnp.full((bn,), r < rows))
 
 
-def _down_gemv16_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, w_ref, aq_ref, wq_ref, ws_ref, bias_ref,
-                        y_ref, *, bm, bn, nb, G, out_scale, prefetch, interpret):
+def _down_gemv_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, w_ref, a_ref, wq_ref, ws_ref, bias_ref,
+                      y_ref, *, bm, bn, nb, G, f16, out_scale, prefetch, interpret):
     s = pl.program_id(0)
     n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
     rows = slot_rows_ref[s]
@@ -396,14 +322,14 @@ def _down_gemv16_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, w_ref, aq_ref
             ok = (b0 + jnp.arange(nb)) < G
             w = plt.load(wq_ref.at[e, pl.ds(n0, bn), pl.ds(b0, nb), :], mask=ok[None, :, None], other=0)
             sc = plt.load(ws_ref.at[e, pl.ds(n0, bn), pl.ds(b0, nb)], mask=ok[None, :], other=0)
-            a = [[plt.load(aq_ref.at[r0 + r, jnp.int32(j), pl.ds(b0, nb), :], mask=ok[:, None] & (r < rows),
-                           other=0) for j in range(4)] for r in range(bm)]
+            a = [[plt.load(a_ref.at[r0 + r, jnp.int32(j), pl.ds(b0, nb), :], mask=ok[:, None] & (r < rows),
+                           other=0) for j in range(a_ref.shape[1])] for r in range(bm)]
             return w, sc, a
 
         def compute(tiles, acc):
             w, sc, a = tiles
             scale = _scale_f32(sc)
-            return [c + d * scale for c, d in zip(acc, _gemv16_partials(w, a, interpret))]
+            return [c + d * scale for c, d in zip(acc, _gemv_partials(w, a, f16, interpret))]
 
         acc = _gemv_steps(load, pl.cdiv(G, nb), compute, [jnp.zeros((bn, nb), jnp.float32)] * bm, prefetch)
         b = bias_ref[e, pl.ds(n0, bn)].astype(jnp.float32)
@@ -412,32 +338,35 @@ def _down_gemv16_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, w_ref, aq_ref
             plt.store(y_ref.at[r0 + r, pl.ds(n0, bn)], y, mask=jnp.full((bn,), r < rows))
 
 
-def run_gemv16(x_TD, tok_sorted, w_sorted, slot_e, slot_start, slot_rows, kexp: KernelExperts, *,
-               swiglu_limit, swiglu_alpha, block_m, block_n, block_k, block_n_down, num_warps, prefetch,
-               interpret):
-    """The two half-precision GEMV kernels on dispatched pairs; returns y [P + block_m, D] f32 in sorted order."""
+def _run_gemv(call, x_TD, tok_p, w_p, slot_e, slot_start, slot_rows, kexp: KernelExperts, *, R, f16, swiglu_limit,
+              swiglu_alpha, block_m, block_n, block_k, block_n_down, prefetch, interpret):
+    """The two GEMV kernels on dispatched pairs; returns y [R = P + block_m, D] f32 in sorted order."""
     T, D = x_TD.shape
     E, _, I, _ = kexp.gu_words.shape
-    P, S, bm = tok_sorted.shape[0], slot_e.shape[0], block_m
+    S, bm = slot_e.shape[0], block_m
     bn, bn2, nb = _pick_bn(I // 2, block_n), _pick_bn(D, block_n_down), block_k // 32
-    pad = lambda a: a if bm == 1 else jnp.concatenate([a, jnp.zeros((bm,) + a.shape[1:], a.dtype)])
-    call = functools.partial(pl.pallas_call, interpret=interpret,
-                             compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1))
-    xq, xs = half_pairs(x_TD)
-    a_shift = activation_shift(swiglu_limit)
-    a = call(functools.partial(_gate_up_gemv16_kernel, bm=bm, bn=bn, nb=nb, G=D // 32, half=I // 2,
-                               limit=swiglu_limit, alpha=swiglu_alpha, a_shift=a_shift, prefetch=prefetch,
-                               interpret=interpret),
-             grid=(S, I // bn), out_shape=jax.ShapeDtypeStruct((P + bm, I), jnp.float16),
-             name="mxfp4_gate_up_swiglu_gemv16",
-             )(slot_e, slot_start, slot_rows, pad(tok_sorted), xs, xq, kexp.gu_words.reshape(E, 2, I, D // 32, 4),
+    if f16:
+        x, xs = half_pairs(x_TD)
+        a_shift, a_dtype = activation_shift(swiglu_limit), jnp.float16
+    else:
+        x = to_phases(x_TD.astype(jnp.float32)).reshape(T, 8, D // 32, 4)
+        xs, a_shift, a_dtype = jnp.full((T,), 2.0 ** F16_SHIFT, jnp.float32), 0, jnp.float32
+    kern = dict(bm=bm, f16=f16, prefetch=prefetch, interpret=interpret)
+    a = call(functools.partial(_gate_up_gemv_kernel, bn=bn, nb=nb, G=D // 32, I=I, limit=swiglu_limit,
+                               alpha=swiglu_alpha, a_shift=a_shift, **kern),
+             grid=(S, I // bn), out_shape=jax.ShapeDtypeStruct((R, I), a_dtype),
+             name="mxfp4_gate_up_swiglu_gemv16" if f16 else "mxfp4_gate_up_swiglu_gemv",
+             )(slot_e, slot_start, slot_rows, tok_p, xs, x, kexp.gu_words.reshape(E, 2, I, D // 32, 4),
                kexp.gu_scales, kexp.gu_bias)
-    aq = jax.lax.bitcast_convert_type(a.reshape(P + bm, I // 2, 2), jnp.uint32).reshape(P + bm, 4, I // 32, 4)
-    return call(functools.partial(_down_gemv16_kernel, bm=bm, bn=bn2, nb=nb, G=I // 32,
-                                  out_scale=2.0 ** (F16_SHIFT - a_shift), prefetch=prefetch, interpret=interpret),
-                grid=(S, D // bn2), out_shape=jax.ShapeDtypeStruct((P + bm, D), jnp.float32),
-                name="mxfp4_down_gemv16",
-                )(slot_e, slot_start, slot_rows, pad(w_sorted), aq, kexp.dn_words.reshape(E, D, I // 32, 4),
+    if f16:
+        a = jax.lax.bitcast_convert_type(a.reshape(R, I // 2, 2), jnp.uint32).reshape(R, 4, I // 32, 4)
+    else:
+        a = a.reshape(R, 8, I // 32, 4)
+    return call(functools.partial(_down_gemv_kernel, bn=bn2, nb=nb, G=I // 32,
+                                  out_scale=2.0 ** (F16_SHIFT - a_shift), **kern),
+                grid=(S, D // bn2), out_shape=jax.ShapeDtypeStruct((R, D), jnp.float32),
+                name="mxfp4_down_gemv16" if f16 else "mxfp4_down_gemv",
+                )(slot_e, slot_start, slot_rows, w_p, a, kexp.dn_words.reshape(E, D, I // 32, 4),
                   kexp.dn_scales, kexp.dn_bias)
 
 
@@ -604,21 +533,10 @@ def run_kernels(x_TD, tok_sorted, w_sorted, slot_e, slot_start, slot_rows, kexp:
         interpret = jax.default_backend() != "gpu"
     call = functools.partial(pl.pallas_call, compiler_params=params, interpret=interpret)
 
-    if kernel == "gemv":
-        nb = block_k // 32
-        x8 = to_phases(x_TD.astype(jnp.float32)).reshape(T, 8, D // 32, 4)
-        a = call(functools.partial(_gate_up_gemv_kernel, bm=bm, bn=bn, nb=nb, G=D // 32,
-                                   limit=swiglu_limit, alpha=swiglu_alpha, prefetch=prefetch),
-                 grid=(S, I // bn), out_shape=jax.ShapeDtypeStruct((P + bm, I), jnp.float32),
-                 name="mxfp4_gate_up_swiglu_gemv",
-                 )(slot_e, slot_start, slot_rows, tok_p, x8,
-                   kexp.gu_words.reshape(E, 2, I, D // 32, 4), kexp.gu_scales, kexp.gu_bias)
-        return call(functools.partial(_down_gemv_kernel, bm=bm, bn=bn2, nb=nb, G=I // 32,
-                                      prefetch=prefetch),
-                    grid=(S, D // bn2), out_shape=jax.ShapeDtypeStruct((P + bm, D), jnp.float32),
-                    name="mxfp4_down_gemv",
-                    )(slot_e, slot_start, slot_rows, w_p, a.reshape(P + bm, 8, I // 32, 4),
-                      kexp.dn_words.reshape(E, D, I // 32, 4), kexp.dn_scales, kexp.dn_bias)
+    if kernel in ("gemv", "gemv16"):
+        return _run_gemv(call, x_TD, tok_p, w_p, slot_e, slot_start, slot_rows, kexp, R=P + bm, f16=kernel == "gemv16",
+                         swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha, block_m=bm, block_n=block_n,
+                         block_k=block_k, block_n_down=block_n_down, prefetch=prefetch, interpret=interpret)
 
     kw = block_k // 8
     # Tensor-core operands in bf16; fp32 models (the exactness mode) keep fp32 operands throughout.
@@ -657,17 +575,11 @@ def experts_forward(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, *, swig
     if layer is not None:
         kexp = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), kexp)
         slot_e = slot_e + layer * E
-    if kernel == "gemv16":
-        y = run_gemv16(x_TD, tok_sorted, w_sorted, slot_e, slot_start, slot_rows, kexp, swiglu_limit=swiglu_limit,
-                       swiglu_alpha=swiglu_alpha, block_m=block_m, block_n=block_n, block_k=block_k,
-                       block_n_down=block_n_down, num_warps=num_warps, prefetch=prefetch,
-                       interpret=jax.default_backend() != "gpu" if interpret is None else interpret)
-    else:
-        y = run_kernels(x_TD, tok_sorted, w_sorted, slot_e, slot_start, slot_rows, kexp,
-                        swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha, kernel=kernel,
-                        block_m=block_m, block_n=block_n, block_k=block_k, block_n_down=block_n_down,
-                        num_warps=num_warps, num_stages=num_stages, swap=swap, prefetch=prefetch,
-                        interpret=interpret)
+    y = run_kernels(x_TD, tok_sorted, w_sorted, slot_e, slot_start, slot_rows, kexp,
+                    swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha, kernel=kernel,
+                    block_m=block_m, block_n=block_n, block_k=block_k, block_n_down=block_n_down,
+                    num_warps=num_warps, num_stages=num_stages, swap=swap, prefetch=prefetch,
+                    interpret=interpret)
     if order is not None:
         y = y[jnp.zeros((P,), jnp.int32).at[order].set(jnp.arange(P, dtype=jnp.int32))]
     return jnp.sum(y[:P].reshape(T, k, D), axis=1).astype(x_TD.dtype)
