@@ -10,11 +10,16 @@ the experts in their own relayout of the same bytes, made tensor by tensor as th
 import functools
 
 import jax
+import jax.experimental.pallas.fuser  # noqa: F401  (see below)
 import jax.numpy as jnp
 
 from gptoss_jax.params import put_layer
 from pallas_kernels import (attention_reference, flash_attention, linear_decode, moe_decode, moe_prefill,
                             moe_reference, paged_attention)
+
+# `jax.experimental.pallas.fuser` is imported above for its side effect only: the first `pallas_call` would
+# import it lazily and register a config option that is part of every jit's cache key, so every step
+# traced before it (the first engine step, a benchmark's warm-up) would be traced and compiled again.
 
 IMPLS = ("reference", "pallas")
 
