@@ -80,7 +80,7 @@ class Engine:
         if layout is None and ec.model_parallel * ec.replicas > 1:
             from sharding.rules import make_layout
 
-            layout = make_layout(ec.model_parallel, ec.replicas, ec.parallel_mode)
+            layout = make_layout(ec.model_parallel, ec.replicas, ec.parallel_mode, dispatch=ec.expert_dispatch)
         self.layout = layout
         self.num_ranks = layout.num_ranks if layout is not None else 1
         if loaded is None:
@@ -89,9 +89,8 @@ class Engine:
                 self.model_config, self.params = checkpoint.load_params_sharded(self.model_path, DTYPES[dtype],
                                                                                 layout, progress=progress)
             else:
-                self.model_config, self.params = checkpoint.load(
-                    self.model_path, DTYPES[dtype], impl=self.impl if layout is None else "reference",
-                    cache_dir=cache_dir, progress=progress)
+                self.model_config, self.params = checkpoint.load(self.model_path, DTYPES[dtype], impl=self.impl,
+                                                                 cache_dir=cache_dir, progress=progress)
                 if layout is not None:
                     self.params = layout.shard_params(self.params, self.model_config.num_kv_heads)
         else:
@@ -99,8 +98,7 @@ class Engine:
             self.model_config, self.params = loaded
             if layout is not None:
                 self.params = layout.shard_params(self.params, self.model_config.num_kv_heads)
-        if layout is None:  # sharded: the expert-parallel MoE reads the checkpoint's expert layout
-            self.params = pallas_kernels.prepare_params(self.params, self.impl)
+        self.params = pallas_kernels.prepare_params(self.params, self.impl)  # sharded: each device its experts
         self.dtype = self.params.embed.dtype
         self.tokenizer = tokenizer
         if isinstance(tokenizer, (str, os.PathLike)) or (

@@ -39,9 +39,12 @@ class EngineConfig:
     # Devices (docs/SCALING.md): a (replicas x model_parallel) mesh. `parallel_mode` 'low_latency'
     # splits attention heads over model_parallel, 'max_throughput' gives every device its own sequences;
     # experts are split over model_parallel in both. KV page counts above are per attention rank.
+    # `expert_dispatch` moves tokens to their experts' devices by 'all_gather' + reduce-scatter or by
+    # 'all_to_all' (each pair only to its expert's device; sharding/expert_parallel.py).
     parallel_mode: str = "low_latency"
     model_parallel: int = 1
     replicas: int = 1
+    expert_dispatch: str = "all_gather"
 
     def __post_init__(self):
         positive = ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "max_prefill_seqs",
@@ -74,6 +77,8 @@ class EngineConfig:
                 raise ConfigError(f"EngineConfig.{name}={v!r}: must be an integer >= 1")
         if self.parallel_mode not in ("low_latency", "max_throughput"):
             raise ConfigError(f"EngineConfig.parallel_mode={self.parallel_mode!r}: 'low_latency' or 'max_throughput'")
+        if self.expert_dispatch not in ("all_gather", "all_to_all"):
+            raise ConfigError(f"EngineConfig.expert_dispatch={self.expert_dispatch!r}: 'all_gather' or 'all_to_all'")
         if not isinstance(self.enable_prefix_caching, bool) or not isinstance(self.warmup, bool):
             raise ConfigError("EngineConfig.enable_prefix_caching and .warmup must be true or false")
 

@@ -92,50 +92,67 @@ def rms_norm(x: jax.Array, gain: jax.Array, eps: float, dtype) -> jax.Array:
     return (t * gain.astype(jnp.float32)).astype(dtype)
 
 
+def _attention(cfg: ModelConfig, stacked: dict, per_layer: dict, layer, x_BTD, cos, sin, k_all, v_all, idx, table_BM,
+               write_page_BT, write_slot_BT, positions_BT, *, window: int, impl: str, inspect: bool,
+               heads_axis: str | None):
+    """One attention layer: project, write the new K/V into layer `idx` of the pool, attend through the table.
+    Also returns the sink mass `[B, T, N]` when `inspect`. Runs on whatever heads and rows it is given: all
+    of them on one device, a device's shard under a layout (`sharding.tensor_parallel`), where `heads_axis`
+    names the mesh axis the heads are split over, whose partial output projections are summed here.
+
+    `stacked` holds every layer's projection weights (`q_w`, ...) and `layer` says which, as for the
+    experts: the decode kernel reads them in place instead of the scan copying each layer's ~53 MB out
+    first; `per_layer` holds this layer's norm gain, biases and sinks."""
+    B, T, _ = x_BTD.shape
+    H = cfg.head_dim
+    dtype = k_all.dtype
+
+    def proj(x, name, bias):
+        y = pallas_kernels.linear(x.reshape(B * T, -1), stacked[f"{name}_w"], bias, layer, impl=impl)
+        return y.reshape(B, T, -1)
+
+    t = rms_norm(x_BTD, per_layer["attn_norm"], cfg.rms_norm_eps, dtype)
+    q = rope.apply(proj(t, "q", per_layer["q_b"]).astype(dtype).reshape(B, T, -1, H), cos, sin)
+    k = rope.apply(proj(t, "k", per_layer["k_b"]).astype(dtype).reshape(B, T, -1, H), cos, sin)
+    v = proj(t, "v", per_layer["v_b"]).astype(dtype).reshape(B, T, -1, H)
+    k_all = k_all.at[idx, write_page_BT, write_slot_BT].set(k)
+    v_all = v_all.at[idx, write_page_BT, write_slot_BT].set(v)
+    # All layers' pools as one flat pool, with this layer's pages found by offsetting the table: a
+    # reshape is free, while slicing layer `idx` out would copy its whole pool into the kernel call.
+    pool_k, pool_v = (a.reshape(-1, *a.shape[2:]) for a in (k_all, v_all))
+    table_BM = table_BM + idx * k_all.shape[1]
+    sinks = per_layer["sinks"]
+    o = pallas_kernels.attention(q, pool_k, pool_v, table_BM, positions_BT, sinks, window, impl=impl)
+    o = o.reshape(B, T, -1)
+    if heads_axis is None:
+        y = proj(o, "o", per_layer["o_b"])
+    else:  # this device's heads: a partial sum of the projection, the bias added once
+        o_b = per_layer["o_b"]
+        y = jax.lax.psum(proj(o, "o", jnp.zeros_like(o_b)), heads_axis) + o_b.astype(jnp.float32)
+    if not inspect:
+        return y, k_all, v_all
+    # A side computation for the record: the output stays the serving implementation's.
+    _, sink = attention_reference.attention(q, pool_k, pool_v, table_BM, positions_BT, sinks, window,
+                                            return_sink_mass=True)
+    return y, k_all, v_all, sink
+
+
 def _attention_block(cfg: ModelConfig, lp, dense_all, layer, x_BTD, cos, sin, k_all, v_all, idx, table_BM,
                      write_page_BT, write_slot_BT, positions_BT, window: int, impl: str, inspect: bool = False,
                      layout=None):
-    """One attention layer: project, write the new K/V into layer `idx` of the pool, attend through the table.
-    Also returns the sink mass `[B, T, N]` when `inspect` (else None). With a `layout` the write and the
-    attention run once per attention rank, on its rows and its pages (rank-local page ids).
+    """`_attention` on one device, or per device under a `layout` (its rows, pages and heads). Returns the
+    output, the pools, and the sink mass `[B, T, N]` with `inspect` (else None)."""
+    from sharding import tensor_parallel
 
-    `dense_all` (`params.layers`) holds every layer's projection weights and `layer` says which, as for the
-    experts: the decode kernel reads them in place instead of the scan copying each layer's ~53 MB out first."""
-    B, T, _ = x_BTD.shape
-    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    dtype = k_all.dtype
-
-    def proj(x, name):
-        w, b = getattr(dense_all, f"{name}_w"), getattr(lp, f"{name}_b")
-        y = pallas_kernels.linear(x.reshape(B * T, -1), w, b, layer, impl=impl if layout is None else "reference")
-        return y.reshape(B, T, -1)
-
-    t = rms_norm(x_BTD, lp.attn_norm, cfg.rms_norm_eps, dtype)
-    q = rope.apply(proj(t, "q").astype(dtype).reshape(B, T, N, H), cos, sin)
-    k = rope.apply(proj(t, "k").astype(dtype).reshape(B, T, K, H), cos, sin)
-    v = proj(t, "v").astype(dtype).reshape(B, T, K, H)
-
-    def attend(q, k, v, k_all, v_all, idx, table_BM, write_page_BT, write_slot_BT, positions_BT, sinks):
-        k_all = k_all.at[idx, write_page_BT, write_slot_BT].set(k)
-        v_all = v_all.at[idx, write_page_BT, write_slot_BT].set(v)
-        # All layers' pools as one flat pool, with this layer's pages found by offsetting the table: a
-        # reshape is free, while slicing layer `idx` out would copy its whole pool into the kernel call.
-        pool_k, pool_v = (a.reshape(-1, *a.shape[2:]) for a in (k_all, v_all))
-        table_BM = table_BM + idx * k_all.shape[1]
-        o = pallas_kernels.attention(q, pool_k, pool_v, table_BM, positions_BT, sinks, window, impl=impl)
-        if not inspect:
-            return o, k_all, v_all
-        # A side computation for the record: the output stays the serving implementation's.
-        _, sink = attention_reference.attention(q, pool_k, pool_v, table_BM, positions_BT, sinks, window,
-                                                return_sink_mass=True)
-        return o, k_all, v_all, sink
-
+    stacked = {n: getattr(dense_all, n) for n in tensor_parallel.STACKED}
+    per_layer = {n: getattr(lp, n) for n in tensor_parallel.PER_LAYER}
+    heads_axis = tensor_parallel.heads_axis(layout, cfg.num_kv_heads) if layout is not None else None
+    block = functools.partial(_attention, cfg, window=window, impl=impl, inspect=inspect, heads_axis=heads_axis)
     if layout is not None:
-        attend = layout.per_rank(attend, ("rows",) * 3 + ("pages",) * 2 + (None,) + ("rows",) * 4 + (None,),
-                                 ("rows", "pages", "pages") + (("rows",) if inspect else ()))
-    o, k_all, v_all, *sink = attend(q, k, v, k_all, v_all, idx, table_BM, write_page_BT, write_slot_BT,
-                                    positions_BT, lp.sinks)
-    return proj(o.reshape(B, T, N * H), "o"), k_all, v_all, (sink[0] if inspect else None)
+        block = tensor_parallel.attention(layout, block, cfg.num_kv_heads, inspect)
+    y, k_all, v_all, *sink = block(stacked, per_layer, layer, x_BTD, cos, sin, k_all, v_all, idx, table_BM,
+                                   write_page_BT, write_slot_BT, positions_BT)
+    return y, k_all, v_all, (sink[0] if inspect else None)
 
 
 def _moe_block(cfg: ModelConfig, lp, experts_all, layer, x_BTD, dtype, impl, inspect: bool = False, layout=None):
@@ -153,10 +170,9 @@ def _moe_block(cfg: ModelConfig, lp, experts_all, layer, x_BTD, dtype, impl, ins
     if layout is not None:  # experts split over `model` (padded), tokens as the ranks hold them
         from sharding import expert_parallel
 
-        experts = jax.tree.map(lambda a: a[layer], experts_all)
-        y = expert_parallel.moe(t, lp.router_w, lp.router_b, experts, top_k=cfg.experts_per_token,
-                                swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha, mesh=layout.mesh,
-                                token_axes=layout.batch_spec()[0])
+        y = expert_parallel.moe(t, lp.router_w, lp.router_b, experts_all, layer, top_k=cfg.experts_per_token,
+                                swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha, layout=layout,
+                                impl=impl)
         return y.reshape(B, T, D), routing
     y = pallas_kernels.moe(t, lp.router_w, lp.router_b, experts_all, layer=layer, top_k=cfg.experts_per_token,
                            swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha, impl=impl)

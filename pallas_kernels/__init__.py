@@ -1,6 +1,7 @@
 """The hot operations of gpt-oss, each with a pure-JAX reference beside its Pallas kernels.
 
-`attention`, `moe` and `linear` are the only entry points the model calls; `impl` picks the implementation:
+`attention`, `moe`, `linear` and (for expert parallelism, where routing and dispatch happen outside)
+`experts` are the only entry points the model calls; `impl` picks the implementation:
 `"pallas"` (the kernels; the default on GPUs) or `"reference"` (pure JAX; the default elsewhere,
 since the Pallas-Triton kernels only lower for GPUs and would run interpreted). The kernels read
 the experts in their own relayout of the same bytes, made tensor by tensor as the checkpoint loads
@@ -22,6 +23,7 @@ from pallas_kernels import (attention_reference, flash_attention, linear_decode,
 # traced before it (the first engine step, a benchmark's warm-up) would be traced and compiled again.
 
 IMPLS = ("reference", "pallas")
+DECODE_ROWS = 64  # up to this many tokens the MoE kernels run the decode configuration (`moe_prefill.moe_auto`)
 
 
 def default_impl() -> str:
@@ -58,18 +60,26 @@ def _relayout_jit(name, x):
 def prepare_params(params, impl: str):
     """Parameters already on device, in the layout `impl` reads (the loader and `random_params` produce it
     directly). Converts one field of one layer at a time into a preallocated buffer, so the peak is the
-    experts plus their converted copy, never a whole layer's temporaries on top."""
+    experts plus their converted copy, never a whole layer's temporaries on top. Experts split over a
+    mesh (`sharding.rules.Layout`) stay split: each device converts its own experts."""
     experts = params.layers.experts
     if check_impl(impl) == "reference" or isinstance(experts, moe_decode.KernelExperts):
         return params
     shapes, out = expert_shapes(experts, impl), {}
     for name, kname in moe_decode.KERNEL_FIELDS.items():
         src, want = getattr(experts, name), getattr(shapes, kname)
-        buf = jnp.zeros(want.shape, want.dtype)
+        buf = jnp.zeros(want.shape, want.dtype, device=_expert_placement(src.sharding))
         for layer in range(src.shape[0]):
             buf = put_layer(buf, relayout_expert_field(name, src[layer], impl), layer)
         out[kname] = buf
     return params.replace(layers=params.layers.replace(experts=moe_decode.KernelExperts(**out)))
+
+
+def _expert_placement(sharding):
+    """The placement of a converted field: the source's split of the (layer, expert) axes, if any."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[:2]))
+    return sharding
 
 
 def attention(q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sinks_N, window: int, *,
@@ -88,6 +98,20 @@ def linear(x_TI, w_LOI, b_O, layer, *, impl: str = "reference"):
     if check_impl(impl) == "pallas" and x_TI.shape[0] <= linear_decode.MAX_ROWS:
         return linear_decode.linear(x_TI, w_LOI, b_O, layer)
     return linear_decode.reference(x_TI, w_LOI, b_O, layer)
+
+
+def experts(x_TD, idx_TK, w_TK, experts_all, layer, *, swiglu_limit, swiglu_alpha, impl: str = "reference"):
+    """`sum_k w[t, k] * expert_{idx[t, k]}(x[t])` in fp32 for given routing, with the stacked experts and
+    `layer` as in `moe`, and the kernel configuration `moe` would pick for that many tokens. Pairs with
+    weight 0 contribute nothing but are still computed (the kernels take every pair they are given)."""
+    kw = dict(swiglu_limit=float(swiglu_limit), swiglu_alpha=float(swiglu_alpha))
+    if check_impl(impl) == "reference":
+        one = jax.tree.map(lambda a: a[layer], experts_all)
+        return moe_reference.apply_experts(x_TD, idx_TK, w_TK, one, **kw)
+    T, k = idx_TK.shape
+    E = experts_all.gu_words.shape[1]
+    cfg = moe_decode.decode_config(T, k, E) if T <= DECODE_ROWS else moe_prefill.prefill_config(T, k, E)
+    return moe_decode.experts_forward(x_TD, idx_TK, w_TK, experts_all, layer, **kw, **cfg).astype(jnp.float32)
 
 
 def moe(x_TD, router_w_ED, router_b_E, experts, *, top_k, swiglu_limit, swiglu_alpha, layer=None,

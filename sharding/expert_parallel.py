@@ -1,31 +1,44 @@
 """Expert parallelism: each device of the `model` axis holds `E / model` experts.
 
-Dispatch is all-gather + reduce-scatter: every device routes its own tokens, gathers all tokens of
-the group, applies only its local experts (routing weights of other devices' experts set to 0), and
-the partial outputs are summed back with a reduce-scatter (a plain all-reduce when tokens are
-replicated, as after tensor-parallel attention). No collective uses NVLink multicast.
+Every device routes its own tokens; two ways to bring each (token, expert) pair to the device that
+owns the expert (`Layout.dispatch`):
 
-Expert counts that do not divide the axis are padded with zero experts that the router never
-selects (router weights are not padded, so their ids never appear).
+* `all_gather`: gather all tokens of the `model` group and their routing, apply the local experts to
+  the pairs that are local (the others get weight 0), and sum the partial outputs back with a
+  reduce-scatter. Volume per device ~ all tokens of the group, whatever the routing.
+* `all_to_all`: send each pair only to its expert's device and the results back
+  (`sharding.a2a_dispatch`, `jax.lax.ragged_all_to_all`). Volume ~ the device's own tokens x top-k.
+
+When tokens are replicated over `model` (after tensor-parallel attention, low latency) nothing needs
+to move: every device applies its local experts to the local pairs and an all-reduce sums them, for
+both settings. No collective uses NVLink multicast.
+
+The local experts run through `pallas_kernels.experts` (`impl`: the Pallas MoE kernels or the
+reference), reading the stacked `[L, E/model, ...]` shard at the traced `layer` in place. Expert
+counts that do not divide the axis are padded with zero experts the router never selects (router
+weights are not padded, so their ids never appear).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from gptoss_jax.params import Experts
+import pallas_kernels
 from pallas_kernels import moe_reference
-
+from sharding import a2a_dispatch, ragged
 
 def padded_count(num_experts: int, model_size: int) -> int:
     return -(-num_experts // model_size) * model_size
 
 
-def pad_experts(experts: Experts, model_size: int, axis: int = 1) -> Experts:
-    """Append zero experts along `axis` (1 for stacked layers) up to a multiple of `model_size`."""
-    E = experts.gate_up_blocks.shape[axis]
+def pad_experts(experts, model_size: int, axis: int = 1):
+    """Append zero experts along `axis` (1 for stacked layers) up to a multiple of `model_size`. Works for
+    either expert layout (`params.Experts`, `moe_decode.KernelExperts`): a zero expert is zero in both."""
+    E = jax.tree.leaves(experts)[0].shape[axis]
     extra = padded_count(E, model_size) - E
     if extra == 0:
         return experts
@@ -38,36 +51,42 @@ def pad_experts(experts: Experts, model_size: int, axis: int = 1) -> Experts:
     return jax.tree.map(pad, experts)
 
 
-def moe(x_TD: jax.Array, router_w_ED: jax.Array, router_b_E: jax.Array, experts: Experts, *, top_k: int,
-        swiglu_limit: float, swiglu_alpha: float, mesh, token_axes) -> jax.Array:
-    """The MoE block with experts split over the mesh's `model` axis.
+def mask_pairs(local_TK, mine_TK, w_TK):
+    """Weight 0 for the pairs this device does not own. They are computed all the same (static shapes),
+    so they point at an expert that is routed here anyway (the kernels re-read weights already in
+    cache), or at local expert 0 when none is."""
+    fill = jnp.where(mine_TK.any(), local_TK.reshape(-1)[jnp.argmax(mine_TK.reshape(-1))], 0)
+    return jnp.where(mine_TK, local_TK, fill), jnp.where(mine_TK, w_TK, 0.0)
 
-    `token_axes` is how the T axis of `x_TD` is split: `("replica", "model")` for data-parallel
-    attention (each device has its own tokens), `"replica"` when tokens are replicated over `model`.
-    `experts` carries a padded expert axis split over `model`.
-    """
-    tokens_split_over_model = token_axes is not None and "model" in (
-        token_axes if isinstance(token_axes, tuple) else (token_axes,))
-    e_spec = P("model")
 
-    def local(x, rw, rb, ex):
+def moe(x_TD: jax.Array, router_w_ED: jax.Array, router_b_E: jax.Array, experts_all, layer, *, top_k: int,
+        swiglu_limit: float, swiglu_alpha: float, layout, impl: str = "reference") -> jax.Array:
+    """The MoE block with experts split over the layout's `model` axis; tokens `x_TD` split over the ranks
+    as `layout.batch_spec()` says. `experts_all` is stacked over layers (`[L, E_padded, ...]`, in the
+    layout `impl` reads), expert axis split over `model`; `layer` (traced) picks the layer."""
+    token_axes = layout.batch_spec()[0]
+    split = "model" in (token_axes if isinstance(token_axes, tuple) else (token_axes,))
+    emulate = not ragged.native(layout.mesh)
+    apply = functools.partial(pallas_kernels.experts, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha,
+                              impl=impl)
+
+    def local(x, rw, rb, ex, layer):
         idx, w, _ = moe_reference.route(x, rw, rb, top_k)
-        if tokens_split_over_model:
-            x = jax.lax.all_gather(x, "model", tiled=True)
-            idx = jax.lax.all_gather(idx, "model", tiled=True)
-            w = jax.lax.all_gather(w, "model", tiled=True)
-        e_local = ex.gate_up_blocks.shape[0]
-        local_idx = idx - jax.lax.axis_index("model") * e_local
-        mine = (local_idx >= 0) & (local_idx < e_local)
-        y = moe_reference.apply_experts(x, jnp.where(mine, local_idx, 0), jnp.where(mine, w, 0.0), ex,
-                                        swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
-        if tokens_split_over_model:
-            y = jax.lax.psum_scatter(y, "model", scatter_dimension=0, tiled=True)
-        else:
-            y = jax.lax.psum(y, "model")
+        num_local = jax.tree.leaves(ex)[0].shape[1]
+        run = lambda x, local_TK, mine_TK, w_TK: apply(x, *mask_pairs(local_TK, mine_TK, w_TK), ex, layer)
+        if split and layout.dispatch == "all_to_all":
+            with jax.named_scope("moe_all_to_all"):
+                y = a2a_dispatch.moe(x, idx, w, run, num_local=num_local, emulate=emulate)
+            return y.astype(x.dtype)
+        with jax.named_scope("moe_all_gather"):
+            if split:
+                x, idx, w = (jax.lax.all_gather(a, "model", tiled=True) for a in (x, idx, w))
+            local_TK = idx - jax.lax.axis_index("model") * num_local
+            y = run(x, local_TK, (local_TK >= 0) & (local_TK < num_local), w)
+            y = jax.lax.psum_scatter(y, "model", tiled=True) if split else jax.lax.psum(y, "model")
         return y.astype(x.dtype)
 
-    experts_specs = jax.tree.map(lambda _: e_spec, experts)
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(token_axes), P(), P(), experts_specs),
+    ex_specs = jax.tree.map(lambda _: P(None, "model"), experts_all)
+    fn = jax.shard_map(local, mesh=layout.mesh, in_specs=(P(token_axes), P(), P(), ex_specs, P()),
                        out_specs=P(token_axes), check_vma=False)
-    return fn(x_TD, router_w_ED, router_b_E, experts)
+    return fn(x_TD, router_w_ED, router_b_E, experts_all, layer)

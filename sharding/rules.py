@@ -6,8 +6,10 @@ devices that hold one copy). The two modes follow TensorRT-LLM's gpt-oss profile
 * `low_latency`: attention tensor-parallel (heads over `model`), experts expert-parallel.
 * `max_throughput`: attention data-parallel (tokens over `model`), experts expert-parallel.
 
-Logical axes not listed are replicated. KV heads are replicated when `model` exceeds their count
-(8 for gpt-oss), while query heads stay split.
+Logical axes not listed are replicated. Heads are split only when `model` divides the KV heads (8 for
+gpt-oss), so that each device owns whole GQA groups and runs attention on its own heads; otherwise
+attention is replicated over `model`. The layout also names how tokens reach their experts
+(`dispatch`, `sharding.expert_parallel`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from gptoss_jax import params as params_lib
 
 MODES = ("low_latency", "max_throughput")
+DISPATCHES = ("all_gather", "all_to_all")  # expert dispatch (sharding/expert_parallel.py)
 
 RULES = {
     "low_latency": {
@@ -43,10 +46,13 @@ class Layout:
     """A mesh plus a mode: everything needed to place parameters, caches and activations."""
     mesh: Mesh
     mode: str
+    dispatch: str = "all_gather"
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"unknown parallelism mode '{self.mode}'; choose one of {MODES}")
+        if self.dispatch not in DISPATCHES:
+            raise ValueError(f"unknown expert dispatch '{self.dispatch}'; choose one of {DISPATCHES}")
         if set(self.mesh.axis_names) != {"replica", "model"}:
             raise ValueError(f"mesh axes must be ('replica', 'model'), got {self.mesh.axis_names}")
 
@@ -72,14 +78,13 @@ class Layout:
         return P(RULES[self.mode]["batch"], *([None] * (ndim - 1)))
 
     def per_rank(self, fn, in_kinds: tuple, out_kinds: tuple):
-        """`fn` run by each attention rank on its own rows and pages (`jax.shard_map` manual over the rank
-        axes only: in low latency `model` stays automatic, so heads remain split by the parameter
-        shardings). Kinds: "rows" (leading batch axis), "pages" (axis 1 of a stacked pool), None (same
-        on every rank). With one rank `fn` is returned as is."""
+        """`fn` run by each attention rank on its own rows (the sampler: `jax.shard_map` manual over the rank
+        axes only, `model` left to GSPMD, which keeps the vocabulary split in low latency). Kinds: "rows"
+        (leading batch axis), None (same on every rank). With one rank `fn` is returned as is. Attention
+        is manual over the whole mesh instead: `sharding.tensor_parallel`."""
         if self.num_ranks == 1:
             return fn
-        b = RULES[self.mode]["batch"]
-        specs = {"rows": P(b), "pages": P(None, b), None: P()}
+        specs = {"rows": self.batch_spec(), None: P()}
         return jax.shard_map(fn, mesh=self.mesh, in_specs=tuple(specs[k] for k in in_kinds),
                              out_specs=specs[out_kinds] if isinstance(out_kinds, str) or out_kinds is None
                              else tuple(specs[k] for k in out_kinds), axis_names=set(self.rank_axes),
@@ -92,7 +97,7 @@ class Layout:
     def rules(self, num_kv_heads: int) -> dict:
         rules = dict(RULES[self.mode])
         if rules.get("kv_heads") and num_kv_heads % self.model_size:
-            rules["kv_heads"] = None  # more devices than KV heads: replicate K/V, keep Q split
+            rules.update(q_heads=None, heads=None, kv_heads=None)  # no whole GQA group per device
         return rules
 
     def spec(self, logical: tuple, num_kv_heads: int, shape: tuple | None = None) -> P:
@@ -115,11 +120,15 @@ class Layout:
 
     def param_shardings(self, num_kv_heads: int, shapes: params_lib.Params | None = None) -> params_lib.Params:
         """A `Params`-shaped tree of `NamedSharding`s. Give `shapes` (arrays or `ShapeDtypeStruct`s, experts
-        already padded) to replicate dimensions the mesh does not divide."""
+        already padded, in either expert layout) to replicate dimensions the mesh does not divide."""
         axes = params_lib.logical_axes()
         is_axes = lambda x: isinstance(x, tuple)
         if shapes is None:
             return jax.tree.map(lambda a: self.sharding(a, num_kv_heads), axes, is_leaf=is_axes)
+        if not isinstance(shapes.layers.experts, params_lib.Experts):  # the kernels' layout: [L, E, ...]
+            experts = jax.tree.map(lambda s: ("layers", "experts") + (None,) * (len(s.shape) - 2),
+                                   shapes.layers.experts)
+            axes = axes.replace(layers=axes.layers.replace(experts=experts))
         return jax.tree.map(lambda a, s: self.sharding(a, num_kv_heads, tuple(s.shape)), axes, shapes,
                             is_leaf=is_axes)
 
@@ -129,14 +138,15 @@ class Layout:
         return self.sharding(("layers", "pages", None, "kv_heads", None), num_kv_heads)
 
     def padded_shapes(self, shapes: params_lib.Params) -> params_lib.Params:
-        """`shapes` with the expert axis padded to a multiple of the `model` axis."""
-        E = shapes.layers.experts.gate_up_blocks.shape[1]
+        """`shapes` (either expert layout) with the expert axis padded to a multiple of the `model` axis."""
+        E = jax.tree.leaves(shapes.layers.experts)[0].shape[1]
         Ep = -(-E // self.model_size) * self.model_size
         pad = lambda s: jax.ShapeDtypeStruct((s.shape[0], Ep) + tuple(s.shape[2:]), s.dtype)
         return shapes.replace(layers=shapes.layers.replace(experts=jax.tree.map(pad, shapes.layers.experts)))
 
     def shard_params(self, params: params_lib.Params, num_kv_heads: int) -> params_lib.Params:
-        """Pad the experts to the `model` axis and place every leaf by the table (from loaded parameters)."""
+        """Pad the experts (either layout) to the `model` axis and place every leaf by the table (from loaded
+        parameters)."""
         from sharding import expert_parallel
 
         params = params.replace(layers=params.layers.replace(
@@ -156,5 +166,6 @@ def make_mesh(model: int, replicas: int = 1, devices=None) -> Mesh:
                          axis_types=(AxisType.Auto, AxisType.Auto))
 
 
-def make_layout(model: int = 1, replicas: int = 1, mode: str = "low_latency", devices=None) -> Layout:
-    return Layout(make_mesh(model, replicas, devices), mode)
+def make_layout(model: int = 1, replicas: int = 1, mode: str = "low_latency", devices=None,
+                dispatch: str = "all_gather") -> Layout:
+    return Layout(make_mesh(model, replicas, devices), mode, dispatch)

@@ -67,6 +67,9 @@ def test_profiles_load_and_bad_keys_are_named(tmp_path):
         engine_config.load(bad)
     with pytest.raises(ConfigError, match="profiles"):
         engine_config.load("no_such_profile")
+    bad.write_text("expert_dispatch: all_reduce\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: .*expert_dispatch='all_reduce': 'all_gather' or 'all_to_all'"):
+        engine_config.load(bad)
 
 
 def test_buckets():

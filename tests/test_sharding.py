@@ -17,24 +17,33 @@ def _layer_experts(params, layer):
     return jax.tree.map(lambda x: x[layer], params.layers.experts)
 
 
+def _moe_case(small_checkpoint, model, seed=0):
+    cfg, params = checkpoint.load_params(small_checkpoint, jnp.float32, progress=False)
+    T = 24  # divisible by replicas * model for every case
+    x = jax.random.normal(jax.random.PRNGKey(model + seed), (T, cfg.hidden_size), jnp.float32)
+    kw = dict(top_k=cfg.experts_per_token, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha)
+    return cfg, params, x, kw
+
+
+def _sharded_moe(layout, params, x, layer, kw, impl="reference"):
+    experts = expert_parallel.pad_experts(params.layers.experts, layout.model_size)
+    lp = jax.tree.map(lambda a: a[layer], params.layers)
+    return jax.jit(lambda *a: expert_parallel.moe(*a, **kw, layout=layout, impl=impl))(
+        x, lp.router_w, lp.router_b, experts, jnp.int32(layer))
+
+
+@pytest.mark.parametrize("dispatch", ["all_gather", "all_to_all"])
 @pytest.mark.parametrize("mode,model,replicas", [("low_latency", 8, 1), ("max_throughput", 8, 1),
                                                  ("low_latency", 4, 2), ("max_throughput", 2, 4),
                                                  ("max_throughput", 3, 2)])
-def test_expert_parallel_moe_matches_single_device(small_checkpoint, mode, model, replicas):
-    cfg, params = checkpoint.load_params(small_checkpoint, jnp.float32, progress=False)
+def test_expert_parallel_moe_matches_single_device(small_checkpoint, mode, model, replicas, dispatch):
+    cfg, params, x, kw = _moe_case(small_checkpoint, model)
     assert cfg.num_experts % model or model in (2, 4, 8)  # E=4: 8 and 3 need padding
-    layout = Layout(make_mesh(model, replicas), mode)
-    T = 24  # divisible by replicas * model for every case
-    x = jax.random.normal(jax.random.PRNGKey(model), (T, cfg.hidden_size), jnp.float32)
     lp = jax.tree.map(lambda a: a[1], params.layers)
-    kw = dict(top_k=cfg.experts_per_token, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha)
     ref = moe_reference.moe(x, lp.router_w, lp.router_b, lp.experts, **kw)
-
-    experts = expert_parallel.pad_experts(lp.experts, model, axis=0)
-    assert experts.gate_up_blocks.shape[0] == expert_parallel.padded_count(cfg.num_experts, model)
-    token_axes = layout.rules(cfg.num_kv_heads)["batch"]
-    out = jax.jit(lambda *a: expert_parallel.moe(*a, **kw, mesh=layout.mesh, token_axes=token_axes))(
-        x, lp.router_w, lp.router_b, experts)
+    padded = expert_parallel.pad_experts(params.layers.experts, model)
+    assert padded.gate_up_blocks.shape[1] == expert_parallel.padded_count(cfg.num_experts, model)
+    out = _sharded_moe(Layout(make_mesh(model, replicas), mode, dispatch), params, x, 1, kw)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
@@ -45,11 +54,16 @@ def test_param_shardings_follow_the_table(small_checkpoint):
     assert ll.layers.k_w.spec == jax.sharding.PartitionSpec(None, "model", None)  # 2 KV heads / 2
     assert ll.layers.experts.down_blocks.spec[1] == "model" and ll.unembed.spec[0] == "model"
     big = Layout(make_mesh(8, 1), "low_latency").param_shardings(cfg.num_kv_heads)
-    assert big.layers.k_w.spec == jax.sharding.PartitionSpec(None, None, None)  # 2 KV heads < 8: replicate
+    # 2 KV heads < 8: no whole GQA group per device, so attention (q and o too) is replicated over `model`
+    assert big.layers.k_w.spec == big.layers.q_w.spec == big.layers.o_w.spec == jax.sharding.PartitionSpec(
+        None, None, None)
+    assert big.layers.experts.down_blocks.spec[1] == "model"
     mt = Layout(make_mesh(8, 1), "max_throughput").param_shardings(cfg.num_kv_heads)
     assert mt.layers.q_w.spec == jax.sharding.PartitionSpec(None, None, None)
     with pytest.raises(ValueError, match="unknown parallelism mode"):
         Layout(make_mesh(2), "fastest")
+    with pytest.raises(ValueError, match="unknown expert dispatch 'scatter'"):
+        Layout(make_mesh(2), "max_throughput", "scatter")
     with pytest.raises(ValueError, match="needs 16 devices"):
         make_mesh(8, 2)
 
@@ -71,16 +85,24 @@ def single_device_run(small_checkpoint):
                                      llm.generate(prompt_token_ids=_PROMPTS, sampling_params=sp, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("mode,model,replicas,generate", [
-    ("low_latency", 8, 1, False), ("low_latency", 2, 4, True),
-    ("max_throughput", 8, 1, True), ("max_throughput", 4, 2, False), ("max_throughput", 3, 2, True)])
-def test_sharded_engine_matches_single_device(small_checkpoint, single_device_run, mode, model, replicas, generate):
+@pytest.mark.parametrize("mode,model,replicas,generate,dispatch", [
+    ("low_latency", 8, 1, False, "all_gather"), ("low_latency", 2, 4, True, "all_gather"),
+    ("max_throughput", 8, 1, True, "all_gather"), ("max_throughput", 4, 2, False, "all_gather"),
+    ("max_throughput", 3, 2, True, "all_gather"),
+    # tokens replicated over `model` (low latency): nothing to dispatch, the option is accepted
+    ("low_latency", 8, 1, False, "all_to_all"),
+    ("max_throughput", 8, 1, True, "all_to_all"), ("max_throughput", 4, 2, False, "all_to_all"),
+    ("max_throughput", 3, 2, True, "all_to_all")])
+def test_sharded_engine_matches_single_device(small_checkpoint, single_device_run, mode, model, replicas, generate,
+                                              dispatch):
     """fp32, 4 experts over 8 or 3 devices (padded): logits to 1e-5 and 24 greedy tokens exactly."""
     from gptoss_jax import LLM, SamplingParams
 
     ref_logits, ref_tokens = single_device_run
-    llm = LLM(small_checkpoint, model_parallel=model, replicas=replicas, parallel_mode=mode, **_ENGINE)
+    llm = LLM(small_checkpoint, model_parallel=model, replicas=replicas, parallel_mode=mode, expert_dispatch=dispatch,
+              **_ENGINE)
     layout = llm.engine.layout
+    assert layout.dispatch == dispatch
     assert layout.mesh.devices.size == model * replicas and llm.engine.num_ranks == (
         replicas if mode == "low_latency" else model * replicas)
     assert llm.params.layers.experts.down_blocks.shape[1] == expert_parallel.padded_count(4, model)
@@ -99,6 +121,53 @@ def test_sharded_engine_matches_single_device(small_checkpoint, single_device_ru
             engine.step()
         outs = llm.generate(prompt_token_ids=_PROMPTS, sampling_params=sp, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == ref_tokens
+
+
+@pytest.mark.parametrize("mode,model,replicas,dispatch,generate", [("low_latency", 2, 4, "all_gather", False),
+                                                                   ("max_throughput", 3, 2, "all_to_all", True)])
+def test_kernels_under_a_layout_match_single_device(small_checkpoint, single_device_run, monkeypatch, mode, model,
+                                                    replicas, dispatch, generate):
+    """impl="pallas" (interpreted on CPU) under a layout: every kernel is traced per device on its own shard
+    (heads split in low latency, 4 experts padded to 6 over 3 devices, in the kernels' layout), and the
+    logits and greedy tokens equal the single-device reference run. Interpreted kernels compile slowly:
+    one case checks the prefill chunk only, the other adds decode steps."""
+    from gptoss_jax import LLM, SamplingParams
+    from pallas_kernels import flash_attention, linear_decode, moe_decode, paged_attention
+
+    seen = {}
+
+    def spy(module, name, shape_of):
+        real = getattr(module, name)
+
+        def wrapped(*args, **kwargs):
+            seen.setdefault(f"{module.__name__}.{name}", set()).add(shape_of(*args))
+            return real(*args, **kwargs)
+        monkeypatch.setattr(module, name, wrapped)
+
+    spy(moe_decode, "experts_forward", lambda x, idx, w, kexp, *_: kexp.gu_words.shape[:2])
+    spy(linear_decode, "linear", lambda x, w, *_: w.shape[1])
+    for kernel in (paged_attention, flash_attention):
+        spy(kernel, "attention", lambda q, *_: q.shape[2])
+
+    ref_logits, ref_tokens = single_device_run
+    llm = LLM(small_checkpoint, impl="pallas", model_parallel=model, replicas=replicas, parallel_mode=mode,
+              expert_dispatch=dispatch, **_ENGINE)
+    experts = llm.params.layers.experts
+    assert isinstance(experts, moe_decode.KernelExperts)
+    assert experts.gu_words.shape[1] == expert_parallel.padded_count(4, model)
+    np.testing.assert_allclose(llm.logits(_PROMPTS[0]), ref_logits, rtol=1e-5, atol=1e-5 * np.abs(ref_logits).max())
+    if generate:
+        sp = SamplingParams(temperature=0.0, max_tokens=4, stop_token_ids=[])
+        out = llm.generate(prompt_token_ids=_PROMPTS[:1], sampling_params=sp, use_tqdm=False)
+        assert out[0].outputs[0].token_ids == ref_tokens[0][:4]
+
+    heads = 4 // model if mode == "low_latency" else 4  # 4 q heads, 2 KV heads: split over 2, whole over 3
+    layers = llm.engine.model_config.num_layers
+    assert seen["pallas_kernels.moe_decode.experts_forward"] == {(layers, 2)}  # stacked, 2 local experts
+    assert seen["pallas_kernels.flash_attention.attention"] == {heads}
+    assert seen.get("pallas_kernels.paged_attention.attention") == ({heads} if generate else None)
+    # decode rows (<= 64) take the projection kernel: q and o local; k, v: 2 KV heads of 16 over the split
+    assert seen["pallas_kernels.linear_decode.linear"] == {16 * heads, 16 * heads // 2, 64}
 
 
 def test_sharded_loading_reads_each_slice(small_checkpoint):

@@ -1,0 +1,40 @@
+"""Attention under a layout: each device runs the single-device attention block on its own shard.
+
+One `jax.shard_map`, manual over the whole mesh: rows (and KV pages) over the attention ranks, and in
+low latency the heads over `model` when it divides the KV heads, so each device owns whole GQA groups
+(its rows of the q/k/v weights and biases, its columns of the output projection, its sinks and its
+heads of the KV pool). Everything else is replicated. Manual because the Pallas kernels (attention and
+projections) are custom calls, which GSPMD never partitions: given split operands it would gather
+them. The block adds the output projection's partial sums over `model` itself (`heads_axis`).
+Projection weights are passed stacked over layers with the layer index, so the projection kernel
+reads its layer in place, as on one device.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from gptoss_jax import params as params_lib
+
+STACKED = ("q_w", "k_w", "v_w", "o_w")                               # [L, ...] with the layer index
+PER_LAYER = ("attn_norm", "q_b", "k_b", "v_b", "o_b", "sinks")       # this layer's slice (the scan's)
+
+
+def heads_axis(layout, num_kv_heads: int) -> str | None:
+    """The mesh axis the attention heads are split over (`model`), or None when attention is replicated."""
+    return layout.rules(num_kv_heads).get("kv_heads")
+
+
+def attention(layout, block, num_kv_heads: int, inspect: bool):
+    """`block(stacked, per_layer, layer, x_BTD, cos, sin, k_all, v_all, idx, table_BM, page_BT, slot_BT,
+    pos_BT) -> (y_BTD, k_all, v_all[, sink_BTN])` run per device; `stacked` and `per_layer` are dicts
+    keyed by `STACKED` / `PER_LAYER` `params.Layers` fields."""
+    axes = params_lib.logical_axes().layers
+    spec = lambda logical: layout.spec(logical, num_kv_heads)
+    stacked = {n: spec(getattr(axes, n)) for n in STACKED}
+    per_layer = {n: spec(getattr(axes, n)[1:]) for n in PER_LAYER}
+    rows, pool = layout.batch_spec(), layout.cache_sharding(num_kv_heads).spec
+    in_specs = (stacked, per_layer, P(), rows, rows, rows, pool, pool, P(), rows, rows, rows, rows)
+    out_specs = (rows, pool, pool) + ((P(rows[0], None, heads_axis(layout, num_kv_heads)),) if inspect else ())
+    return jax.shard_map(block, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
