@@ -37,3 +37,18 @@ def test_bench_throughput_smoke(tmp_path):
     assert names == ["throughput 24/16", "latency"]
     for job in result["jobs"]:
         assert job["output_tokens"] == job["requests"] * job["output_len"] and job["output_tok_s"] > 0
+
+
+def test_bench_sharded_smoke(tmp_path):
+    """The sharded benchmark on 8 simulated devices: random weights in the kernels' layout, both dispatches."""
+    import json
+
+    _run(REPO / "tools" / "bench_sharded.py", "--smoke", "--mode", "max_throughput", "--dispatch", "both",
+         "--batch", "2", "--layers", "2", "--context", "64", "--json", tmp_path / "s.json")
+    rows = json.loads((tmp_path / "s.json").read_text())["results"]
+    assert [(r["mode"], r["dispatch"], r["impl"]) for r in rows] == [
+        ("max_throughput", "all_gather", "pallas"), ("max_throughput", "all_to_all", "pallas")]
+    for r in rows:
+        assert r["global_batch"] == 16 and r["devices"] == 8 and r["step_ms"] > 0
+        assert abs(r["tok_s"] - 16e3 / r["step_ms"]) < 1e-6 * r["tok_s"]
+        assert abs(r["tok_s_per_device"] * 8 - r["tok_s"]) < 1e-6 * r["tok_s"]
