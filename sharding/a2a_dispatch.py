@@ -69,4 +69,4 @@ def moe(x_TD, idx_TK, w_TK, apply, *, num_local: int, emulate: bool, axis: str =
     back = ragged.all_to_all(y_RD, jnp.zeros((P, D), y_RD.dtype), recv_off, recv_n, at_src, send_n,
                              axis_name=axis, emulate=emulate)
     y_PD = jnp.zeros_like(back).at[order].set(back).astype(jnp.float32)
-    return jnp.einsum("tkd,tk->td", y_PD.reshape(T, k, D), w_TK.astype(jnp.float32))
+    return jnp.sum(y_PD.reshape(T, k, D) * w_TK.astype(jnp.float32)[:, :, None], axis=1)  # exact fp32, no dot

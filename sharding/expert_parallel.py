@@ -31,6 +31,7 @@ import pallas_kernels
 from pallas_kernels import moe_reference
 from sharding import a2a_dispatch, ragged
 
+
 def padded_count(num_experts: int, model_size: int) -> int:
     return -(-num_experts // model_size) * model_size
 
