@@ -100,18 +100,21 @@ def linear(x_TI, w_LOI, b_O, layer, *, impl: str = "reference"):
     return linear_decode.reference(x_TI, w_LOI, b_O, layer)
 
 
-def experts(x_TD, idx_TK, w_TK, experts_all, layer, *, swiglu_limit, swiglu_alpha, impl: str = "reference"):
+def experts(x_TD, idx_TK, w_TK, experts_all, layer, valid_TK=None, *, swiglu_limit, swiglu_alpha,
+            impl: str = "reference"):
     """`sum_k w[t, k] * expert_{idx[t, k]}(x[t])` in fp32 for given routing, with the stacked experts and
-    `layer` as in `moe`, and the kernel configuration `moe` would pick for that many tokens. Pairs with
-    weight 0 contribute nothing but are still computed (the kernels take every pair they are given)."""
+    `layer` as in `moe`, and the kernel configuration `moe` would pick for that many tokens. Pairs outside
+    `valid_TK` (bool) must carry weight 0; the kernels skip them (the reference computes them)."""
     kw = dict(swiglu_limit=float(swiglu_limit), swiglu_alpha=float(swiglu_alpha))
     if check_impl(impl) == "reference":
         one = jax.tree.map(lambda a: a[layer], experts_all)
         return moe_reference.apply_experts(x_TD, idx_TK, w_TK, one, **kw)
     T, k = idx_TK.shape
     E = experts_all.gu_words.shape[1]
-    cfg = moe_decode.decode_config(T, k, E) if T <= DECODE_ROWS else moe_prefill.prefill_config(T, k, E)
-    return moe_decode.experts_forward(x_TD, idx_TK, w_TK, experts_all, layer, **kw, **cfg).astype(jnp.float32)
+    cfg = (moe_decode.decode_config(T, k, E, half=x_TD.dtype != jnp.float32) if T <= DECODE_ROWS
+           else moe_prefill.prefill_config(T, k, E))
+    return moe_decode.experts_forward(x_TD, idx_TK, w_TK, experts_all, layer, valid_TK, **kw,
+                                      **cfg).astype(jnp.float32)
 
 
 def moe(x_TD, router_w_ED, router_b_E, experts, *, top_k, swiglu_limit, swiglu_alpha, layer=None,

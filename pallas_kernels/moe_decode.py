@@ -555,22 +555,27 @@ def run_kernels(x_TD, tok_sorted, w_sorted, slot_e, slot_start, slot_rows, kexp:
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def experts_forward(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, *, swiglu_limit, swiglu_alpha,
-                    kernel="gemv", block_m=1, block_n=16, block_k=256, block_n_down=16, num_warps=4,
+def experts_forward(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, *, swiglu_limit,
+                    swiglu_alpha, kernel="gemv", block_m=1, block_n=16, block_k=256, block_n_down=16, num_warps=4,
                     num_stages=1, swap=False, prefetch=True, interpret=None):
     """The expert math for given routing: sum_k w[t,k] * expert_{idx[t,k]}(x[t]) -> [T, D].
 
     With `layer` (traced), `kexp` carries a leading layer axis: it is viewed as one flat expert axis
-    (a free reshape) and the slots point at that layer's experts, so no layer slice is copied."""
+    (a free reshape) and the slots point at that layer's experts, so no layer slice is copied.
+    `valid_TK` (bool) marks the pairs to compute; the others cost no expert work and contribute 0
+    (expert parallelism: pairs routed to another device's experts, rows of a receive buffer that
+    nothing arrived in)."""
     T, D = x_TD.shape
     k = idx_TK.shape[1]
     P, E = T * k, kexp.gu_words.shape[-4]
     if block_m == 1:  # a slot per pair, in token order: nothing to sort, nothing to permute back
         pairs = jnp.arange(P, dtype=jnp.int32)
         tok_sorted, w_sorted, slot_e = pairs // k, w_TK.reshape(P).astype(jnp.float32), idx_TK.reshape(P)
-        slot_start, slot_rows, order = pairs, jnp.ones((P,), jnp.int32), None
-    else:
-        tok_sorted, w_sorted, order, slot_e, slot_start, slot_rows = dispatch(idx_TK, w_TK, E, block_m)
+        slot_start, order = pairs, None
+        slot_rows = jnp.ones((P,), jnp.int32) if valid_TK is None else valid_TK.reshape(P).astype(jnp.int32)
+    else:  # invalid pairs get expert id E: sorted last, counted nowhere, so no slot covers them
+        routed = idx_TK if valid_TK is None else jnp.where(valid_TK, idx_TK, E)
+        tok_sorted, w_sorted, order, slot_e, slot_start, slot_rows = dispatch(routed, w_TK, E, block_m)
     slot_e = slot_e.astype(jnp.int32)
     if layer is not None:
         kexp = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), kexp)
@@ -582,7 +587,10 @@ def experts_forward(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, *, swig
                     interpret=interpret)
     if order is not None:
         y = y[jnp.zeros((P,), jnp.int32).at[order].set(jnp.arange(P, dtype=jnp.int32))]
-    return jnp.sum(y[:P].reshape(T, k, D), axis=1).astype(x_TD.dtype)
+    y = y[:P]
+    if valid_TK is not None:  # rows of skipped pairs were never written
+        y = jnp.where(valid_TK.reshape(P, 1), y, 0.0)
+    return jnp.sum(y.reshape(T, k, D), axis=1).astype(x_TD.dtype)
 
 
 def decode_config(T: int, k: int, E: int, half: bool = False) -> dict:

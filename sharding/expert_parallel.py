@@ -53,9 +53,9 @@ def pad_experts(experts, model_size: int, axis: int = 1):
 
 
 def mask_pairs(local_TK, mine_TK, w_TK):
-    """Weight 0 for the pairs this device does not own. They are computed all the same (static shapes),
-    so they point at an expert that is routed here anyway (the kernels re-read weights already in
-    cache), or at local expert 0 when none is."""
+    """Weight 0 and a valid local id for the pairs this device does not own: the kernels skip them
+    (`valid_TK`), the reference path computes them against an expert routed here anyway (weights
+    already in cache), or local expert 0 when none is."""
     fill = jnp.where(mine_TK.any(), local_TK.reshape(-1)[jnp.argmax(mine_TK.reshape(-1))], 0)
     return jnp.where(mine_TK, local_TK, fill), jnp.where(mine_TK, w_TK, 0.0)
 
@@ -74,7 +74,8 @@ def moe(x_TD: jax.Array, router_w_ED: jax.Array, router_b_E: jax.Array, experts_
     def local(x, rw, rb, ex, layer):
         idx, w, _ = moe_reference.route(x, rw, rb, top_k)
         num_local = jax.tree.leaves(ex)[0].shape[1]
-        run = lambda x, local_TK, mine_TK, w_TK: apply(x, *mask_pairs(local_TK, mine_TK, w_TK), ex, layer)
+        run = lambda x, local_TK, mine_TK, w_TK: apply(x, *mask_pairs(local_TK, mine_TK, w_TK), ex, layer,
+                                                       mine_TK)
         if split and layout.dispatch == "all_to_all":
             with jax.named_scope("moe_all_to_all"):
                 y = a2a_dispatch.moe(x, idx, w, run, num_local=num_local, emulate=emulate)

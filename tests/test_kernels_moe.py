@@ -136,3 +136,22 @@ def test_decode_config_choice():
     assert moe_decode.decode_config(64, 4, 32, half=True)["kernel"] == "mma"
     assert moe_decode.decode_config(1, 4, 32)["kernel"] == "gemv"
     assert moe_decode.decode_config(16, 4, 32)["kernel"] == "mma"
+
+
+@pytest.mark.parametrize("cfg", [dict(kernel="gemv16", block_k=64), dict(kernel="mma", block_m=16, block_k=64)])
+def test_invalid_pairs_are_skipped_and_contribute_zero(cfg):
+    """Pairs outside `valid_TK` cost no expert work and add exactly 0, even with a nonzero weight (their
+    output rows are never written, so masking must not rely on weight 0)."""
+    rng = np.random.default_rng(11)
+    T, E, k, D, I = 6, 4, 2, 64, 64
+    ex = _experts(rng, E, D, I, jnp.bfloat16)
+    x = jnp.asarray(rng.normal(size=(T, D)), jnp.bfloat16)
+    idx = jnp.asarray(rng.integers(0, E, (T, k)), jnp.int32)
+    w = jnp.asarray(rng.random((T, k)), jnp.float32)
+    valid = jnp.asarray(rng.random((T, k)) < 0.5).at[0].set(False)  # token 0 has no valid pair
+    kw = dict(swiglu_limit=LIMIT, swiglu_alpha=ALPHA, interpret=True, **cfg)
+    kx = moe_decode.prepare_experts(ex)
+    out = moe_decode.experts_forward(x, idx, w, kx, None, valid, **kw)
+    ref = moe_reference.apply_experts(x, idx, jnp.where(valid, w, 0.0), ex, swiglu_limit=LIMIT, swiglu_alpha=ALPHA)
+    assert np.all(np.asarray(out[0], np.float32) == 0.0)
+    assert _rel(out, ref) < 1e-2
