@@ -6,9 +6,9 @@ activation (with its local expert id packed into extra columns) only there with 
 results back with a second one; the source combines them with its routing weights in fp32.
 
 No pair is ever dropped: a device receives at most `n * T * min(k, E_local)` pairs (every token of
-the group routed to its experts), and its receive buffer has that many rows. All rows are computed
-(the rows past what arrived have weight 0): the kernels take every pair they are given, so the
-buffer's size, not the routing, sets the expert compute; the same holds for the all-gather dispatch.
+the group routed to its experts), and its receive buffer has that many rows. The rows past what
+arrived are marked invalid (weight 0): the MoE kernels skip them (`valid_TK`), so the routing, not the
+buffer's size, sets the expert compute; the reference path computes them at weight 0.
 """
 
 from __future__ import annotations
