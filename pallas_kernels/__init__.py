@@ -23,7 +23,6 @@ from pallas_kernels import (attention_reference, flash_attention, linear_decode,
 # traced before it (the first engine step, a benchmark's warm-up) would be traced and compiled again.
 
 IMPLS = ("reference", "pallas")
-DECODE_ROWS = 64  # up to this many tokens the MoE kernels run the decode configuration (`moe_prefill.moe_auto`)
 
 
 def default_impl() -> str:
@@ -109,10 +108,7 @@ def experts(x_TD, idx_TK, w_TK, experts_all, layer, valid_TK=None, *, swiglu_lim
     if check_impl(impl) == "reference":
         one = jax.tree.map(lambda a: a[layer], experts_all)
         return moe_reference.apply_experts(x_TD, idx_TK, w_TK, one, **kw)
-    T, k = idx_TK.shape
-    E = experts_all.gu_words.shape[1]
-    cfg = (moe_decode.decode_config(T, k, E, half=x_TD.dtype != jnp.float32) if T <= DECODE_ROWS
-           else moe_prefill.prefill_config(T, k, E))
+    cfg = moe_prefill.auto_config(*idx_TK.shape, experts_all.gu_words.shape[1], x_TD.dtype)
     return moe_decode.experts_forward(x_TD, idx_TK, w_TK, experts_all, layer, valid_TK, **kw,
                                       **cfg).astype(jnp.float32)
 

@@ -9,6 +9,8 @@ the `block_m` rows.  Programs of the same expert and feature tile are adjacent i
 axis, so the expert's weights are served from L2 to its row tiles.  Empty experts cost nothing.
 """
 
+import jax.numpy as jnp
+
 from pallas_kernels import moe_decode
 from pallas_kernels.moe_decode import KernelExperts, prepare_experts  # noqa: F401  (re-export)
 
@@ -29,9 +31,19 @@ def moe(x_TD, router_w_ED, router_b_E, kexp: KernelExperts, *, top_k, swiglu_lim
                           swiglu_alpha=swiglu_alpha, layer=layer, interpret=interpret, **cfg)
 
 
+DECODE_ROWS = 64  # up to this many tokens the decode configuration, beyond it the grouped-GEMM one
+
+
+def auto_config(T: int, k: int, E: int, dtype) -> dict:
+    """The decode or prefill configuration for a (static) token count and the model's dtype."""
+    if T <= DECODE_ROWS:
+        return moe_decode.decode_config(T, k, E, half=dtype != jnp.float32)
+    return prefill_config(T, k, E)
+
+
 def moe_auto(x_TD, router_w_ED, router_b_E, kexp: KernelExperts, *, top_k, swiglu_limit,
              swiglu_alpha, layer=None, interpret=None):
-    """Picks the decode or prefill block configuration from the (static) token count."""
-    fn = moe_decode.moe if x_TD.shape[0] <= 64 else moe
-    return fn(x_TD, router_w_ED, router_b_E, kexp, top_k=top_k, swiglu_limit=swiglu_limit,
-              swiglu_alpha=swiglu_alpha, layer=layer, interpret=interpret)
+    """`moe_decode.moe` with `auto_config`."""
+    cfg = auto_config(x_TD.shape[0], top_k, router_w_ED.shape[0], x_TD.dtype)
+    return moe_decode.moe(x_TD, router_w_ED, router_b_E, kexp, top_k=top_k, swiglu_limit=swiglu_limit,
+                          swiglu_alpha=swiglu_alpha, layer=layer, interpret=interpret, **cfg)
