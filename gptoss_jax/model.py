@@ -112,9 +112,11 @@ def _attention(cfg: ModelConfig, stacked: dict, per_layer: dict, layer, x_BTD, c
         return y.reshape(B, T, -1)
 
     t = rms_norm(x_BTD, per_layer["attn_norm"], cfg.rms_norm_eps, dtype)
-    q = rope.apply(proj(t, "q", per_layer["q_b"]).astype(dtype).reshape(B, T, -1, H), cos, sin)
-    k = rope.apply(proj(t, "k", per_layer["k_b"]).astype(dtype).reshape(B, T, -1, H), cos, sin)
-    v = proj(t, "v", per_layer["v_b"]).astype(dtype).reshape(B, T, -1, H)
+    # q, k and v in one kernel launch for decode rows: k and v alone cost a launch's latency, not their bytes
+    q, k, v = (y.astype(dtype).reshape(B, T, -1, H) for y in pallas_kernels.linear_many(
+        t.reshape(B * T, -1), [stacked[f"{n}_w"] for n in "qkv"], [per_layer[f"{n}_b"] for n in "qkv"], layer,
+        impl=impl))
+    q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
     k_all = k_all.at[idx, write_page_BT, write_slot_BT].set(k)
     v_all = v_all.at[idx, write_page_BT, write_slot_BT].set(v)
     # All layers' pools as one flat pool, with this layer's pages found by offsetting the table: a

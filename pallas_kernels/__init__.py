@@ -1,11 +1,11 @@
 """The hot operations of gpt-oss, each with a pure-JAX reference beside its Pallas kernels.
 
-`attention`, `moe`, `linear` and (for expert parallelism, where routing and dispatch happen outside)
-`experts` are the only entry points the model calls; `impl` picks the implementation:
-`"pallas"` (the kernels; the default on GPUs) or `"reference"` (pure JAX; the default elsewhere,
-since the Pallas-Triton kernels only lower for GPUs and would run interpreted). The kernels read
-the experts in their own relayout of the same bytes, made tensor by tensor as the checkpoint loads
-(`relayout_expert_field`), or by `prepare_params` for parameters already on device.
+`attention`, `moe`, `linear`, `linear_many` (several weights of one input) and (for expert parallelism,
+where routing and dispatch happen outside) `experts` are the only entry points the model calls; `impl`
+picks the implementation: `"pallas"` (the kernels; the default on GPUs) or `"reference"` (pure JAX; the
+default elsewhere, since the Pallas-Triton kernels only lower for GPUs and would run interpreted). The
+kernels read the experts in their own relayout of the same bytes, made tensor by tensor as the checkpoint
+loads (`relayout_expert_field`), or by `prepare_params` for parameters already on device.
 """
 
 import functools
@@ -92,11 +92,17 @@ def attention(q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sin
 
 
 def linear(x_TI, w_LOI, b_O, layer, *, impl: str = "reference"):
-    """`x @ w[layer].T + b` in fp32, for a weight stacked over layers. Decode-sized inputs (<= 64 rows) take
-    the kernel, which reads the layer in place; larger ones amortise XLA's copy of the layer slice."""
+    """`x @ w[layer].T + b` in fp32, for a weight stacked over layers: `linear_many` of one weight."""
+    return linear_many(x_TI, (w_LOI,), (b_O,), layer, impl=impl)[0]
+
+
+def linear_many(x_TI, ws_LOI, bs_O, layer, *, impl: str = "reference"):
+    """`linear` of the same x by several weights (q, k, v) -> a tuple. Decode-sized inputs (<= 64 rows) take
+    the kernel, which reads the layer in place and runs all weights in one launch (small ones cost launch
+    latency, not bytes); larger ones amortise XLA's copy of the layer slice."""
     if check_impl(impl) == "pallas" and x_TI.shape[0] <= linear_decode.MAX_ROWS:
-        return linear_decode.linear(x_TI, w_LOI, b_O, layer)
-    return linear_decode.reference(x_TI, w_LOI, b_O, layer)
+        return linear_decode.linear_many(x_TI, tuple(ws_LOI), tuple(bs_O), layer)
+    return tuple(linear_decode.reference(x_TI, w, b, layer) for w, b in zip(ws_LOI, bs_O))
 
 
 def experts(x_TD, idx_TK, w_TK, experts_all, layer, valid_TK=None, *, swiglu_limit, swiglu_alpha,

@@ -1,5 +1,5 @@
-"""Dense projection for decode (up to 64 rows): `x @ w[layer].T + b`, reading layer `layer` of the
-stacked `[L, O, I]` weight in place.
+"""Dense projections for decode (up to 64 rows): `x @ w[layer].T + b`, reading layer `layer` of
+stacked `[L, O, I]` weights in place, for one weight (`linear`) or several sharing x (`linear_many`).
 
 Why a kernel: the attention projections are 2/3 of the non-expert bytes a decode step reads, and
 XLA handles them badly inside the layer scan: the scan slices each layer's weights out of the
@@ -7,17 +7,23 @@ stacked arrays into a fresh buffer (a full copy, ~53 MB per 20b layer; 0.84 ms o
 step, measured) before cuBLAS reads them again at ~40% of the copy bandwidth. Here the layer index
 is an offset into the stacked array, and the weight is streamed once.
 
+Why several weights per launch: at batch 1 the small projections cost launch latency, not bytes. In
+the 20b batch-1 profile (docs/BENCHMARKS.md §7) the k and v projections ([512 x 2880], 2.9 MB each)
+take 3.6 us apiece, ~1 us worth of bandwidth. `linear_many` runs q, k and v as one grid, so k and v
+ride along with q's tiles; `linear` is its one-weight case (the o projection).
+
 Backend: **Pallas-Triton** (deprecated from JAX 0.11), like the other kernels here: a streaming
 GEMV/skinny GEMM whose speed comes from Triton's software pipeline keeping several weight tiles in
 flight; it runs in CPU interpret mode, so CI tests this exact kernel.
 
-Design: grid `(block_n-row tiles of the output features, K splits)`. Each program loops over its
+Design: grid `(block_n-row tiles of all weights' outputs, K splits)`. The tiles are numbered weight
+after weight (static boundaries); a program finds its weight from its tile index and loops over its
 share of the input features in `block_k` steps: the `[rows, block_k]` activation tile (rows padded
 to >= 16 so `dot` maps to tensor cores) times the `[block_n, block_k]` weight tile, fp32
-accumulation, and writes a partial sum; the splits' sum and the bias fuse into the consumer.
-Splitting K matters: one program per tile walking all of K is latency-bound (each step waits on its
-load), measured at ~11 us whatever the projection's size. Output fp32, like the
-`einsum(..., preferred_element_type=f32)` it replaces.
+accumulation, and writes a partial sum into that weight's output; the splits' sum and the bias fuse
+into the consumer. Splitting K matters: one program per tile walking all of K is latency-bound (each
+step waits on its load), measured at ~11 us whatever the projection's size. Outputs fp32, like the
+`einsum(..., preferred_element_type=f32)` they replace.
 """
 
 from __future__ import annotations
@@ -39,23 +45,32 @@ def reference(x_TI, w_LOI, b_O, layer):
     return y + b_O.astype(jnp.float32)
 
 
-def _kernel(layer_ref, x_ref, w_ref, y_ref, *, rows, bn, bk, per, K, O):
-    n0 = pl.multiple_of(pl.program_id(0) * bn, bn)
-    split = pl.program_id(1)
+def _kernel(layer_ref, x_ref, *refs, rows, bn, bk, per, K, Os):
+    """One `[rows, bn]` output tile over one K split. `refs` are the weights then their outputs; the
+    tile index picks the weight (a `switch` on static boundaries: one branch runs, none for 1 weight)."""
+    w_refs, y_refs = refs[:len(Os)], refs[len(Os):]
+    first = [sum(pl.cdiv(O, bn) for O in Os[:i]) for i in range(len(Os))]  # each weight's first tile
+    tile, split = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     row_ok = jnp.arange(rows) < x_ref.shape[0]  # rows beyond T load as zeros: no padded copy of x
-    col_ok = n0 + jnp.arange(bn) < O
 
-    def body(i, acc):
-        k0 = pl.multiple_of((split * per + i) * bk, bk)
-        k_ok = k0 + jnp.arange(bk) < K
-        x = plt.load(x_ref.at[pl.ds(0, rows), pl.ds(k0, bk)], mask=row_ok[:, None] & k_ok[None, :], other=0)
-        w = plt.load(w_ref.at[layer, pl.ds(n0, bn), pl.ds(k0, bk)], mask=col_ok[:, None] & k_ok[None, :],
-                     other=0)
-        return acc + jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    def project(i):
+        n0 = pl.multiple_of((tile - first[i]) * bn, bn)
+        col_ok = n0 + jnp.arange(bn) < Os[i]
 
-    acc = jax.lax.fori_loop(0, per, body, jnp.zeros((rows, bn), jnp.float32))
-    plt.store(y_ref.at[split, pl.ds(0, rows), pl.ds(n0, bn)], acc, mask=row_ok[:, None] & col_ok[None, :])
+        def body(s, acc):
+            k0 = pl.multiple_of((split * per + s) * bk, bk)
+            k_ok = k0 + jnp.arange(bk) < K
+            x = plt.load(x_ref.at[pl.ds(0, rows), pl.ds(k0, bk)], mask=row_ok[:, None] & k_ok[None, :], other=0)
+            w = plt.load(w_refs[i].at[layer, pl.ds(n0, bn), pl.ds(k0, bk)], mask=col_ok[:, None] & k_ok[None, :],
+                         other=0)
+            return acc + jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+        acc = jax.lax.fori_loop(0, per, body, jnp.zeros((rows, bn), jnp.float32))
+        plt.store(y_refs[i].at[split, pl.ds(0, rows), pl.ds(n0, bn)], acc, mask=row_ok[:, None] & col_ok[None, :])
+
+    which = sum((tile >= f).astype(jnp.int32) for f in first[1:])
+    jax.lax.switch(which, [functools.partial(project, i) for i in range(len(Os))])
 
 
 def split_k(O: int, K: int, block_n: int, block_k: int, programs: int) -> tuple[int, int]:
@@ -69,22 +84,32 @@ def split_k(O: int, K: int, block_n: int, block_k: int, programs: int) -> tuple[
 
 @functools.partial(jax.jit, static_argnames=("block_n", "block_k", "programs", "num_warps", "num_stages",
                                              "interpret"))
-def linear(x_TI, w_LOI, b_O, layer, *, block_n=32, block_k=256, programs=528, num_warps=4, num_stages=3,
-           interpret=None):
-    """`reference(x_TI, w_LOI, b_O, layer)` for T <= MAX_ROWS rows -> fp32 `[T, O]`. K is split over
-    programs (`split_k`); the partial sums and the bias are added by the consumer's XLA fusion."""
+def linear_many(x_TI, ws_LOI, bs_O, layer, *, block_n=32, block_k=256, programs=528, num_warps=4, num_stages=3,
+                interpret=None):
+    """`reference(x_TI, w_LOI, b_O, layer)` for each weight of `ws_LOI` (same I and dtype) with its bias
+    from `bs_O`, in one launch, for T <= MAX_ROWS rows -> tuple of fp32 `[T, O]`. K is split over
+    programs (`split_k`, counting all weights' tiles); the partial sums and the biases are added by
+    the consumers' XLA fusions."""
     T, K = x_TI.shape
-    O = w_LOI.shape[1]
+    Os = tuple(w.shape[1] for w in ws_LOI)
     assert T <= MAX_ROWS, T
+    assert all(w.shape[2] == K and w.dtype == ws_LOI[0].dtype for w in ws_LOI), [w.shape for w in ws_LOI]
     rows = max(16, pl.next_power_of_2(T))
-    splits, per = split_k(O, K, block_n, block_k, programs)
+    tiles = sum(pl.cdiv(O, block_n) for O in Os)
+    splits, per = split_k(tiles * block_n, K, block_n, block_k, programs)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    y = pl.pallas_call(
-        functools.partial(_kernel, rows=rows, bn=block_n, bk=block_k, per=per, K=K, O=O),
-        grid=(pl.cdiv(O, block_n), splits),
-        out_shape=jax.ShapeDtypeStruct((splits, T, O), jnp.float32),
+    ys = pl.pallas_call(
+        functools.partial(_kernel, rows=rows, bn=block_n, bk=block_k, per=per, K=K, Os=Os),
+        grid=(tiles, splits),
+        out_shape=tuple(jax.ShapeDtypeStruct((splits, T, O), jnp.float32) for O in Os),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret, name="decode_linear",
-    )(jnp.reshape(layer, (1,)).astype(jnp.int32), x_TI.astype(w_LOI.dtype), w_LOI)
-    return jnp.sum(y, axis=0) + b_O.astype(jnp.float32)
+        interpret=interpret, name="decode_linear" if len(Os) == 1 else f"decode_linear_x{len(Os)}",
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), x_TI.astype(ws_LOI[0].dtype), *ws_LOI)
+    return tuple(jnp.sum(y, axis=0) + b.astype(jnp.float32) for y, b in zip(ys, bs_O))
+
+
+def linear(x_TI, w_LOI, b_O, layer, **config):
+    """`reference(x_TI, w_LOI, b_O, layer)` for T <= MAX_ROWS rows -> fp32 `[T, O]`: `linear_many` of
+    one weight; `config` as there."""
+    return linear_many(x_TI, (w_LOI,), (b_O,), layer, **config)[0]

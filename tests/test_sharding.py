@@ -145,7 +145,7 @@ def test_kernels_under_a_layout_match_single_device(small_checkpoint, single_dev
         monkeypatch.setattr(module, name, wrapped)
 
     spy(moe_decode, "experts_forward", lambda x, idx, w, kexp, *_: kexp.gu_words.shape[:2])
-    spy(linear_decode, "linear", lambda x, w, *_: w.shape[1])
+    spy(linear_decode, "linear_many", lambda x, ws, *_: tuple(w.shape[1] for w in ws))
     for kernel in (paged_attention, flash_attention):
         spy(kernel, "attention", lambda q, *_: q.shape[2])
 
@@ -166,8 +166,10 @@ def test_kernels_under_a_layout_match_single_device(small_checkpoint, single_dev
     assert seen["pallas_kernels.moe_decode.experts_forward"] == {(layers, 2)}  # stacked, 2 local experts
     assert seen["pallas_kernels.flash_attention.attention"] == {heads}
     assert seen.get("pallas_kernels.paged_attention.attention") == ({heads} if generate else None)
-    # decode rows (<= 64) take the projection kernel: q and o local; k, v: 2 KV heads of 16 over the split
-    assert seen["pallas_kernels.linear_decode.linear"] == {16 * heads, 16 * heads // 2, 64}
+    # decode rows (<= 64) take the projection kernel, q, k and v in one launch: q and o local; k, v: 2 KV
+    # heads of 16 over the split
+    assert seen["pallas_kernels.linear_decode.linear_many"] == {(16 * heads, 16 * heads // 2, 16 * heads // 2),
+                                                                 (64,)}
 
 
 def test_sharded_loading_reads_each_slice(small_checkpoint):
