@@ -26,6 +26,29 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)), bool(np.isfinite(a).all())
 
 
+def check_linear_many(key):
+    """Fused q/k/v projection (one launch) at the attention shapes, [4096, 512, 512] x 2880 in both models
+    (64 query and 8 KV heads of 64), reading the last of 24 (20b) or 36 (120b) stacked layers: each output
+    vs the reference on its own weight."""
+    rows = []
+    for model, L in (("20b", 24), ("120b", 36)):
+        for T in (1, 4):
+            key, kx, kw, kb = jax.random.split(key, 4)
+            x = jax.random.normal(kx, (T, 2880), jnp.float32).astype(jnp.bfloat16)
+            ws = tuple((jax.random.normal(k, (L, O, 2880), jnp.float32) * 0.02).astype(jnp.bfloat16)
+                       for k, O in zip(jax.random.split(kw, 3), (4096, 512, 512)))
+            bs = tuple(jax.random.normal(k, (w.shape[1],), jnp.float32).astype(jnp.bfloat16)
+                       for k, w in zip(jax.random.split(kb, 3), ws))
+            got = linear_decode.linear_many(x, ws, bs, jnp.int32(L - 1))
+            for name, y, w, b in zip("qkv", got, ws, bs):
+                e, fin = rel(y, linear_decode.reference(x, w, b, L - 1))
+                rows.append((f"linear_many {name}", f"{model} T={T} O={w.shape[1]} K=2880 fused qkv, layer {L - 1} "
+                             f"of {L}", e, fin))
+                print(*rows[-1], flush=True)
+            del ws
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
@@ -104,6 +127,7 @@ def main():
         e, fin = rel(linear_decode.linear(x, w, b, L - 1), linear_decode.reference(x, w, b, L - 1))
         rows.append((name.strip(), f"T={T} O={O} K={K} layer {L - 1} of {L}", e, fin))
         print(*rows[-1], flush=True)
+    rows += check_linear_many(key)
 
     print(f"\n{'kernel':14s} {'case':70s} {'rel_err':>9s} finite pass")
     ok = True
