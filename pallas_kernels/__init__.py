@@ -97,11 +97,13 @@ def linear(x_TI, w_LOI, b_O, layer, *, impl: str = "reference"):
 
 
 def linear_many(x_TI, ws_LOI, bs_O, layer, *, impl: str = "reference"):
-    """`linear` of the same x by several weights (q, k, v) -> a tuple. Decode-sized inputs (<= 64 rows) take
-    the kernel, which reads the layer in place and runs all weights in one launch (small ones cost launch
-    latency, not bytes); larger ones amortise XLA's copy of the layer slice."""
+    """`linear` of the same x by several weights (q, k, v) -> a tuple. Up to `FUSE_ROWS` rows all weights run
+    in one kernel launch (small ones cost launch latency, not bytes); up to `MAX_ROWS` one launch each; beyond,
+    XLA's GEMM amortises its copy of the layer slice."""
     if check_impl(impl) == "pallas" and x_TI.shape[0] <= linear_decode.MAX_ROWS:
-        return linear_decode.linear_many(x_TI, tuple(ws_LOI), tuple(bs_O), layer)
+        if x_TI.shape[0] <= linear_decode.FUSE_ROWS:
+            return linear_decode.linear_many(x_TI, tuple(ws_LOI), tuple(bs_O), layer)
+        return tuple(linear_decode.linear(x_TI, w, b, layer) for w, b in zip(ws_LOI, bs_O))
     return tuple(linear_decode.reference(x_TI, w, b, layer) for w, b in zip(ws_LOI, bs_O))
 
 
@@ -114,9 +116,7 @@ def experts(x_TD, idx_TK, w_TK, experts_all, layer, valid_TK=None, *, swiglu_lim
     if check_impl(impl) == "reference":
         one = jax.tree.map(lambda a: a[layer], experts_all)
         return moe_reference.apply_experts(x_TD, idx_TK, w_TK, one, **kw)
-    cfg = moe_prefill.auto_config(*idx_TK.shape, experts_all.gu_words.shape[1], x_TD.dtype)
-    return moe_decode.experts_forward(x_TD, idx_TK, w_TK, experts_all, layer, valid_TK, **kw,
-                                      **cfg).astype(jnp.float32)
+    return moe_prefill.experts(x_TD, idx_TK, w_TK, experts_all, layer, valid_TK, **kw).astype(jnp.float32)
 
 
 def moe(x_TD, router_w_ED, router_b_E, experts, *, top_k, swiglu_limit, swiglu_alpha, layer=None,
@@ -126,7 +126,7 @@ def moe(x_TD, router_w_ED, router_b_E, experts, *, top_k, swiglu_limit, swiglu_a
     stacked arrays directly, so no per-layer copy of the experts is made."""
     kw = dict(top_k=top_k, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
     if check_impl(impl) == "pallas":
-        return moe_prefill.moe_auto(x_TD, router_w_ED, router_b_E, experts, layer=layer, **kw)
+        return moe_prefill.moe(x_TD, router_w_ED, router_b_E, experts, layer=layer, **kw)
     if layer is not None:
         experts = jax.tree.map(lambda a: a[layer], experts)
     return moe_reference.moe(x_TD, router_w_ED, router_b_E, experts, **kw)

@@ -36,6 +36,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 MAX_ROWS = 64  # beyond this the weight is amortised over enough rows for XLA's GEMM
+FUSE_ROWS = 16  # up to this many rows q, k and v share a launch (pipelines of 3 branches fit shared memory)
+SMEM_BYTES = 200 * 1024  # of the H100/H200's 227 KiB per block, leaving room for Triton's own scratch
 
 
 def reference(x_TI, w_LOI, b_O, layer):
@@ -99,6 +101,9 @@ def linear_many(x_TI, ws_LOI, bs_O, layer, *, block_n=32, block_k=256, programs=
     splits, per = split_k(tiles * block_n, K, block_n, block_k, programs)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    # Triton gives every weight's branch its own pipeline buffers: keep their sum within shared memory.
+    stage_bytes = len(Os) * (rows + block_n) * block_k * jnp.dtype(ws_LOI[0].dtype).itemsize
+    num_stages = max(1, min(num_stages, SMEM_BYTES // stage_bytes))
     ys = pl.pallas_call(
         functools.partial(_kernel, rows=rows, bn=block_n, bk=block_k, per=per, K=K, Os=Os),
         grid=(tiles, splits),

@@ -565,18 +565,9 @@ def experts_forward(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_T
     `valid_TK` (bool) marks the pairs to compute; the others cost no expert work and contribute 0
     (expert parallelism: pairs routed to another device's experts, rows of a receive buffer that
     nothing arrived in)."""
-    T, D = x_TD.shape
-    k = idx_TK.shape[1]
-    P, E = T * k, kexp.gu_words.shape[-4]
-    if block_m == 1:  # a slot per pair, in token order: nothing to sort, nothing to permute back
-        pairs = jnp.arange(P, dtype=jnp.int32)
-        tok_sorted, w_sorted, slot_e = pairs // k, w_TK.reshape(P).astype(jnp.float32), idx_TK.reshape(P)
-        slot_start, order = pairs, None
-        slot_rows = jnp.ones((P,), jnp.int32) if valid_TK is None else valid_TK.reshape(P).astype(jnp.int32)
-    else:  # invalid pairs get expert id E: sorted last, counted nowhere, so no slot covers them
-        routed = idx_TK if valid_TK is None else jnp.where(valid_TK, idx_TK, E)
-        tok_sorted, w_sorted, order, slot_e, slot_start, slot_rows = dispatch(routed, w_TK, E, block_m)
-    slot_e = slot_e.astype(jnp.int32)
+    T, k = idx_TK.shape
+    E = kexp.gu_words.shape[-4]
+    tok_sorted, w_sorted, order, slot_e, slot_start, slot_rows = slots(idx_TK, w_TK, valid_TK, E, block_m)
     if layer is not None:
         kexp = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), kexp)
         slot_e = slot_e + layer * E
@@ -585,16 +576,35 @@ def experts_forward(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_T
                     block_m=block_m, block_n=block_n, block_k=block_k, block_n_down=block_n_down,
                     num_warps=num_warps, num_stages=num_stages, swap=swap, prefetch=prefetch,
                     interpret=interpret)
-    if order is not None:
-        y = y[jnp.zeros((P,), jnp.int32).at[order].set(jnp.arange(P, dtype=jnp.int32))]
-    y = y[:P]
+    return combine(y, order, valid_TK, T, k, x_TD.dtype)
+
+
+def slots(idx_TK, w_TK, valid_TK, E: int, block_m: int):
+    """(token, expert) pairs -> `dispatch`'s slots; `block_m` 1 keeps token order (nothing to sort or permute
+    back: `order` None). Pairs outside `valid_TK` get no slot."""
+    P = idx_TK.size
+    if block_m == 1:
+        pairs = jnp.arange(P, dtype=jnp.int32)
+        rows = jnp.ones((P,), jnp.int32) if valid_TK is None else valid_TK.reshape(P).astype(jnp.int32)
+        return (pairs // idx_TK.shape[1], w_TK.reshape(P).astype(jnp.float32), None,
+                idx_TK.reshape(P).astype(jnp.int32), pairs, rows)
+    routed = idx_TK if valid_TK is None else jnp.where(valid_TK, idx_TK, E)  # id E: sorted last, in no slot
+    tok, w, order, slot_e, start, rows = dispatch(routed, w_TK, E, block_m)
+    return tok, w, order, slot_e.astype(jnp.int32), start, rows
+
+
+def combine(y_RD, order, valid_TK, T: int, k: int, dtype):
+    """Kernel rows (slot order, >= T * k of them) -> `[T, D]`: back to pair order, skipped pairs zeroed,
+    summed over the k experts of each token."""
+    P = T * k
+    y = y_RD[:P] if order is None else y_RD[jnp.zeros((P,), jnp.int32).at[order].set(jnp.arange(P, dtype=jnp.int32))]
     if valid_TK is not None:  # rows of skipped pairs were never written
         y = jnp.where(valid_TK.reshape(P, 1), y, 0.0)
-    return jnp.sum(y.reshape(T, k, D), axis=1).astype(x_TD.dtype)
+    return jnp.sum(y.reshape(T, k, -1), axis=1).astype(dtype)
 
 
 def decode_config(T: int, k: int, E: int, half: bool = False) -> dict:
-    """Kernel and block sizes for the decode regime (1-64 tokens), best of the H200 sweeps
+    """Kernel and block sizes below the dense regime (`moe_prefill.DENSE_ROWS`), best of the H200 sweeps
     (docs/kernels.md).  bf16 models (`half`): the half-precision GEMV, one pair per slot, while experts
     average <= 2 routed rows; fp32 models: the f32 GEMV while they average <= 1.  Register double
     buffering pays only for a single token.  Beyond that, tensor cores amortise the decode over the rows
@@ -608,6 +618,9 @@ def decode_config(T: int, k: int, E: int, half: bool = False) -> dict:
     bm = 16
     while bm < 64 and bm < 2 * T * k / E:
         bm *= 2
+    if bm == 64:  # >= 16 rows per expert: wider feature tiles, decoded weights as the register operand
+        return dict(kernel="mma", block_m=64, block_n=64, block_k=128, block_n_down=64, num_warps=4, num_stages=3,
+                    swap=True)
     return dict(kernel="mma", block_m=bm, block_n=32, block_k=256, block_n_down=32, num_warps=4,
                 num_stages=3)
 

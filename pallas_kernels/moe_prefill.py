@@ -1,49 +1,235 @@
-"""MXFP4 mixture-of-experts for prefill / large batches (hundreds to tens of thousands of tokens).
+"""MXFP4 mixture-of-experts for prefill / large batches: dequantize the layer's experts, then grouped bf16 GEMMs.
 
-The "mma" kernel family of `moe_decode` (see its docstring for the backend choice and the
-re-encoded MXFP4 words), run with large row tiles: the (token, expert) pairs are sorted by
-expert and cut into `block_m`-row tiles (one expert per tile, the last tile of each expert padded
-by masking), and each program computes a `[block_m, block_n]` output tile with tensor-core `dot`s
-(Triton lowers them to Hopper wgmma) on weights decoded to bf16 once per K step and reused across
-the `block_m` rows.  Programs of the same expert and feature tile are adjacent in the grid's fast
-axis, so the expert's weights are served from L2 to its row tiles.  Empty experts cost nothing.
+Why not decode inside the GEMM, as `moe_decode`'s "mma" kernels do: in Pallas-Triton a weight tile
+decoded in registers reaches the tensor cores only through a register -> shared-memory layout
+conversion every K step, which caps those kernels at ~0.8e12 weights per second whatever the row
+count (H200, 2026-11-22: 25% of the bf16 matmul rate at 8,192 tokens, and nearly as slow with the
+decode replaced by a plain cast; loading each word once per weight instead was 2-8x slower still).
+Here the experts stream once through a dequantize kernel (memory-bound: 4.25 bits in, 16 out), and
+the grouped GEMMs load plain bf16 tiles, which Triton pipelines from global into shared memory
+(63% of the matmul rate on the 20b shapes in the same measurement).  That wins once experts see
+enough rows to amortise the dequantization (`DENSE_ROWS`); below it the fused kernels run.
+
+Layout: (token, expert) pairs sorted by expert and cut into `block_m`-row slots (`moe_decode.slots`);
+grid `(slots, feature tiles)`, programs of other expert groups and empty slots exit at once.  The
+gate/up rows, stored in phase order for the GEMV kernels, come out of the dequantization in natural
+order, so the GEMMs read contiguous tiles.  Transient memory: one group of `group` experts in bf16
+(32 experts of 20b/120b: 1.6 GB); larger expert sets (120b: 128) run group by group into one output.
 """
 
+import functools
+
+import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
-from pallas_kernels import moe_decode
-from pallas_kernels.moe_decode import KernelExperts, prepare_experts  # noqa: F401  (re-export)
+from pallas_kernels import moe_decode, moe_reference
+from pallas_kernels.moe_decode import F16_SHIFT, KernelExperts, prepare_experts  # noqa: F401  (re-export)
 
-
-def prefill_config(T: int, k: int, E: int) -> dict:
-    """Block sizes for the grouped-GEMM regime (best of the sweep on the H200, 2026-11-21:
-    241 TFLOP/s at 20b and 211 TFLOP/s at 120b for 8,192 tokens)."""
-    return dict(kernel="mma", block_m=128, block_n=64, block_k=128, block_n_down=64, num_warps=4,
-                num_stages=3, swap=True)
+DENSE_ROWS = 64   # from this many routed rows per expert (on average) dequantize + dense GEMMs
 
 
-def moe(x_TD, router_w_ED, router_b_E, kexp: KernelExperts, *, top_k, swiglu_limit, swiglu_alpha,
-        layer=None, interpret=None, **config):
-    """Drop-in for `moe_reference.moe` (many tokens), taking `prepare_experts(experts)`: the decode entry
-    point with the grouped-GEMM block configuration."""
-    cfg = prefill_config(x_TD.shape[0], top_k, router_w_ED.shape[0]) | config
-    return moe_decode.moe(x_TD, router_w_ED, router_b_E, kexp, top_k=top_k, swiglu_limit=swiglu_limit,
-                          swiglu_alpha=swiglu_alpha, layer=layer, interpret=interpret, **cfg)
+def _natural(vals):
+    """The 8 decoded weights of each word, 8 arrays `[n, m]` (weight j of word m), as `[n, 8m]` in natural
+    K order (column 8m + j): a tree of `stack`s (Triton `join`: register moves, no shared memory)."""
+    n, m = vals[0].shape
+    l1 = [jnp.stack([vals[j], vals[j + 4]], axis=-1) for j in range(4)]  # [n, m, a] = v[j + 4a]
+    l2 = [jnp.stack([l1[j], l1[j + 2]], axis=-1) for j in range(2)]     # [n, m, a, b] = v[j + 2b + 4a]
+    return jnp.stack(l2, axis=-1).reshape(n, 8 * m)                      # [n, m, a, b, c] = v[c + 2b + 4a]
 
 
-DECODE_ROWS = 64  # up to this many tokens the decode configuration, beyond it the grouped-GEMM one
+def _decode_tile(wq, ws, dtype):
+    """u32 words `[n, kw]` and their E8M0 scales `[n, kw / 4]` -> weights `[n, 8 kw]` (times 2^-14) in natural
+    K order, in `dtype`: one tensor-core operand per K step, so the activations need no phase order."""
+    n, kw = wq.shape
+    scale = jnp.broadcast_to(moe_decode._scale_f32(ws)[:, :, None], (n, kw // 4, 4)).reshape(n, kw)
+    return _natural([(v * scale).astype(dtype) for v in moe_decode._decode_words(wq)])
+
+
+def _dequant_kernel(base_ref, wq_ref, ws_ref, o_ref, *, bn, bk, W, perm_I):
+    """Rows `base + r` of the words `[R, W]` -> weights `[rows, 8 W]` (times 2^-14) in natural K order;
+    with `perm_I`, each block of `perm_I` rows is read in phase order (the gate/up relayout undone)."""
+    r = pl.program_id(0) * bn + jnp.arange(bn)
+    if perm_I:
+        f = r % perm_I
+        r = r - f + (f % 8) * (perm_I // 8) + f // 8
+    src = base_ref[0] + r
+    w0 = pl.program_id(1) * (bk // 8)
+    words, groups = w0 + jnp.arange(bk // 8), w0 // 4 + jnp.arange(bk // 32)
+    wq = plt.load(wq_ref.at[src[:, None], words[None, :]], mask=(words < W)[None, :], other=0)
+    ws = plt.load(ws_ref.at[src[:, None], groups[None, :]], mask=(groups < W // 4)[None, :], other=0)
+    cols = 8 * w0 + jnp.arange(bk)
+    plt.store(o_ref.at[pl.ds(pl.program_id(0) * bn, bn), pl.ds(8 * w0, bk)],
+              _decode_tile(wq, ws, o_ref.dtype), mask=(cols < 8 * W)[None, :])
+
+
+def dequantize(words_RW, scales_RG, base, rows: int, dtype, *, perm_I: int = 0, interpret: bool = False,
+               block_n: int = 32, block_k: int = 512):
+    """Rows `base .. base + rows` (traced `base`) of re-encoded MXFP4 words as `[rows, 8 W]` weights x 2^-14."""
+    W = words_RW.shape[1]
+    return pl.pallas_call(
+        functools.partial(_dequant_kernel, bn=block_n, bk=block_k, W=W, perm_I=perm_I),
+        grid=(rows // block_n, pl.cdiv(8 * W, block_k)),
+        out_shape=jax.ShapeDtypeStruct((rows, 8 * W), dtype),
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret, name="mxfp4_dequantize",
+    )(jnp.reshape(base, (1,)).astype(jnp.int32), words_RW, scales_RG)
+
+
+def _in_group(slot_e_ref, slot_rows_ref, s, e0, G):
+    e = slot_e_ref[s]
+    return e, (slot_rows_ref[s] > 0) & (e >= e0) & (e < e0 + G)
+
+
+def _gate_up_kernel(ebase_ref, slot_e_ref, slot_start_ref, slot_rows_ref, tok_ref, x_ref, w_ref, bias_ref, a_ref,
+                    *, bm, bn, bk, D, e0, G, limit, alpha):
+    s = pl.program_id(0)
+    n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
+    e, mine = _in_group(slot_e_ref, slot_rows_ref, s, e0, G)
+
+    @pl.when(mine)
+    def _():
+        r0 = slot_start_ref[s]
+        row_ok = jnp.arange(bm) < slot_rows_ref[s]
+        tok = plt.load(tok_ref.at[pl.ds(r0, bm)], mask=row_ok, other=0)
+
+        def body(i, carry):
+            k0 = pl.multiple_of(i * bk, bk)
+            c_ok = k0 + jnp.arange(bk) < D
+            x = plt.load(x_ref.at[tok[:, None], (k0 + jnp.arange(bk))[None, :]],
+                         mask=row_ok[:, None] & c_ok[None, :], other=0)
+            return tuple(acc + moe_decode._dot_t(x, plt.load(w_ref.at[e - e0, h, pl.ds(n0, bn), pl.ds(k0, bk)],
+                                                             mask=c_ok[None, :], other=0))
+                         for h, acc in zip((jnp.int32(0), jnp.int32(1)), carry))
+
+        zero = jnp.zeros((bm, bn), jnp.float32)
+        acc_g, acc_u = jax.lax.fori_loop(0, pl.cdiv(D, bk), body, (zero, zero))
+        # bias rows are stored in phase order: natural feature f lives in row (f % 8) * (I / 8) + f // 8
+        I = w_ref.shape[2]
+        f = n0 + jnp.arange(bn)
+        stored = (f % 8) * (I // 8) + f // 8
+        eb = ebase_ref[0] + e
+        bg = plt.load(bias_ref.at[eb, jnp.int32(0), stored]).astype(jnp.float32)
+        bu = plt.load(bias_ref.at[eb, jnp.int32(1), stored]).astype(jnp.float32)
+        act = moe_decode._swiglu(acc_g * (2.0 ** F16_SHIFT) + bg[None, :], acc_u * (2.0 ** F16_SHIFT) + bu[None, :],
+                                 limit, alpha)
+        plt.store(a_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], act.astype(a_ref.dtype), mask=row_ok[:, None])
+
+
+def _down_kernel(ebase_ref, slot_e_ref, slot_start_ref, slot_rows_ref, rw_ref, a_ref, w_ref, bias_ref, y_in_ref,
+                 y_ref, *, bm, bn, bk, I, e0, G):
+    del y_in_ref  # the same buffer as y_ref: rows of other groups' slots stay as they are
+    s = pl.program_id(0)
+    n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
+    e, mine = _in_group(slot_e_ref, slot_rows_ref, s, e0, G)
+
+    @pl.when(mine)
+    def _():
+        r0 = slot_start_ref[s]
+        row_ok = jnp.arange(bm) < slot_rows_ref[s]
+
+        def body(i, acc):
+            k0 = pl.multiple_of(i * bk, bk)
+            c_ok = k0 + jnp.arange(bk) < I
+            a = plt.load(a_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)], mask=row_ok[:, None] & c_ok[None, :], other=0)
+            w = plt.load(w_ref.at[e - e0, pl.ds(n0, bn), pl.ds(k0, bk)], mask=c_ok[None, :], other=0)
+            return acc + moe_decode._dot_t(a, w)
+
+        acc = jax.lax.fori_loop(0, pl.cdiv(I, bk), body, jnp.zeros((bm, bn), jnp.float32))
+        b = bias_ref[ebase_ref[0] + e, pl.ds(n0, bn)].astype(jnp.float32)
+        rw = plt.load(rw_ref.at[pl.ds(r0, bm)], mask=row_ok, other=0.0)
+        y = (acc * (2.0 ** F16_SHIFT) + b[None, :]) * rw[:, None]
+        plt.store(y_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], y, mask=row_ok[:, None])
+
+
+_STATIC = ("kernel", "swiglu_limit", "swiglu_alpha", "block_m", "block_n", "block_k", "num_warps", "num_stages", "group",
+           "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def experts_dense(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, *, swiglu_limit, swiglu_alpha,
+                  kernel="dense", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, group=32, interpret=None):
+    """`moe_decode.experts_forward`'s contract (routing given, `layer` indexing stacked experts in place,
+    `valid_TK`), computed by dequantizing `group` experts at a time and running the grouped GEMMs."""
+    assert kernel == "dense", kernel
+    T, D = x_TD.shape
+    k = idx_TK.shape[1]
+    E, _, I, _ = kexp.gu_words.shape[-4:]
+    P, bm = T * k, block_m
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    tok, rw, order, slot_e, slot_start, slot_rows = moe_decode.slots(idx_TK, w_TK, valid_TK, E, bm)
+    pad = lambda a: jnp.concatenate([a, jnp.zeros((bm,), a.dtype)])  # a slot may read bm - 1 rows past the end
+    tok, rw = pad(tok), pad(rw)
+    gu_bias = kexp.gu_bias.reshape(-1, 2, I)
+    dn_bias = kexp.dn_bias.reshape(-1, D)
+    ebase = jnp.reshape(0 if layer is None else layer * E, (1,)).astype(jnp.int32)
+    operand = jnp.float32 if x_TD.dtype == jnp.float32 else jnp.bfloat16
+    x = x_TD.astype(operand)
+    call = functools.partial(pl.pallas_call, interpret=interpret,
+                             compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages))
+    # every layer's experts as one flat row axis (free reshapes); `ebase` finds this layer's
+    gu_words, gu_scales = kexp.gu_words.reshape(-1, D // 8), kexp.gu_scales.reshape(-1, D // 32)
+    dn_words, dn_scales = kexp.dn_words.reshape(-1, I // 8), kexp.dn_scales.reshape(-1, I // 32)
+    S = slot_e.shape[0]
+    y = None
+    for e0 in range(0, E, group):
+        G = min(group, E - e0)
+        base = ebase[0] + e0
+        w_gu = dequantize(gu_words, gu_scales, base * 2 * I, G * 2 * I, operand, perm_I=I,
+                          interpret=interpret).reshape(G, 2, I, D)
+        w_dn = dequantize(dn_words, dn_scales, base * D, G * D, operand, interpret=interpret).reshape(G, D, I)
+        kw = dict(bm=bm, bk=block_k, e0=e0, G=G)
+        a = call(functools.partial(_gate_up_kernel, bn=_fit(I, block_n), D=D, limit=swiglu_limit,
+                                   alpha=swiglu_alpha, **kw),
+                 grid=(S, I // _fit(I, block_n)), out_shape=jax.ShapeDtypeStruct((P + bm, I), operand),
+                 name="mxfp4_dense_gate_up_swiglu",
+                 )(ebase, slot_e, slot_start, slot_rows, tok, x, w_gu, gu_bias)
+        y_in = jnp.zeros((P + bm, D), jnp.float32) if y is None else y
+        y = call(functools.partial(_down_kernel, bn=_fit(D, block_n), I=I, **kw),
+                 grid=(S, D // _fit(D, block_n)), out_shape=jax.ShapeDtypeStruct((P + bm, D), jnp.float32),
+                 input_output_aliases={8: 0}, name="mxfp4_dense_down",
+                 )(ebase, slot_e, slot_start, slot_rows, rw, a, w_dn, dn_bias, y_in)
+    return moe_decode.combine(y, order, valid_TK, T, k, x_TD.dtype)
+
+
+def _fit(n: int, want: int) -> int:
+    b = want
+    while b > 16 and n % b:
+        b //= 2
+    if n % b:
+        raise ValueError(f"feature size {n} is not a multiple of 16")
+    return b
+
+
+DENSE_CONFIG = dict(kernel="dense", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, group=32)
 
 
 def auto_config(T: int, k: int, E: int, dtype) -> dict:
-    """The decode or prefill configuration for a (static) token count and the model's dtype."""
-    if T <= DECODE_ROWS:
-        return moe_decode.decode_config(T, k, E, half=dtype != jnp.float32)
-    return prefill_config(T, k, E)
+    """Kernels and block sizes for a (static) token count: dequantize + dense GEMMs once experts average
+    `DENSE_ROWS` routed rows (best of the H200 sweep at 8,192 tokens, 2026-11-22), else `moe_decode`'s
+    choice (GEMV, or the fused tensor-core kernels)."""
+    if T * k >= DENSE_ROWS * E:
+        return dict(DENSE_CONFIG)
+    return moe_decode.decode_config(T, k, E, half=dtype != jnp.float32)
 
 
-def moe_auto(x_TD, router_w_ED, router_b_E, kexp: KernelExperts, *, top_k, swiglu_limit,
-             swiglu_alpha, layer=None, interpret=None):
-    """`moe_decode.moe` with `auto_config`."""
-    cfg = auto_config(x_TD.shape[0], top_k, router_w_ED.shape[0], x_TD.dtype)
-    return moe_decode.moe(x_TD, router_w_ED, router_b_E, kexp, top_k=top_k, swiglu_limit=swiglu_limit,
-                          swiglu_alpha=swiglu_alpha, layer=layer, interpret=interpret, **cfg)
+def experts(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, *, swiglu_limit, swiglu_alpha,
+            interpret=None, **config):
+    """`sum_k w[t, k] * expert_{idx[t, k]}(x[t])`. `config` naming a `kernel` is the whole configuration;
+    otherwise it updates `auto_config`'s."""
+    if "kernel" not in config:
+        config = auto_config(*idx_TK.shape, kexp.gu_words.shape[-4], x_TD.dtype) | config
+    fn = experts_dense if config["kernel"] == "dense" else moe_decode.experts_forward
+    return fn(x_TD, idx_TK, w_TK, kexp, layer, valid_TK, swiglu_limit=float(swiglu_limit),
+              swiglu_alpha=float(swiglu_alpha), interpret=interpret, **config)
+
+
+def moe(x_TD, router_w_ED, router_b_E, kexp: KernelExperts, *, top_k, swiglu_limit, swiglu_alpha, layer=None,
+        interpret=None, **config):
+    """Drop-in for `moe_reference.moe` at any token count, taking `prepare_experts(experts)`: routing, then
+    `experts`."""
+    idx, w, _ = moe_reference.route(x_TD, router_w_ED, router_b_E, top_k)
+    return experts(x_TD, idx, w, kexp, layer, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha,
+                   interpret=interpret, **config)

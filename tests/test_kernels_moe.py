@@ -1,7 +1,8 @@
 """The Pallas MXFP4 MoE kernels (CPU interpret mode) against `moe_reference` on fresh random inputs."""
 
-import numpy as np
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from gptoss_jax.params import Experts
@@ -74,8 +75,8 @@ def test_moe_decode_matches_reference(T, E, k, D, I, empty, cfg):
     assert _rel(out, ref) < 1e-2
 
 
-def test_moe_prefill_config_f32_activations():
-    """Large row tiles (the prefill config, shrunk), f32 model dtype, 37 tokens (odd)."""
+def test_moe_prefill_fused_mma_f32_activations():
+    """The fused tensor-core kernels with large row tiles (shrunk), f32 model dtype, 37 tokens (odd)."""
     rng = np.random.default_rng(7)
     T, E, k, D, I = 37, 8, 4, 64, 64
     ex = _experts(rng, E, D, I, jnp.float32)
@@ -84,9 +85,55 @@ def test_moe_prefill_config_f32_activations():
     rb = jnp.asarray(np.where(np.arange(E) == 3, -1e4, 0.0), jnp.float32)
     ref = moe_reference.moe(x, rw, rb, ex, top_k=k, swiglu_limit=LIMIT, swiglu_alpha=ALPHA)
     out = moe_prefill.moe(x, rw, rb, moe_prefill.prepare_experts(ex), top_k=k, swiglu_limit=LIMIT,
-                          swiglu_alpha=ALPHA, interpret=True, block_m=16, block_n=32, block_k=64,
-                          block_n_down=32)
+                          swiglu_alpha=ALPHA, interpret=True, kernel="mma", block_m=16, block_n=32, block_k=64,
+                          block_n_down=32, num_warps=4, num_stages=1, swap=True)
     assert _rel(out, ref) < 1e-2  # kernel operands are bf16
+
+
+def test_dequantize_kernel_gives_checkpoint_values_in_natural_order():
+    """The dense path's dequantization undoes the gate/up phase order and matches mxfp4.dequantize (x 2^-14)
+    exactly, starting at a traced row offset."""
+    rng = np.random.default_rng(5)
+    E, D, I = 3, 96, 64
+    ex = _experts(rng, E, D, I, jnp.float32)
+    kx = moe_decode.prepare_experts(ex)
+    ref = np.asarray(mxfp4.dequantize(ex.gate_up_blocks, ex.gate_up_scales, jnp.float32))  # [E, 2I, D] interleaved
+    ref = ref.reshape(E, I, 2, D).transpose(0, 2, 1, 3)                                    # [E, 2, I, D]
+    got = moe_prefill.dequantize(kx.gu_words.reshape(-1, D // 8), kx.gu_scales.reshape(-1, D // 32),
+                                 jnp.int32(2 * I), 2 * 2 * I, jnp.float32, perm_I=I, interpret=True, block_k=64)
+    np.testing.assert_array_equal(np.asarray(got).reshape(2, 2, I, D) * 2.0 ** 14, ref[1:])
+    ref_dn = np.asarray(mxfp4.dequantize(ex.down_blocks, ex.down_scales, jnp.float32))
+    got = moe_prefill.dequantize(kx.dn_words.reshape(-1, I // 8), kx.dn_scales.reshape(-1, I // 32),
+                                 jnp.int32(0), E * D, jnp.float32, interpret=True, block_k=64)
+    np.testing.assert_array_equal(np.asarray(got).reshape(E, D, I) * 2.0 ** 14, ref_dn)
+
+
+@pytest.mark.parametrize("T,E,k,D,I,group,dtype,valid", [
+    (37, 8, 4, 96, 64, 3, jnp.float32, False),   # 3 expert groups, K tail, odd tokens, stacked layers
+    (50, 4, 2, 64, 96, 4, jnp.bfloat16, True),   # pairs skipped (expert parallelism)
+])
+def test_dense_prefill_matches_reference(T, E, k, D, I, group, dtype, valid):
+    rng = np.random.default_rng(T)
+    layers = [_experts(rng, E, D, I, dtype) for _ in range(2)]
+    stacked = moe_decode.prepare_experts(jax.tree.map(lambda *a: jnp.stack(a), *layers))
+    x = jnp.asarray(rng.normal(size=(T, D)), dtype)
+    idx = jnp.asarray(np.stack([1 + rng.permutation(E - 1)[:k] for _ in range(T)]), jnp.int32)  # expert 0 empty
+    w = jnp.asarray(rng.random((T, k)), jnp.float32)
+    mask = jnp.asarray(rng.random((T, k)) < 0.6) if valid else None
+    cfg = dict(kernel="dense", block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=1, group=group)
+    out = moe_prefill.experts(x, idx, w, stacked, jnp.int32(1), mask, swiglu_limit=LIMIT, swiglu_alpha=ALPHA,
+                              interpret=True, **cfg)
+    ref = moe_reference.apply_experts(x, idx, w if mask is None else jnp.where(mask, w, 0.0), layers[1],
+                                      swiglu_limit=LIMIT, swiglu_alpha=ALPHA)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert _rel(out, ref) < (1e-2 if dtype == jnp.bfloat16 else 1e-5)
+
+
+def test_prefill_regimes():
+    assert moe_prefill.auto_config(1, 4, 32, jnp.bfloat16)["kernel"] == "gemv16"
+    assert moe_prefill.auto_config(256, 4, 32, jnp.bfloat16)["kernel"] == "mma"  # 32 rows per expert
+    assert moe_prefill.auto_config(8192, 4, 32, jnp.bfloat16)["kernel"] == "dense"
+    assert moe_prefill.auto_config(1024, 4, 128, jnp.bfloat16)["kernel"] == "mma"  # 32 rows per expert
 
 
 def test_dispatch_slots_cover_every_pair_once():

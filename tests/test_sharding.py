@@ -132,7 +132,7 @@ def test_kernels_under_a_layout_match_single_device(small_checkpoint, single_dev
     logits and greedy tokens equal the single-device reference run. Interpreted kernels compile slowly:
     one case checks the prefill chunk only, the other adds decode steps."""
     from gptoss_jax import LLM, SamplingParams
-    from pallas_kernels import flash_attention, linear_decode, moe_decode, paged_attention
+    from pallas_kernels import flash_attention, linear_decode, moe_decode, moe_prefill, paged_attention
 
     seen = {}
 
@@ -144,7 +144,8 @@ def test_kernels_under_a_layout_match_single_device(small_checkpoint, single_dev
             return real(*args, **kwargs)
         monkeypatch.setattr(module, name, wrapped)
 
-    spy(moe_decode, "experts_forward", lambda x, idx, w, kexp, *_: kexp.gu_words.shape[:2])
+    for module, name in ((moe_decode, "experts_forward"), (moe_prefill, "experts_dense")):  # few / many rows
+        spy(module, name, lambda x, idx, w, kexp, *_: kexp.gu_words.shape[:2])
     spy(linear_decode, "linear_many", lambda x, ws, *_: tuple(w.shape[1] for w in ws))
     for kernel in (paged_attention, flash_attention):
         spy(kernel, "attention", lambda q, *_: q.shape[2])
@@ -163,13 +164,16 @@ def test_kernels_under_a_layout_match_single_device(small_checkpoint, single_dev
 
     heads = 4 // model if mode == "low_latency" else 4  # 4 q heads, 2 KV heads: split over 2, whole over 3
     layers = llm.engine.model_config.num_layers
-    assert seen["pallas_kernels.moe_decode.experts_forward"] == {(layers, 2)}  # stacked, 2 local experts
+    moe_shapes = seen.get("pallas_kernels.moe_decode.experts_forward", set()) | seen.get(
+        "pallas_kernels.moe_prefill.experts_dense", set())
+    assert moe_shapes == {(layers, 2)}  # stacked, 2 local experts
     assert seen["pallas_kernels.flash_attention.attention"] == {heads}
     assert seen.get("pallas_kernels.paged_attention.attention") == ({heads} if generate else None)
-    # decode rows (<= 64) take the projection kernel, q, k and v in one launch: q and o local; k, v: 2 KV
-    # heads of 16 over the split
-    assert seen["pallas_kernels.linear_decode.linear_many"] == {(16 * heads, 16 * heads // 2, 16 * heads // 2),
-                                                                 (64,)}
+    # <= 64 rows take the projection kernel on the local shard (q and o local; k, v: 2 KV heads of 16 over the
+    # split); up to 16 rows (decode) q, k and v share one launch, the 64-row prefill chunks launch each
+    q, kv = 16 * heads, 16 * heads // 2
+    assert seen["pallas_kernels.linear_decode.linear_many"] == {(q,), (kv,), (64,)} | ({(q, kv, kv)} if generate
+                                                                                       else set())
 
 
 def test_sharded_loading_reads_each_slice(small_checkpoint):

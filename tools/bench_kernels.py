@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import (attention_reference, flash_attention, linear_decode, moe_decode, moe_reference,
-                            paged_attention)
+from pallas_kernels import (attention_reference, flash_attention, linear_decode, moe_decode, moe_prefill,
+                            moe_reference, paged_attention)
 from tools import kernel_cases as kc
 
 LINES = []
@@ -190,7 +190,9 @@ def bench_ragged_decode(model, T, bw):
     return t
 
 
-def bench_moe_prefill(model, T, mm, configs):
+def bench_moe_prefill(model, T, mm, configs, bw, ragged=True):
+    """Grouped-GEMM regime: FLOP rate against the matmul ceiling, and the routed experts' bytes against the
+    copy bandwidth (what bounds a few hundred tokens); `ragged` adds the `ragged_dot` and XLA rows."""
     s = kc.SHAPES[model]
     E, D, I, k = s["E"], s["D"], s["I"], s["k"]
     ex = kc.experts(jax.random.PRNGKey(6), E, D, I)
@@ -198,19 +200,26 @@ def bench_moe_prefill(model, T, mm, configs):
     x, rw, rb = kc.router(jax.random.PRNGKey(7), E, D, T)
     idx, w, _ = moe_reference.route(x, rw, rb, k)
     flops = 2 * T * k * (D * 2 * I + I * D)
+    nbytes = len(np.unique(np.asarray(idx))) * expert_bytes(D, I)
+    rate = lambda t: (f"{flops/t/1e12:6.1f} TFLOP/s = {flops/t/mm*100:5.1f}% of matmul, "
+                      f"{nbytes/t/1e12:5.2f} TB/s = {nbytes/t/bw*100:5.1f}% of copy")
     best = None
     for cfg in configs:
-        f = jax.jit(lambda x, idx, w, kx, cfg=cfg: moe_decode.experts_forward(
+        f = jax.jit(lambda x, idx, w, kx, cfg=cfg: moe_prefill.experts(
             x, idx, w, kx, swiglu_limit=kc.LIMIT, swiglu_alpha=kc.ALPHA, **cfg))
         try:
             t = timeit(f, x, idx, w, kx, n=5, reps=3)
         except Exception as e:  # noqa: BLE001
             log(f"  moe_prefill {model} T={T} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}")
             continue
-        log(f"  moe_prefill {model} T={T} {t*1e3:8.2f} ms {flops/t/1e12:6.1f} TFLOP/s = {flops/t/mm*100:5.1f}% "
-            f"cfg={cfg}")
+        log(f"  moe_prefill {model} T={T} {t*1e3:8.3f} ms {rate(t)} cfg={cfg}")
         if best is None or t < best[0]:
             best = (t, cfg)
+    if not best:
+        return
+    if not ragged:
+        log(f"ROW moe_grouped {model:4s} T={T} | pallas {best[0]*1e3:7.3f} ms {rate(best[0])} | cfg={best[1]}")
+        return
     wgu = jax.random.normal(jax.random.PRNGKey(3), (E, D, 2 * I), jnp.float32).astype(jnp.bfloat16)
     wdn = jax.random.normal(jax.random.PRNGKey(4), (E, I, D), jnp.float32).astype(jnp.bfloat16)
 
@@ -231,10 +240,9 @@ def bench_moe_prefill(model, T, mm, configs):
     del wgu, wdn
     t_ref = timeit(jax.jit(lambda x, rw, rb, ex: moe_reference.moe(
         x, rw, rb, ex, top_k=k, swiglu_limit=kc.LIMIT, swiglu_alpha=kc.ALPHA)), x, rw, rb, ex, n=1, reps=2)
-    if best:
-        log(f"ROW moe_prefill {model:4s} T={T} | pallas {best[0]*1e3:7.2f} ms {flops/best[0]/1e12:6.1f} TFLOP/s "
-            f"({flops/best[0]/mm*100:4.1f}% of {mm/1e12:.0f}) | ragged_dot bf16 {t_rd*1e3:8.2f} ms "
-            f"(pallas {t_rd/best[0]:5.1f}x faster) | XLA dequant+einsum scan {t_ref*1e3:8.2f} ms")
+    log(f"ROW moe_prefill {model:4s} T={T} | pallas {best[0]*1e3:7.2f} ms {flops/best[0]/1e12:6.1f} TFLOP/s "
+        f"({flops/best[0]/mm*100:4.1f}% of {mm/1e12:.0f}) | ragged_dot bf16 {t_rd*1e3:8.2f} ms "
+        f"(pallas {t_rd/best[0]:5.1f}x faster) | XLA dequant+einsum scan {t_ref*1e3:8.2f} ms | cfg={best[1]}")
 
 
 def bench_linear(bw, Ts, configs, L=8):
@@ -271,6 +279,39 @@ def bench_linear(bw, Ts, configs, L=8):
         del w, sep
 
 
+def bench_linear_many(bw, configs, T=1, L=8):
+    """Batch-1 q, k, v projections (gpt-oss [4096, 512, 512] x 2880, 20b and 120b alike) over L stacked
+    layers: one fused launch (`linear_many`) vs three `linear` launches, same configuration, same bytes."""
+    Os, K = (4096, 512, 512), 2880
+    ws = tuple((jax.random.normal(jax.random.PRNGKey(O + i), (L, O, K), jnp.float32) * 0.02).astype(jnp.bfloat16)
+               for i, O in enumerate(Os))
+    bs = tuple(jnp.zeros((O,), jnp.bfloat16) for O in Os)
+    x = jax.random.normal(jax.random.PRNGKey(T), (T, K), jnp.float32).astype(jnp.bfloat16)
+    layers = jnp.arange(L, dtype=jnp.int32)  # traced, as in the layer scan
+    nbytes = sum(Os) * K * 2
+    best = {}
+    for cfg in configs:
+        runs = {"fused": jax.jit(lambda x, ws, ls, cfg=cfg: [linear_decode.linear_many(x, ws, bs, ls[i], **cfg)
+                                                             for i in range(L)]),
+                "3 launches": jax.jit(lambda x, ws, ls, cfg=cfg: [linear_decode.linear(x, w, b, ls[i], **cfg)
+                                                                  for i in range(L) for w, b in zip(ws, bs)])}
+        for name, run in runs.items():
+            try:
+                t = timeit(run, x, ws, layers) / L
+            except Exception as e:  # noqa: BLE001
+                log(f"  linear qkv {name} T={T} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}")
+                continue
+            log(f"  linear qkv {name:10s} T={T:3d} {t*1e6:7.1f} us {nbytes/t/1e12:5.2f} TB/s cfg={cfg}")
+            if name not in best or t < best[name][0]:
+                best[name] = (t, cfg)
+    if len(best) == 2:
+        (tf, cf), (ts, cs) = best["fused"], best["3 launches"]
+        log(f"ROW linear_decode qkv fused [({'+'.join(map(str, Os))}) x {K}] T={T:3d} | pallas fused {tf*1e6:6.1f} us "
+            f"{nbytes/tf/1e12:5.2f} TB/s ({nbytes/tf/bw*100:4.1f}% of {bw/1e12:.2f}) cfg={cf} | 3 launches "
+            f"{ts*1e6:6.1f} us {nbytes/ts/1e12:5.2f} TB/s cfg={cs}")
+    del ws
+
+
 def bench_paged(bw, cases, split_opts):
     for (B, ctx, window, S) in cases:
         q, kp, vp, bt, pos, sinks = kc.paged(jax.random.PRNGKey(B + ctx), B, 64, 8, 64, S, [ctx] * B)
@@ -300,7 +341,7 @@ def bench_paged(bw, cases, split_opts):
                     q, k, v, implementation=impl,
                     local_window_size=(window - 1, 0) if window < ctx else None))
                 res[impl] = timeit(g, q, kc_, kc_, n=10)
-            except Exception as e:  # noqa: BLE001
+            except Exception:  # noqa: BLE001
                 res[impl] = float("nan")
         del kp, vp, kc_
         log(f"ROW paged_decode B={B} ctx={ctx} win={window} page={S} | pallas {best[0]*1e6:8.1f} us "
@@ -357,6 +398,7 @@ def main():
     ap.add_argument("--only", default="")
     ap.add_argument("--models", default="20b,120b", help="MoE shapes to run")
     ap.add_argument("--tokens", default="", help="MoE decode token counts (default: 1,4,16,64)")
+    ap.add_argument("--prefill-tokens", default="8192", help="MoE prefill / large-batch token counts")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     log(f"device: {jax.devices()[0].device_kind}  date {time.strftime('%Y-%m-%d %H:%M')}")
@@ -378,7 +420,9 @@ def main():
         if T * k <= E:
             return out + [g16, dict(g16, prefetch=T != 1), dict(g16, block_k=1024), dict(g16, block_n=32,
                                                                                        block_n_down=32)]
-        return out + [dict(g16, block_m=bm, block_k=bk) for bm in (1, 2, 4) for bk in (512, 1024)]
+        return out + [dict(kernel="mma", block_m=bm, block_n=bn, block_k=bk, block_n_down=bn, num_warps=4,
+                           num_stages=3, swap=sw) for bm, bn, bk, sw in ((16, 64, 128, True), (32, 32, 256, False),
+                                                                         (16, 32, 128, False))]
 
     t0 = time.time()
     if "linear" in only:
@@ -389,6 +433,7 @@ def main():
                  dict(block_n=32, block_k=512, programs=264, num_warps=4, num_stages=2),
                  dict(block_n=32, block_k=256, programs=1056, num_warps=4, num_stages=2)]
         bench_linear(bw, (1, 16, 64), lcfgs[:1] if args.quick else lcfgs)
+        bench_linear_many(bw, lcfgs[:1] if args.quick else lcfgs)
     log(f"[{time.time()-t0:.0f}s]")
     if "moe_decode" in only:
         for model, Ts, L in (("20b", (1, 4, 16, 64), 3), ("120b", (1, 4, 16, 64), 2)):
@@ -411,14 +456,20 @@ def main():
     if "ragged" in only:
         bench_ragged_decode("20b", 1, bw)
     if "moe_prefill" in only:
-        pcfgs = [dict(kernel="mma", block_m=128, block_n=64, block_k=128, block_n_down=64, num_warps=4,
-                      num_stages=3, swap=True),
-                 dict(kernel="mma", block_m=128, block_n=64, block_k=256, block_n_down=64, num_warps=4,
-                      num_stages=3, swap=True),
-                 dict(kernel="mma", block_m=128, block_n=128, block_k=128, block_n_down=128, num_warps=8,
-                      num_stages=3, swap=False)]
-        bench_moe_prefill("20b", 8192, mm, pcfgs if not args.quick else pcfgs[:1])
-        bench_moe_prefill("120b", 8192, mm, pcfgs if not args.quick else pcfgs[:1])
+        def mma(bm, bn, bk, swap, warps, stages=3):
+            return dict(kernel="mma", block_m=bm, block_n=bn, block_k=bk, block_n_down=bn, num_warps=warps,
+                        num_stages=stages, swap=swap)
+        def dense(bm, bn, bk, warps, stages=3):
+            return dict(kernel="dense", block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
+                        group=32)
+        for T in (int(t) for t in args.prefill_tokens.split(",")):
+            for model in args.models.split(","):
+                E = kc.SHAPES[model]["E"]
+                cfgs = [moe_prefill.auto_config(T, 4, E, jnp.bfloat16)] + (
+                    [dense(128, 128, 64, 8, 4), dense(64, 128, 64, 8, 3), mma(128, 64, 128, True, 4)] if T >= 4096
+                    else [mma(64, 32, 256, False, 4), mma(32, 32, 256, False, 4), mma(64, 64, 128, True, 4),
+                          mma(128, 64, 128, True, 4), dense(128, 128, 64, 8)])
+                bench_moe_prefill(model, T, mm, cfgs[:1] if args.quick else cfgs, bw, ragged=T >= 4096)
     log(f"[{time.time()-t0:.0f}s]")
     log("\nSUMMARY")
     for line in LINES:

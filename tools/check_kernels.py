@@ -74,8 +74,9 @@ def main():
                                                                       block_k=512)),
         "moe_decode gemv16 bm2": ("120b", 33, (), functools.partial(moe_decode.moe, kernel="gemv16", block_m=2,
                                                                     block_k=1024, prefetch=False)),
-        "moe_prefill": ("20b", 777, (2, 9), moe_prefill.moe),
-        "moe_prefill ": ("120b", 1001, (), moe_prefill.moe),
+        "moe_prefill": ("20b", 777, (2, 9), moe_prefill.moe),  # dense (97 rows per expert)
+        "moe_prefill ": ("120b", 1001, (), moe_prefill.moe),  # fused mma (31 rows per expert)
+        "moe_prefill dense": ("120b", 2305, (4, 100), moe_prefill.moe),  # 4 expert groups
     }.items():
         s = kc.SHAPES[model]
         key, k1, k2 = jax.random.split(key, 3)
