@@ -471,12 +471,13 @@ def _down_mma_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, w_ref, a_ref, wq
 # Dispatch (JAX)
 
 
-def _pick_bn(n: int, want: int) -> int:
+def _pick_bn(n: int, want: int, least: int = 8) -> int:
+    """The largest power-of-two halving of `want` (>= `least`) that divides the feature size `n`."""
     b = want
-    while b > 8 and n % b:
+    while b > least and n % b:
         b //= 2
     if n % b:
-        raise ValueError(f"feature size {n} is not a multiple of 8")
+        raise ValueError(f"feature size {n} is not a multiple of {least}")
     return b
 
 

@@ -77,16 +77,16 @@ def dequantize(words_RW, scales_RG, base, rows: int, dtype, *, perm_I: int = 0, 
     )(jnp.reshape(base, (1,)).astype(jnp.int32), words_RW, scales_RG)
 
 
-def _in_group(slot_e_ref, slot_rows_ref, s, e0, G):
+def _program(slot_e_ref, slot_rows_ref, bn, e0, G):
+    """This program's slot, first feature, expert, and whether it has work (rows, expert in this group)."""
+    s = pl.program_id(0)
     e = slot_e_ref[s]
-    return e, (slot_rows_ref[s] > 0) & (e >= e0) & (e < e0 + G)
+    return s, pl.multiple_of(pl.program_id(1) * bn, bn), e, (slot_rows_ref[s] > 0) & (e >= e0) & (e < e0 + G)
 
 
 def _gate_up_kernel(ebase_ref, slot_e_ref, slot_start_ref, slot_rows_ref, tok_ref, x_ref, w_ref, bias_ref, a_ref,
                     *, bm, bn, bk, D, e0, G, limit, alpha):
-    s = pl.program_id(0)
-    n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
-    e, mine = _in_group(slot_e_ref, slot_rows_ref, s, e0, G)
+    s, n0, e, mine = _program(slot_e_ref, slot_rows_ref, bn, e0, G)
 
     @pl.when(mine)
     def _():
@@ -120,9 +120,7 @@ def _gate_up_kernel(ebase_ref, slot_e_ref, slot_start_ref, slot_rows_ref, tok_re
 def _down_kernel(ebase_ref, slot_e_ref, slot_start_ref, slot_rows_ref, rw_ref, a_ref, w_ref, bias_ref, y_in_ref,
                  y_ref, *, bm, bn, bk, I, e0, G):
     del y_in_ref  # the same buffer as y_ref: rows of other groups' slots stay as they are
-    s = pl.program_id(0)
-    n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
-    e, mine = _in_group(slot_e_ref, slot_rows_ref, s, e0, G)
+    s, n0, e, mine = _program(slot_e_ref, slot_rows_ref, bn, e0, G)
 
     @pl.when(mine)
     def _():
@@ -173,6 +171,7 @@ def experts_dense(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=
     gu_words, gu_scales = kexp.gu_words.reshape(-1, D // 8), kexp.gu_scales.reshape(-1, D // 32)
     dn_words, dn_scales = kexp.dn_words.reshape(-1, I // 8), kexp.dn_scales.reshape(-1, I // 32)
     S = slot_e.shape[0]
+    bn_gu, bn_dn = moe_decode._pick_bn(I, block_n, 16), moe_decode._pick_bn(D, block_n, 16)  # dots need >= 16
     y = None
     for e0 in range(0, E, group):
         G = min(group, E - e0)
@@ -181,26 +180,17 @@ def experts_dense(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=
                           interpret=interpret).reshape(G, 2, I, D)
         w_dn = dequantize(dn_words, dn_scales, base * D, G * D, operand, interpret=interpret).reshape(G, D, I)
         kw = dict(bm=bm, bk=block_k, e0=e0, G=G)
-        a = call(functools.partial(_gate_up_kernel, bn=_fit(I, block_n), D=D, limit=swiglu_limit,
+        a = call(functools.partial(_gate_up_kernel, bn=bn_gu, D=D, limit=swiglu_limit,
                                    alpha=swiglu_alpha, **kw),
-                 grid=(S, I // _fit(I, block_n)), out_shape=jax.ShapeDtypeStruct((P + bm, I), operand),
+                 grid=(S, I // bn_gu), out_shape=jax.ShapeDtypeStruct((P + bm, I), operand),
                  name="mxfp4_dense_gate_up_swiglu",
                  )(ebase, slot_e, slot_start, slot_rows, tok, x, w_gu, gu_bias)
         y_in = jnp.zeros((P + bm, D), jnp.float32) if y is None else y
-        y = call(functools.partial(_down_kernel, bn=_fit(D, block_n), I=I, **kw),
-                 grid=(S, D // _fit(D, block_n)), out_shape=jax.ShapeDtypeStruct((P + bm, D), jnp.float32),
+        y = call(functools.partial(_down_kernel, bn=bn_dn, I=I, **kw),
+                 grid=(S, D // bn_dn), out_shape=jax.ShapeDtypeStruct((P + bm, D), jnp.float32),
                  input_output_aliases={8: 0}, name="mxfp4_dense_down",
                  )(ebase, slot_e, slot_start, slot_rows, rw, a, w_dn, dn_bias, y_in)
     return moe_decode.combine(y, order, valid_TK, T, k, x_TD.dtype)
-
-
-def _fit(n: int, want: int) -> int:
-    b = want
-    while b > 16 and n % b:
-        b //= 2
-    if n % b:
-        raise ValueError(f"feature size {n} is not a multiple of 16")
-    return b
 
 
 DENSE_CONFIG = dict(kernel="dense", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, group=32)
