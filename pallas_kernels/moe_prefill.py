@@ -117,9 +117,9 @@ def _gate_up_kernel(ebase_ref, slot_e_ref, slot_start_ref, slot_rows_ref, tok_re
         plt.store(a_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], act.astype(a_ref.dtype), mask=row_ok[:, None])
 
 
-def _down_kernel(ebase_ref, slot_e_ref, slot_start_ref, slot_rows_ref, rw_ref, a_ref, w_ref, bias_ref, y_in_ref,
-                 y_ref, *, bm, bn, bk, I, e0, G):
-    del y_in_ref  # the same buffer as y_ref: rows of other groups' slots stay as they are
+def _down_kernel(ebase_ref, slot_e_ref, slot_start_ref, slot_rows_ref, rw_ref, a_ref, w_ref, bias_ref, *y_refs,
+                 bm, bn, bk, I, e0, G):
+    y_ref = y_refs[-1]  # after the first group also the input: rows of other groups' slots stay as they are
     s, n0, e, mine = _program(slot_e_ref, slot_rows_ref, bn, e0, G)
 
     @pl.when(mine)
@@ -141,13 +141,14 @@ def _down_kernel(ebase_ref, slot_e_ref, slot_start_ref, slot_rows_ref, rw_ref, a
         plt.store(y_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], y, mask=row_ok[:, None])
 
 
-_STATIC = ("kernel", "swiglu_limit", "swiglu_alpha", "block_m", "block_n", "block_k", "num_warps", "num_stages", "group",
-           "interpret")
+_STATIC = ("kernel", "swiglu_limit", "swiglu_alpha", "block_m", "block_n", "block_k", "num_warps", "num_stages",
+           "group", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def experts_dense(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, *, swiglu_limit, swiglu_alpha,
-                  kernel="dense", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, group=32, interpret=None):
+def experts_dense(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, *, swiglu_limit,
+                  swiglu_alpha, kernel="dense", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3,
+                  group=32, interpret=None):
     """`moe_decode.experts_forward`'s contract (routing given, `layer` indexing stacked experts in place,
     `valid_TK`), computed by dequantizing `group` experts at a time and running the grouped GEMMs."""
     assert kernel == "dense", kernel
@@ -185,11 +186,11 @@ def experts_dense(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=
                  grid=(S, I // bn_gu), out_shape=jax.ShapeDtypeStruct((P + bm, I), operand),
                  name="mxfp4_dense_gate_up_swiglu",
                  )(ebase, slot_e, slot_start, slot_rows, tok, x, w_gu, gu_bias)
-        y_in = jnp.zeros((P + bm, D), jnp.float32) if y is None else y
+        y_in = () if y is None else (y,)  # the first group writes a fresh buffer, the others into it
         y = call(functools.partial(_down_kernel, bn=bn_dn, I=I, **kw),
                  grid=(S, D // bn_dn), out_shape=jax.ShapeDtypeStruct((P + bm, D), jnp.float32),
-                 input_output_aliases={8: 0}, name="mxfp4_dense_down",
-                 )(ebase, slot_e, slot_start, slot_rows, rw, a, w_dn, dn_bias, y_in)
+                 input_output_aliases={8: 0} if y_in else {}, name="mxfp4_dense_down",
+                 )(ebase, slot_e, slot_start, slot_rows, rw, a, w_dn, dn_bias, *y_in)
     return moe_decode.combine(y, order, valid_TK, T, k, x_TD.dtype)
 
 
