@@ -99,6 +99,7 @@ class SequencePages:
     sliding: list[int] = dataclasses.field(default_factory=list)
     hashes: list[int] = dataclasses.field(default_factory=list)  # of leading full pages (prefix caching)
     num_registered: int = 0  # leading full pages already offered to the prefix cache
+    sliding_start: int = 0   # sliding entries before this are all NULL_PAGE (slide() skips them)
     rank: int = 0  # the attention rank whose pool holds these pages (ids are rank-local)
 
 
@@ -164,7 +165,9 @@ class KVCacheManager:
     def allocate(self, pages: SequencePages, first_query: int, end: int) -> None:
         while len(pages.full) < math.ceil(end / self.page_size):
             pages.full.append(self.full.allocate())
-        for i in self._sliding_range(first_query, end):
+        span = self._sliding_range(first_query, end)
+        pages.sliding_start = min(pages.sliding_start, span.start)
+        for i in span:
             while len(pages.sliding) <= i:
                 pages.sliding.append(NULL_PAGE)
             if pages.sliding[i] == NULL_PAGE:
@@ -172,9 +175,11 @@ class KVCacheManager:
 
     def slide(self, pages: SequencePages, next_query: int) -> None:
         """Release sliding pages no query from `next_query` on can see."""
-        for i in range(min(len(pages.sliding), max(0, next_query - self.window + 1) // self.page_size)):
+        stop = min(len(pages.sliding), max(0, next_query - self.window + 1) // self.page_size)
+        for i in range(pages.sliding_start, stop):
             self.sliding.release(pages.sliding[i])
             pages.sliding[i] = NULL_PAGE
+        pages.sliding_start = max(pages.sliding_start, stop)
 
     def register(self, pages: SequencePages, token_ids: list[int], num_computed: int) -> None:
         """Offer the full pages whose tokens are all computed to the prefix cache."""
@@ -194,7 +199,7 @@ class KVCacheManager:
         pages.full.clear()
         pages.sliding.clear()
         pages.hashes.clear()
-        pages.num_registered = 0
+        pages.num_registered = pages.sliding_start = 0
 
 
 class RankedKVCacheManager:
