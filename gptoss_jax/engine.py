@@ -1,10 +1,12 @@
 """The serving engine: requests in, tokens out, one scheduler + device step at a time.
 
-`Engine.step()` asks the scheduler for this step's work (prefill chunks and decoding sequences),
-dispatches one compiled prefill call and one compiled (multi-step) decode call — both enqueued
-before the host waits on either — then appends the sampled tokens, applies stop tokens, stop
-strings and length limits, and reports what each request gained. The offline `LLM` API and the
-server's `AsyncEngine` both drive this loop. Design notes: docs/engine.md.
+`Engine.step()` asks the scheduler for this step's work (prefill chunks and decoding sequences) and
+dispatches one compiled prefill call and one compiled (multi-step) decode call. With async
+scheduling (the default) it then reads the *previous* step's sampled tokens while the new calls
+run: decode inputs come from an on-device last-token table, so the device never waits for the
+host's bookkeeping. Reading a step's tokens appends them, applies stop tokens, stop strings and
+length limits, and reports what each request gained. The offline `LLM` API and the server's
+`AsyncEngine` both drive this loop. Design notes: docs/engine.md.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, Sequence as Seq
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 
@@ -60,6 +63,16 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     num_compiles: int      # process-wide compiled step programs
+
+
+@dataclasses.dataclass
+class _Call:
+    """A dispatched step whose sampled tokens the host has not read yet. Entries carry the sequence's
+    epoch at dispatch: a sequence that left the batch since (finished, aborted, preempted) is skipped."""
+    prefills: list[tuple[Sequence, int, int, bool]]  # sequence, row, epoch, chunk ends the prompt
+    decodes: list[tuple[Sequence, int, int]]          # sequence, row, epoch
+    prefill_out: steps.Sampled | None
+    decode_out: steps.Sampled | None
 
 
 class Engine:
@@ -135,6 +148,11 @@ class Engine:
                                                                       self.dtype),
                                  out_shardings=layout.cache_sharding(mc.num_kv_heads))()
         self.scheduler = Scheduler(ec, self.kv)
+        # Last sampled token per sequence slot; the extra slot takes padding rows' writes.
+        self._spare_slot = ec.max_num_seqs
+        last = np.zeros(ec.max_num_seqs + 1, np.int32)
+        self._last_tokens = jnp.asarray(last) if layout is None else jax.device_put(last, layout.named(P()))
+        self._in_flight: _Call | None = None
         self.num_top = max(1, ec.max_logprobs)
         self._ctx_buckets = ec.context_buckets(self.max_model_len)
         self._requests: dict[str, Sequence] = {}
@@ -187,7 +205,7 @@ class Engine:
     def close(self) -> None:
         """Free the KV cache's device memory now (a new engine in the same process sizes its cache from
         free memory, so it must not wait for garbage collection)."""
-        for buf in jax.tree.leaves(self.cache):
+        for buf in jax.tree.leaves((self.cache, self._last_tokens)):
             buf.delete()
 
     def has_unfinished_requests(self) -> bool:
@@ -202,25 +220,43 @@ class Engine:
     def step(self) -> list[StepOutput]:
         outputs, self._aborted = self._aborted, []
         work = self.scheduler.schedule()
-        if work.empty:
-            return outputs
-        # Both calls are enqueued before the host blocks on either result.
-        pre = self._dispatch_prefill(work.prefills) if work.prefills else None
-        dec = self._dispatch_decode(work.decodes) if work.decodes else None
-        if pre is not None:
-            pre, pre_rows = pre
-            sampled = _to_host(pre, any(c.seq.params.logprobs is not None for c in work.prefills))
-            for row, chunk in zip(pre_rows, work.prefills):
-                seq = chunk.seq
-                self.scheduler.advance(seq, chunk.start + chunk.num_tokens)
-                if seq.num_computed == len(seq.token_ids):
+        call = None if work.empty else self._launch(work)
+        if self._in_flight is not None:  # read while `call` runs on the device
+            outputs += self._collect(self._in_flight)
+        self._in_flight = None
+        if call is not None:
+            if self.config.async_scheduling:
+                self._in_flight = call
+            else:
+                outputs += self._collect(call)
+        return outputs
+
+    def _launch(self, work) -> _Call:
+        """Enqueue this step's prefill and decode calls (neither waits for the other)."""
+        pre = self._dispatch_prefill(work.prefills) if work.prefills else (None, [])
+        dec = self._dispatch_decode(work.decodes) if work.decodes else (None, [])
+        call = _Call([(c.seq, row, c.seq.epoch, c.start + c.num_tokens == len(c.seq.token_ids))
+                      for row, c in zip(pre[1], work.prefills)],
+                     [(seq, row, seq.epoch) for row, seq in zip(dec[1], work.decodes)], pre[0], dec[0])
+        self.scheduler.launched(work)
+        return call
+
+    def _collect(self, call: _Call) -> list[StepOutput]:
+        """Wait for a call's tokens and hand them to their sequences."""
+        outputs = []
+        if call.prefills:
+            sampled = _to_host(call.prefill_out, any(s.params.logprobs is not None for s, *_ in call.prefills))
+            for seq, row, epoch, ends_prompt in call.prefills:
+                if ends_prompt and seq.epoch == epoch:
+                    seq.num_pending -= 1
                     outputs.append(self._append(seq, [_pick(sampled, (row,))]))
-        if dec is not None:
-            dec, dec_rows = dec
-            sampled = _to_host(dec, any(s.params.logprobs is not None for s in work.decodes))
-            for row, seq in zip(dec_rows, work.decodes):
-                picks = [_pick(sampled, (k, row)) for k in range(sampled[0].shape[0])]
-                outputs.append(self._append(seq, picks))
+        if call.decodes:
+            sampled = _to_host(call.decode_out, any(s.params.logprobs is not None for s, *_ in call.decodes))
+            K = sampled[0].shape[0]
+            for seq, row, epoch in call.decodes:
+                if seq.epoch == epoch:
+                    seq.num_pending -= K
+                    outputs.append(self._append(seq, [_pick(sampled, (k, row)) for k in range(K)]))
         return outputs
 
     def _append(self, seq: Sequence, picks: list[tuple[int, float, list[tuple[int, float]]]]) -> StepOutput:
@@ -244,9 +280,8 @@ class Engine:
                 break
         self._generation_tokens += len(new)
         if reason is None:
-            self.scheduler.advance(seq, len(seq.token_ids) - 1)
+            self.kv.register(seq.pages, seq.token_ids, seq.num_computed)  # pages its new tokens completed
         else:
-            seq.finished = True
             self.scheduler.remove(seq)
             del self._requests[seq.request_id]
         return StepOutput(seq.request_id, new, reason is not None, reason, stop_reason,
@@ -319,19 +354,30 @@ class Engine:
         out, self.cache = steps.prefill(self.params, self.cache, self._put(tokens), self._put(positions), tables,
                                         self._put(last), self._sampling(seqs, rows, row_of), cfg=self.model_config,
                                         impl=self.impl, layout=self.layout, num_top=self.num_top)
+        self._last_tokens = steps.store_tokens(self._last_tokens, self._slots(seqs, rows, row_of), out.tokens)
         return out, row_of
+
+    def _slots(self, seqs: list[Sequence], rows: int, row_of: list[int]) -> jax.Array:
+        slots = np.full((rows,), self._spare_slot, np.int32)
+        for i, s in zip(row_of, seqs):
+            slots[i] = s.slot
+        return self._put(slots)
 
     def _dispatch_decode(self, seqs: list[Sequence]) -> tuple[steps.Sampled, list[int]]:
         K = self.config.decode_steps_per_call
         rows, row_of = self._rows(seqs, self.config.decode_buckets())
-        tokens = np.zeros((rows,), np.int32)
+        first = [s.decode_span(K)[0] for s in seqs]
         positions = np.full((rows,), -1, np.int32)
-        for i, s in zip(row_of, seqs):
-            tokens[i], positions[i] = s.token_ids[-1], len(s.token_ids) - 1
-        tables = self._tables(seqs, rows, self._width([len(s.token_ids) - 1 + K for s in seqs]), row_of)
-        out, self.cache = steps.decode(self.params, self.cache, self._put(tokens), self._put(positions), tables,
+        positions[row_of] = first
+        host = np.zeros((rows,), np.int32)  # -1: the input token is still on the device
+        host[row_of] = [-1 if s.num_pending else s.token_ids[-1] for s in seqs]
+        tables = self._tables(seqs, rows, self._width([p + K for p in first]), row_of)
+        slots = self._slots(seqs, rows, row_of)
+        tokens = steps.load_tokens(self._last_tokens, slots, self._put(host))
+        out, self.cache = steps.decode(self.params, self.cache, tokens, self._put(positions), tables,
                                        self._sampling(seqs, rows, row_of), cfg=self.model_config, impl=self.impl,
                                        layout=self.layout, num_steps=K, num_top=self.num_top)
+        self._last_tokens = steps.store_tokens(self._last_tokens, slots, out.tokens)
         return out, row_of
 
     def warmup(self) -> None:
@@ -340,20 +386,23 @@ class Engine:
         R, i32 = self.num_ranks, np.int32
         for width in self._ctx_buckets:
             for rows in (R * b for b in ec.decode_buckets()):
-                tables = self._tables([], rows, width)
+                tables, slots = self._tables([], rows, width), self._slots([], rows, [])
+                tokens = steps.load_tokens(self._last_tokens, slots, self._put(np.zeros(rows, i32)))
                 out, self.cache = steps.decode(
-                    self.params, self.cache, self._put(np.zeros((rows,), i32)), self._put(np.full((rows,), -1, i32)),
-                    tables, self._sampling([], rows), cfg=self.model_config, impl=self.impl, layout=self.layout,
+                    self.params, self.cache, tokens, self._put(np.full((rows,), -1, i32)), tables,
+                    self._sampling([], rows), cfg=self.model_config, impl=self.impl, layout=self.layout,
                     num_steps=ec.decode_steps_per_call, num_top=self.num_top)
+                self._last_tokens = steps.store_tokens(self._last_tokens, slots, out.tokens)
             for rows in (R * b for b in ec.prefill_row_buckets()):
-                tables = self._tables([], rows, width)
+                tables, slots = self._tables([], rows, width), self._slots([], rows, [])
                 for T in ec.prefill_token_buckets():
                     out, self.cache = steps.prefill(
                         self.params, self.cache, self._put(np.zeros((rows, T), i32)),
                         self._put(np.full((rows, T), -1, i32)), tables, self._put(np.zeros((rows,), i32)),
                         self._sampling([], rows), cfg=self.model_config, impl=self.impl, layout=self.layout,
                         num_top=self.num_top)
-        jax.block_until_ready(self.cache)
+                    self._last_tokens = steps.store_tokens(self._last_tokens, slots, out.tokens)
+        jax.block_until_ready((self.cache, self._last_tokens))
 
     def run_prompt(self, token_ids: Seq[int], step_fn) -> list[tuple[Any, int]]:
         """Feed one prompt through the paged cache in prefill chunks, outside the scheduler: per chunk,

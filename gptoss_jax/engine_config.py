@@ -25,6 +25,7 @@ class EngineConfig:
     prefill_chunk_size: int = 512          # most prompt tokens of one sequence per step
     max_prefill_seqs: int = 4              # sequences packed into one prefill call
     decode_steps_per_call: int = 1         # tokens per decode call, sampled on device (multi-step)
+    async_scheduling: bool = True          # schedule and dispatch a step before reading the previous one
     page_size: int = 16
     kv_cache_memory_fraction: float = 0.9  # of free device memory after the weights
     num_pages: int | None = None           # full-layer pages, overrides the memory fraction
@@ -79,8 +80,9 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.parallel_mode={self.parallel_mode!r}: 'low_latency' or 'max_throughput'")
         if self.expert_dispatch not in ("all_gather", "all_to_all"):
             raise ConfigError(f"EngineConfig.expert_dispatch={self.expert_dispatch!r}: 'all_gather' or 'all_to_all'")
-        if not isinstance(self.enable_prefix_caching, bool) or not isinstance(self.warmup, bool):
-            raise ConfigError("EngineConfig.enable_prefix_caching and .warmup must be true or false")
+        for name in ("enable_prefix_caching", "warmup", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"EngineConfig.{name}={getattr(self, name)!r}: must be true or false")
 
     # ---- buckets -------------------------------------------------------------------------------
     def decode_buckets(self) -> tuple[int, ...]:

@@ -6,6 +6,11 @@ admitted from the waiting queue while pages, the sequence limit and the budget a
 therefore advances a chunk per step while everyone else keeps decoding. When the full-layer pool
 runs dry, the newest running sequence is preempted: its pages are freed and it goes back to the
 front of the queue to be recomputed later (its tokens and seeds are kept, so its output is the same).
+
+A step is scheduled before the previous step's tokens reach the host (async scheduling): `launched`
+marks what a dispatched call will compute and sample (`num_pending` tokens still on device), so the
+next decode of a sequence feeds its pending last token from the device. Work for a sequence that
+turns out to have finished, or was preempted, is dropped when its results arrive (`epoch`).
 """
 
 from __future__ import annotations
@@ -29,15 +34,22 @@ class Sequence:
     key: tuple[int, int]  # PRNG key data; token at position p is drawn with fold_in(key, p - 1)
     max_len: int          # total tokens at which the request ends with "length"
     pages: SequencePages = dataclasses.field(default_factory=SequencePages)
-    num_computed: int = 0
+    num_computed: int = 0             # positions whose K/V a dispatched call writes
+    num_pending: int = 0              # tokens sampled by dispatched calls, not yet in token_ids
+    slot: int = -1                    # its entry in the engine's on-device last-token table
+    epoch: int = 0                    # bumped when it leaves the running batch: in-flight work is void
     full_cached: int = 0              # positions below come from prefix-cached full-layer pages
     num_cached_prompt_tokens: int = 0  # prompt tokens skipped thanks to the prefix cache
-    finished: bool = False
     text_bytes: bytearray = dataclasses.field(default_factory=bytearray)  # for stop strings
 
     @property
     def num_uncomputed(self) -> int:
-        return len(self.token_ids) - self.num_computed
+        return len(self.token_ids) + self.num_pending - self.num_computed
+
+    def decode_span(self, steps: int) -> tuple[int, int]:
+        """(first query position, end of the K/V positions to hold) of its next decode call."""
+        first = len(self.token_ids) + self.num_pending - 1
+        return first, min(first + steps, self.max_len - 1)
 
     @property
     def num_output_tokens(self) -> int:
@@ -68,6 +80,7 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # in admission order, oldest first
         self.num_preemptions = 0
+        self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -75,11 +88,17 @@ class Scheduler:
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and free its pages (full ones stay prefix-cached)."""
         if seq in self.running:
-            self.running.remove(seq)
+            self._leave(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.kv.register(seq.pages, seq.token_ids, seq.num_computed)
         self.kv.free(seq.pages)
+
+    def _leave(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free_slots.append(seq.slot)
+        seq.slot, seq.num_pending = -1, 0
+        seq.epoch += 1
 
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
@@ -87,10 +106,14 @@ class Scheduler:
         scheduled: set[int] = set()
         decodes: list[Sequence] = []
         for seq in list(self.running):
-            if seq not in self.running or seq.num_uncomputed != 1:
+            if seq not in self.running:
                 continue
-            first = len(seq.token_ids) - 1
-            end = min(first + cfg.decode_steps_per_call, seq.max_len - 1)
+            first, end = seq.decode_span(cfg.decode_steps_per_call)
+            if seq.num_pending and end <= first:  # its last tokens are in flight: it ends by length
+                scheduled.add(id(seq))  # when they land, so no reservation may preempt it
+                continue
+            if seq.num_uncomputed != 1:
+                continue
             if self._reserve(seq, first, end, scheduled):
                 decodes.append(seq)
                 scheduled.add(id(seq))
@@ -100,7 +123,7 @@ class Scheduler:
         for seq in list(self.running):
             if budget <= 0 or len(prefills) == cfg.max_prefill_seqs:
                 break
-            if seq not in self.running or id(seq) in scheduled:
+            if seq not in self.running or id(seq) in scheduled or seq.num_pending:
                 continue
             n = min(seq.num_uncomputed, cfg.prefill_chunk_size, budget)
             if self._reserve(seq, seq.num_computed, seq.num_computed + n, scheduled):
@@ -123,6 +146,7 @@ class Scheduler:
             self.kv.allocate(seq.pages, start, start + n)
             self.waiting.popleft()
             self.running.append(seq)
+            seq.slot = self._free_slots.pop()
             seq.num_computed, seq.full_cached = start, hit
             if seq.num_output_tokens == 0:
                 seq.num_cached_prompt_tokens = start
@@ -157,16 +181,28 @@ class Scheduler:
         return max(open_ranks, key=lambda r: (self.kv.ranks[r].full.num_available, -r))
 
     def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
+        self._leave(seq)
         self.kv.register(seq.pages, seq.token_ids, seq.num_computed)
         self.kv.free(seq.pages)
         seq.num_computed = seq.full_cached = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def advance(self, seq: Sequence, num_computed: int) -> None:
-        """`seq`'s first `num_computed` tokens now have K/V: drop sliding pages the window left behind
-        and offer completed full pages to the prefix cache."""
+    def launched(self, work: SchedulerOutput) -> None:
+        """`work` is on the device: its K/V positions count as computed and its sampled tokens as
+        pending. Sliding pages the window left behind go back to the pool only now, after the call that
+        may still read them was enqueued (later calls run after it)."""
+        K = self.config.decode_steps_per_call
+        for seq in work.decodes:
+            _, end = seq.decode_span(K)
+            seq.num_pending += K
+            self._advance(seq, end)
+        for c in work.prefills:
+            if c.start + c.num_tokens == len(c.seq.token_ids):
+                c.seq.num_pending += 1
+            self._advance(c.seq, c.start + c.num_tokens)
+
+    def _advance(self, seq: Sequence, num_computed: int) -> None:
         seq.num_computed = num_computed
-        self.kv.slide(seq.pages, seq.num_computed)
-        self.kv.register(seq.pages, seq.token_ids, seq.num_computed)
+        self.kv.slide(seq.pages, num_computed)
+        self.kv.register(seq.pages, seq.token_ids, num_computed)

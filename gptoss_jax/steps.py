@@ -1,4 +1,5 @@
-"""The compiled device steps of the engine: chunked prefill, multi-step decode, and prompt logits.
+"""The compiled device steps of the engine: chunked prefill, multi-step decode, prompt logits, and the
+last-token table that feeds one call's sampled tokens to the next without a host round trip.
 
 Each is one `jax.jit` program per shape bucket with the KV cache donated (updated in place). Sampling
 runs on device: every row carries its own PRNG key, folded with the position being predicted from,
@@ -88,6 +89,23 @@ def decode(params: Params, cache: model.PagedKVCache, tokens_B: jax.Array, posit
 
     (cache, _, _), outs = jax.lax.scan(one, (cache, tokens_B, positions_B), None, length=num_steps)
     return outs, cache
+
+
+@functools.partial(jax.jit, donate_argnames=("table_S",))
+def store_tokens(table_S: jax.Array, slots_B: jax.Array, tokens_B: jax.Array) -> jax.Array:
+    """Record each row's last sampled token (`tokens_B`, or the last step of `[steps, B]`) in its
+    sequence's slot of the on-device last-token table (padding rows point at a spare slot), so the
+    next decode call can be dispatched before the host has seen the token."""
+    TRACES["store_tokens"] += 1
+    return table_S.at[slots_B].set(tokens_B.reshape(-1, slots_B.shape[0])[-1])
+
+
+@jax.jit
+def load_tokens(table_S: jax.Array, slots_B: jax.Array, host_B: jax.Array) -> jax.Array:
+    """Decode input tokens: from the last-token table where the host has not seen the token yet
+    (`host_B` < 0), else `host_B` (e.g. a prompt's last token when its chunks ended just before it)."""
+    TRACES["load_tokens"] += 1
+    return jnp.where(host_B < 0, table_S[slots_B], host_B)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "impl", "layout"), donate_argnames=("cache",))

@@ -211,3 +211,34 @@ def test_batch_job_resumes(engine, tmp_path):
     src.write_text('{"prompt_token_ids": [1], "max_tokenz": 3}\n')
     with pytest.raises(ValueError, match=r"in.jsonl:1: unknown field\(s\) \['max_tokenz'\]"):
         batch.run(engine, src, dst, {}, progress=False)
+
+
+def test_async_scheduling_matches_sync(small_checkpoint, engine):
+    """Dispatching a step before reading the last one changes nothing a request sees, through
+    multi-step decode, stops inside a call, preemption and seeded sampling."""
+    assert engine.config.async_scheduling  # the default, used by every test above
+    kw = {**SMALL, "decode_steps_per_call": 3}
+    sync = Engine(small_checkpoint, dtype="float32", progress=False, async_scheduling=False, **kw)
+    pipelined = Engine(small_checkpoint, dtype="float32", progress=False, **kw)
+    ps = prompts(5, 4, 14, seed=10)
+    free = alone(sync, ps[0], greedy(8))[0]
+    reqs = {"stop": (ps[0], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[free[4]])),
+            "seeded": (ps[1], SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=20, stop_token_ids=[])),
+            **{f"g{i}": (p, greedy(36 - len(p))) for i, p in enumerate(ps[2:])}}
+    expect = run(sync, reqs)
+    before = pipelined.stats().num_preemptions
+    assert run(pipelined, reqs) == expect
+    assert pipelined.stats().num_preemptions > before and pipelined.stats().kv_cache_usage == 0
+    assert expect["stop"] == (free[:free.index(free[4])], "stop", free[4])
+
+
+def test_abort_while_a_call_is_in_flight(engine):
+    engine.add_request("a", list(range(2, 12)), greedy(10))
+    engine.add_request("b", list(range(3, 9)), greedy(4))
+    while engine.stats().num_running < 2 or engine.scheduler.running[0].num_pending == 0:
+        engine.step()
+    engine.abort_request("a")  # its in-flight tokens must not come back
+    outs = [o for _ in range(30) for o in engine.step()]
+    assert [o.finish_reason for o in outs if o.request_id == "a"] == ["abort"]
+    assert sum(len(o.new_token_ids) for o in outs if o.request_id == "b") > 0
+    assert not engine.has_unfinished_requests() and engine.stats().kv_cache_usage == 0
