@@ -9,6 +9,7 @@ the kernels' layout.
 
     python tools/bench_throughput.py --preset gpt-oss-20b --jobs 1024/1024x256,8192/1024x64 --out $OUT/tp.json
     python tools/bench_throughput.py --smoke                                   # tiny model, CPU check
+    python tools/bench_throughput.py --jobs 1024/1024x512 --set max_num_seqs=512 --set max_prefill_seqs=8
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import yaml  # noqa: E402
 
 import pallas_kernels  # noqa: E402
 from gptoss_jax import config, params as params_lib  # noqa: E402
@@ -82,9 +84,17 @@ def main() -> None:
     ap.add_argument("--latency-config", default="low_latency")
     ap.add_argument("--impl", choices=["pallas", "reference"], default=None, help="default: pallas on GPU")
     ap.add_argument("--skip", choices=["throughput", "latency"], help="leave out those jobs")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="engine setting for the throughput jobs, over the profile (repeatable)")
     ap.add_argument("--out", default="throughput.json")
     args = ap.parse_args()
     overrides = {}
+    settings = {}
+    for item in args.set:
+        key, eq, value = item.partition("=")
+        if not eq:
+            ap.error(f"--set {item!r}: expected KEY=VALUE, e.g. max_num_seqs=512")
+        settings[key] = yaml.safe_load(value)
     if args.smoke:
         cfg = config.from_hf_dict(SMOKE)
         args.jobs, args.latency_input_len, args.latency_output_len = "24/16x8", 24, 16
@@ -121,9 +131,10 @@ def main() -> None:
         chunk = overrides.get("prefill_chunk_size")
         # One block-table width and one prefill length: a short fixed set of programs to compile.
         max_len = input_len + output_len
+        job_settings = settings if name.startswith("throughput") else {}
         engine = Engine(loaded=(cfg, params), config=profile, impl=args.impl,
-                        **{**overrides, "max_model_len": max_len, "min_context_bucket": max_len, "warmup": True,
-                           "min_prefill_bucket": chunk or 2048})
+                        **{**overrides, **job_settings, "max_model_len": max_len, "min_context_bucket": max_len,
+                           "warmup": True, "min_prefill_bucket": chunk or 2048})
         warm = time.perf_counter() - t0
         print(f"[{name}] {profile}: engine ready (warm-up {warm:.1f}s, {engine.stats().num_compiles} programs, "
               f"{engine.kv.full.num_pages} full pages)", flush=True)
