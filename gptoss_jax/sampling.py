@@ -73,14 +73,30 @@ def sample(logits_BV: jax.Array, keys_B: jax.Array, temperature_B: jax.Array, to
 # Candidates examined without a full sort. Every filter keeps a prefix of the tokens sorted by logit,
 # so each is a threshold on the logit; only a top-k beyond this, or a top-p nucleus wider than it (a
 # very flat distribution), needs the whole vocabulary sorted, and only batches containing such a row
-# pay for it.
+# pay for it. Batches without a top-k or top-p row skip the candidates (min-p needs only the maximum).
 TOP_CANDIDATES = 1024
+DRAW_BLOCK = 1024  # the inverse-CDF draw finds a block of this many tokens, then the token inside it
 
 
 def _filtered_draw(logits, keys_B, temperature_B, top_k_B, top_p_B, min_p_B, greedy):
-    V = logits.shape[-1]
+    B, V = logits.shape
     temp = jnp.maximum(temperature_B, 1e-6)[:, None]
     scaled = logits / temp
+    top0 = jnp.max(logits, axis=-1) / temp[:, 0]
+    ranked = (temperature_B > 0) & (((top_k_B > 0) & (top_k_B < V)) | (top_p_B < 1))
+    t = jax.lax.cond(jnp.any(ranked), lambda: _rank_threshold(logits, scaled, temp, top_k_B, top_p_B),
+                     lambda: jnp.full((B,), -jnp.inf, scaled.dtype))
+    t_min_p = jnp.where(min_p_B > 0, top0 + jnp.log(jnp.maximum(min_p_B, 1e-30)), -jnp.inf)
+    threshold = jnp.minimum(jnp.maximum(t, t_min_p), top0)  # the most likely token always survives
+    w = jnp.where(scaled >= threshold[:, None], jnp.exp(scaled - top0[:, None]), 0.0)
+    drawn = _inverse_cdf(w, jax.vmap(lambda key: jax.random.uniform(key))(keys_B))
+    drawn = jnp.where(w[jnp.arange(B), drawn] > 0, drawn, greedy)  # u landed on a zero-width edge
+    return jnp.where(temperature_B > 0, drawn, greedy).astype(jnp.int32)
+
+
+def _rank_threshold(logits, scaled, temp, top_k_B, top_p_B):
+    """Per row, the smallest scaled logit the top-k and top-p filters keep (-inf: neither)."""
+    V = logits.shape[-1]
     lse = jax.nn.logsumexp(scaled, axis=-1)
     # Temperature keeps each row's order, so take the candidates from the raw logits: XLA then keeps a
     # real top-k instead of lowering it (behind the division) to a full sort.
@@ -100,17 +116,24 @@ def _filtered_draw(logits, keys_B, temperature_B, top_k_B, top_p_B, min_p_B, gre
 
     covered = jnp.sum(jnp.exp(top - lse[:, None]), axis=-1)
     needs_full = ((k > C) & (k < V)) | ((top_p_B < 1) & (covered < top_p_B) & (k > C))
-    t = jax.lax.cond(jnp.any(needs_full), lambda: prefix_thresholds(jnp.sort(scaled, axis=-1)[:, ::-1]),
-                     lambda: prefix_thresholds(top))
-    t_min_p = jnp.where(min_p_B > 0, top[:, 0] + jnp.log(jnp.maximum(min_p_B, 1e-30)), -jnp.inf)
-    threshold = jnp.minimum(jnp.maximum(t, t_min_p), top[:, 0])  # the most likely token always survives
-    # Inverse-CDF draw: one uniform per row instead of a Gumbel number per vocabulary entry.
-    w = jnp.where(scaled >= threshold[:, None], jnp.exp(scaled - top[:, :1]), 0.0)
-    cdf = jnp.cumsum(w, axis=-1)
-    u = jax.vmap(lambda key: jax.random.uniform(key))(keys_B) * cdf[:, -1]
-    drawn = jnp.minimum(jnp.sum(cdf <= u[:, None], axis=-1), V - 1)
-    drawn = jnp.where(w[jnp.arange(w.shape[0]), drawn] > 0, drawn, greedy)  # u landed on a zero-width edge
-    return jnp.where(temperature_B > 0, drawn, greedy).astype(jnp.int32)
+    return jax.lax.cond(jnp.any(needs_full), lambda: prefix_thresholds(jnp.sort(scaled, axis=-1)[:, ::-1]),
+                        lambda: prefix_thresholds(top))
+
+
+def _inverse_cdf(w_BV: jax.Array, u_B: jax.Array) -> jax.Array:
+    """The token where the cumulative weight first exceeds `u * total`, per row. Two levels (block
+    sums, then a cumulative sum inside one block) instead of a cumulative sum over the vocabulary,
+    which XLA runs as many passes over `[B, V]`."""
+    B, V = w_BV.shape
+    nb = -(-V // DRAW_BLOCK)
+    w = jnp.pad(w_BV, ((0, 0), (0, nb * DRAW_BLOCK - V))).reshape(B, nb, DRAW_BLOCK)
+    cum_blocks = jnp.cumsum(jnp.sum(w, axis=-1), axis=-1)  # [B, nb]
+    u = u_B * cum_blocks[:, -1]
+    j = jnp.minimum(jnp.sum(cum_blocks <= u[:, None], axis=-1), nb - 1)
+    before = jnp.where(j > 0, jnp.take_along_axis(cum_blocks, jnp.maximum(j - 1, 0)[:, None], -1)[:, 0], 0.0)
+    inner = jnp.cumsum(jnp.take_along_axis(w, j[:, None, None], axis=1)[:, 0], axis=-1)  # [B, DRAW_BLOCK]
+    i = jnp.minimum(jnp.sum(inner <= (u - before)[:, None], axis=-1), DRAW_BLOCK - 1)
+    return jnp.minimum(j * DRAW_BLOCK + i, V - 1)
 
 
 def logprobs(logits_BV: jax.Array, tokens_B: jax.Array, num_top: int

@@ -49,3 +49,18 @@ def test_draw_frequencies_follow_the_distribution():
     draws = np.asarray(f(jax.random.split(jax.random.PRNGKey(0), 4000)))
     freq = np.bincount(draws, minlength=4) / len(draws)
     np.testing.assert_allclose(freq[:3], [0.5, 0.3, 0.2], atol=0.03)
+
+
+def test_draws_across_draw_blocks_follow_the_distribution():
+    """Mass spread over several `DRAW_BLOCK`s of a vocabulary that is not a multiple of it, with
+    temperature only (the path that skips the candidates)."""
+    V = 3 * sampling.DRAW_BLOCK + 77
+    where, probs = [5, sampling.DRAW_BLOCK + 3, 3 * sampling.DRAW_BLOCK + 76, 2 * sampling.DRAW_BLOCK], [.4, .3, .2, .1]
+    logits = np.full((1, V), -1e9, np.float32)
+    logits[0, where] = np.log(probs)
+    f = jax.jit(jax.vmap(lambda k: sampling.sample(jnp.asarray(logits), k[None], jnp.ones(1), jnp.zeros(1, jnp.int32),
+                                                   jnp.ones(1), jnp.zeros(1))[0]))
+    draws = np.asarray(f(jax.random.split(jax.random.PRNGKey(1), 4000)))
+    assert set(draws.tolist()) <= set(where)
+    freq = np.array([np.mean(draws == t) for t in where])
+    np.testing.assert_allclose(freq, probs, atol=0.03)

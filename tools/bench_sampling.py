@@ -1,0 +1,73 @@
+"""Sampling cost per decode step: `sampling.sample` on `[batch, 201,088]` logits for each kind of request
+(greedy, temperature only, top-p, top-k, min-p), and the pieces it is made of (the 1,024-candidate top-k,
+a full-vocabulary cumulative sum, a full sort), against the copy bandwidth measured in the same run.
+
+At batch 256 the logits are 206 MB of fp32: a pass over them is ~0.1 ms at the copy bandwidth, so
+anything much slower than a few passes is the sampler, not the memory.
+
+    python tools/bench_sampling.py --batches 1,64,256 --out $OUT/sampling.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from gptoss_jax import sampling  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode import copy_bandwidth  # noqa: E402
+from bench_reference import timeit  # noqa: E402
+
+VOCAB = 201_088
+KINDS = {  # temperature, top_k, top_p, min_p
+    "greedy": (0.0, 0, 1.0, 0.0),
+    "temperature": (1.0, 0, 1.0, 0.0),
+    "top_p 0.9": (1.0, 0, 0.9, 0.0),
+    "top_k 50": (1.0, 50, 1.0, 0.0),
+    "min_p 0.05": (1.0, 0, 1.0, 0.05),
+}
+PIECES = {
+    "top_k 1024": lambda x: jax.lax.top_k(x, sampling.TOP_CANDIDATES)[0],
+    "cumsum": lambda x: jnp.cumsum(x, axis=-1),
+    "sort": lambda x: jnp.sort(x, axis=-1),
+    "max": lambda x: jnp.max(x, axis=-1),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,64,256")
+    ap.add_argument("--out", default="sampling.json")
+    args = ap.parse_args()
+    result = {"device": jax.devices()[0].device_kind, "vocab": VOCAB, "copy_TBps": copy_bandwidth() / 1e12, "rows": []}
+    print(f"copy bandwidth {result['copy_TBps']:.2f} TB/s", flush=True)
+    sample = jax.jit(sampling.sample)
+    for B in (int(b) for b in args.batches.split(",")):
+        # Peaked like a language model's logits: a few tokens carry most of the mass.
+        logits = 4.0 * jax.random.normal(jax.random.PRNGKey(B), (B, VOCAB), jnp.float32)
+        keys = jax.random.bits(jax.random.PRNGKey(1), (B, 2), jnp.uint32)
+        one_pass_ms = 2 * logits.nbytes / (result["copy_TBps"] * 1e12) * 1e3
+        for kind, (t, k, p, m) in KINDS.items():
+            full = lambda v, dt=jnp.float32: jnp.full((B,), v, dt)  # noqa: E731
+            argv = (logits, keys, full(t), full(k, jnp.int32), full(p), full(m))
+            ms = 1e3 * timeit(lambda: sample(*argv).block_until_ready(), warmup=2, reps=20)
+            result["rows"].append({"batch": B, "what": f"sample, {kind}", "ms": ms, "passes": ms / one_pass_ms})
+            print(f"B={B:4d} sample, {kind:12s} {ms:8.3f} ms ({ms / one_pass_ms:6.1f} copy passes)", flush=True)
+        for name, fn in PIECES.items():
+            f = jax.jit(fn)
+            ms = 1e3 * timeit(lambda: f(logits).block_until_ready(), warmup=2, reps=20)
+            result["rows"].append({"batch": B, "what": name, "ms": ms, "passes": ms / one_pass_ms})
+            print(f"B={B:4d} {name:20s} {ms:8.3f} ms ({ms / one_pass_ms:6.1f} copy passes)", flush=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
