@@ -108,11 +108,12 @@ def test_dequantize_kernel_gives_checkpoint_values_in_natural_order():
     np.testing.assert_array_equal(np.asarray(got).reshape(E, D, I) * 2.0 ** 14, ref_dn)
 
 
-@pytest.mark.parametrize("T,E,k,D,I,group,dtype,valid", [
-    (37, 8, 4, 96, 64, 3, jnp.float32, False),   # 3 expert groups, K tail, odd tokens, stacked layers
-    (50, 4, 2, 64, 96, 4, jnp.bfloat16, True),   # pairs skipped (expert parallelism)
+@pytest.mark.parametrize("T,E,k,D,I,group,bn,dtype,valid", [
+    (37, 8, 4, 96, 64, 3, 64, jnp.float32, False),   # 3 expert groups, K tail, odd tokens, stacked layers,
+                                                     # a masked last feature tile of the down GEMM
+    (50, 4, 2, 64, 96, 4, 32, jnp.bfloat16, True),   # pairs skipped (expert parallelism)
 ])
-def test_dense_prefill_matches_reference(T, E, k, D, I, group, dtype, valid):
+def test_dense_prefill_matches_reference(T, E, k, D, I, group, bn, dtype, valid):
     rng = np.random.default_rng(T)
     layers = [_experts(rng, E, D, I, dtype) for _ in range(2)]
     stacked = moe_decode.prepare_experts(jax.tree.map(lambda *a: jnp.stack(a), *layers))
@@ -120,7 +121,7 @@ def test_dense_prefill_matches_reference(T, E, k, D, I, group, dtype, valid):
     idx = jnp.asarray(np.stack([1 + rng.permutation(E - 1)[:k] for _ in range(T)]), jnp.int32)  # expert 0 empty
     w = jnp.asarray(rng.random((T, k)), jnp.float32)
     mask = jnp.asarray(rng.random((T, k)) < 0.6) if valid else None
-    cfg = dict(kernel="dense", block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=1, group=group)
+    cfg = dict(kernel="dense", block_m=16, block_n=bn, block_k=64, num_warps=4, num_stages=1, group=group)
     out = moe_prefill.experts(x, idx, w, stacked, jnp.int32(1), mask, swiglu_limit=LIMIT, swiglu_alpha=ALPHA,
                               interpret=True, **cfg)
     ref = moe_reference.apply_experts(x, idx, w if mask is None else jnp.where(mask, w, 0.0), layers[1],
