@@ -1,5 +1,6 @@
 """Where a decode step's time goes: a `jax.profiler` trace of the engine's compiled decode step, summed
-per GPU kernel, next to the step's wall time.
+per GPU kernel, next to the step's wall time. `--prefill 8x1024` traces a prefill call instead (8 fresh
+prompts of 1,024 tokens in one call, as the max_throughput profile packs them).
 
 Same setup as tools/bench_decode.py (random weights in the kernels' layout, synthetic paged context);
 one device call of `--steps` tokens is traced. The summary says how much of the wall time the GPU was
@@ -8,6 +9,7 @@ that cost most, by name. XLA flags (e.g. command buffers) are read at start-up, 
 separate runs:
 
     XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true python tools/profile_decode.py --label dsf
+    python tools/profile_decode.py --prefill 8x1024,2x1024
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 import pallas_kernels  # noqa: E402
 
 from bench_decode import decode_call  # noqa: E402
 from bench_reference import timeit  # noqa: E402
-from gptoss_jax import config  # noqa: E402
+from gptoss_jax import config, model, steps  # noqa: E402
 from gptoss_jax.random_weights import random_params  # noqa: E402
 
 
@@ -74,6 +78,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--impl", default=pallas_kernels.default_impl(), choices=pallas_kernels.IMPLS)
+    ap.add_argument("--prefill", default="", help="comma-separated ROWSxTOKENS prefill calls to trace instead")
     ap.add_argument("--label", default="baseline")
     ap.add_argument("--out", default="profile.json")
     args = ap.parse_args()
@@ -81,17 +86,48 @@ def main() -> None:
            if args.preset.endswith(".json") else config.preset(args.preset))
     params = random_params(cfg, impl=args.impl)
     results = []
-    for B in [int(b) for b in args.batch.split(",")]:
-        results.append(profile(params, cfg, B, args))
+    if args.prefill:
+        for spec in args.prefill.split(","):
+            rows, T = (int(v) for v in spec.split("x"))
+            run, free = prefill_call(params, cfg, rows, T, args.impl)
+            results.append(profile(run, free, 1, f"prefill {rows}x{T}", "call", dict(rows=rows, tokens=T), args))
+    else:
+        for B in [int(b) for b in args.batch.split(",")]:
+            run, free = decode_call(params, cfg, B, args.context, args.impl, args.steps)
+            results.append(profile(run, free, args.steps, f"B={B} ctx={args.context}", "token",
+                                   dict(batch=B, context=args.context, steps=args.steps), args))
     Path(args.out).write_text(json.dumps(results, indent=1))
 
 
-def profile(params, cfg, B: int, args) -> dict:
-    run, free = decode_call(params, cfg, B, args.context, args.impl, args.steps)
+def prefill_call(params, cfg, rows: int, T: int, impl: str):
+    """`(run, free)` for one compiled prefill call of `rows` fresh `T`-token prompts."""
+    pages = -(-T // 16)
+    table = jnp.asarray(1 + np.arange(rows * pages, dtype=np.int32).reshape(rows, pages))
+    tables = model.PageTables(table, table, jnp.zeros(rows, jnp.int32))
+    state = {"cache": model.PagedKVCache.zeros(cfg, rows * pages + 1, rows * pages + 1, 16, params.embed.dtype)}
+    tokens = jax.random.randint(jax.random.PRNGKey(T), (rows, T), 0, cfg.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (rows, T))
+    sp = steps.SamplingBatch(jnp.zeros(rows), jnp.zeros(rows, jnp.int32), jnp.ones(rows), jnp.zeros(rows),
+                             jnp.zeros((rows, 2), jnp.uint32), jnp.zeros(rows, bool))
+
+    def run():
+        out, state["cache"] = steps.prefill(params, state["cache"], tokens, positions, tables,
+                                            jnp.full(rows, T - 1, jnp.int32), sp, cfg=cfg, impl=impl, num_top=1)
+        out.tokens.block_until_ready()
+
+    def free():
+        for buf in jax.tree.leaves(state["cache"]):
+            buf.delete()
+
+    return run, free
+
+
+def profile(run, free, per: int, what: str, unit: str, meta: dict, args) -> dict:
+    """Time and trace `run()`, which makes `per` units of work (decode tokens, or 1 prefill call)."""
     t0 = time.perf_counter()
     run()
     compile_s = time.perf_counter() - t0
-    tpot_us = timeit(run, warmup=0, reps=args.reps) / args.steps * 1e6
+    us = timeit(run, warmup=0, reps=args.reps) / per * 1e6
     trace_dir = tempfile.mkdtemp()
     jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
     t0 = time.perf_counter()
@@ -100,16 +136,16 @@ def profile(params, cfg, B: int, args) -> dict:
     jax.profiler.stop_trace()
     summary = summarize_trace(trace_dir)
     free()
-    result = {"label": args.label, "xla_flags": os.environ.get("XLA_FLAGS", ""), "preset": args.preset, "batch": B,
-              "context": args.context, "steps": args.steps, "compile_s": compile_s,
-              "tpot_us": tpot_us, "traced_tpot_us": traced_us / args.steps, "threads": summary}
-    print(f"[{args.label}] {args.preset} B={B} ctx={args.context}: TPOT {tpot_us:.0f} us, traced "
-          f"{traced_us / args.steps:.0f} us (compile {compile_s:.0f}s; flags '{result['xla_flags']}')", flush=True)
+    result = {"label": args.label, "xla_flags": os.environ.get("XLA_FLAGS", ""), "preset": args.preset, **meta,
+              "compile_s": compile_s, "us_per_" + unit: us, "traced_us_per_" + unit: traced_us / per,
+              "threads": summary}
+    print(f"[{args.label}] {args.preset} {what}: {us:.0f} us per {unit}, traced "
+          f"{traced_us / per:.0f} us (compile {compile_s:.0f}s; flags '{result['xla_flags']}')", flush=True)
     for name, t in summary.items():
-        print(f"  {name}: {t['events'] / args.steps:.0f} events/token, busy {t['busy_us'] / args.steps:.0f} us/token "
-              f"of span {t['span_us'] / args.steps:.0f}", flush=True)
+        print(f"  {name}: {t['events'] / per:.0f} events/{unit}, busy {t['busy_us'] / per:.0f} us/{unit} "
+              f"of span {t['span_us'] / per:.0f}", flush=True)
         for row in t["top"][:12]:
-            print(f"    {row['us'] / args.steps:8.1f} us/token  x{row['count'] / args.steps:5.1f}  {row['name'][:90]}")
+            print(f"    {row['us'] / per:8.1f} us/{unit}  x{row['count'] / per:5.1f}  {row['name'][:90]}")
     return result
 
 
