@@ -47,7 +47,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--out", default="sampling.json")
     args = ap.parse_args()
-    result = {"device": jax.devices()[0].device_kind, "vocab": VOCAB, "copy_TBps": copy_bandwidth() / 1e12, "rows": []}
+    result = {"device": jax.devices()[0].device_kind, "vocab": VOCAB, "copy_TBps": copy_bandwidth() / 1e12,
+              "measurements": []}
     print(f"copy bandwidth {result['copy_TBps']:.2f} TB/s", flush=True)
     sample = jax.jit(sampling.sample)
     for B in (int(b) for b in args.batches.split(",")):
@@ -59,12 +60,12 @@ def main() -> None:
             full = lambda v, dt=jnp.float32: jnp.full((B,), v, dt)  # noqa: E731
             argv = (logits, keys, full(t), full(k, jnp.int32), full(p), full(m))
             ms = 1e3 * timeit(lambda: sample(*argv).block_until_ready(), warmup=2, reps=20)
-            result["rows"].append({"batch": B, "what": f"sample, {kind}", "ms": ms, "passes": ms / one_pass_ms})
+            result["measurements"].append({"batch": B, "what": f"sample, {kind}", "ms": ms, "passes": ms / one_pass_ms})
             print(f"B={B:4d} sample, {kind:12s} {ms:8.3f} ms ({ms / one_pass_ms:6.1f} copy passes)", flush=True)
         for name, fn in PIECES.items():
             f = jax.jit(fn)
             ms = 1e3 * timeit(lambda: f(logits).block_until_ready(), warmup=2, reps=20)
-            result["rows"].append({"batch": B, "what": name, "ms": ms, "passes": ms / one_pass_ms})
+            result["measurements"].append({"batch": B, "what": name, "ms": ms, "passes": ms / one_pass_ms})
             print(f"B={B:4d} {name:20s} {ms:8.3f} ms ({ms / one_pass_ms:6.1f} copy passes)", flush=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
 
