@@ -30,6 +30,15 @@ def log(s=""):
     LINES.append(s)
 
 
+def timed(label, f, *args, **kw):
+    """`timeit`, or None (logged) when the configuration fails to compile or run: sweeps go on."""
+    try:
+        return timeit(f, *args, **kw)
+    except Exception as e:  # noqa: BLE001
+        log(f"  {label}: FAILED {type(e).__name__}: {str(e)[:200]}")
+        return None
+
+
 def timeit(f, *args, n=10, reps=5):
     out = f(*args)
     jax.block_until_ready(out)
@@ -126,11 +135,10 @@ def bench_moe_decode(model, Ts, bw, configs, L):
                     outs.append(moe_decode.run_kernels(xs[i], tok, w, se, ss, sr, layer(kx, i),
                                                        swiglu_limit=kc.LIMIT, swiglu_alpha=kc.ALPHA, **cfg))
                 return outs
-            try:
-                t = timeit(run, xs, disp, kx) / L
-            except Exception as e:  # noqa: BLE001
-                log(f"  moe_decode {model} T={T} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}")
+            t = timed(f"moe_decode {model} T={T} {cfg}", run, xs, disp, kx)
+            if t is None:
                 continue
+            t /= L
             log(f"  moe_decode {model} T={T:3d} kernels-only {t*1e6:8.1f} us  {nbytes/t/1e12:5.2f} TB/s "
                 f"= {nbytes/t/bw*100:5.1f}% of copy  cfg={cfg}")
             if best is None or t < best[0]:
@@ -207,10 +215,8 @@ def bench_moe_prefill(model, T, mm, configs, bw, ragged=True):
     for cfg in configs:
         f = jax.jit(lambda x, idx, w, kx, cfg=cfg: moe_prefill.experts(
             x, idx, w, kx, swiglu_limit=kc.LIMIT, swiglu_alpha=kc.ALPHA, **cfg))
-        try:
-            t = timeit(f, x, idx, w, kx, n=5, reps=3)
-        except Exception as e:  # noqa: BLE001
-            log(f"  moe_prefill {model} T={T} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}")
+        t = timed(f"moe_prefill {model} T={T} {cfg}", f, x, idx, w, kx, n=5, reps=3)
+        if t is None:
             continue
         log(f"  moe_prefill {model} T={T} {t*1e3:8.3f} ms {rate(t)} cfg={cfg}")
         if best is None or t < best[0]:
@@ -260,11 +266,10 @@ def bench_linear(bw, Ts, configs, L=8):
             for cfg in configs:
                 run = jax.jit(lambda x, w, ls, cfg=cfg: [linear_decode.linear(x, w, b, ls[i], **cfg)
                                                          for i in range(L)])
-                try:
-                    t = timeit(run, x, w, layers) / L
-                except Exception as e:  # noqa: BLE001
-                    log(f"  linear {name} T={T} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}")
+                t = timed(f"linear {name} T={T} {cfg}", run, x, w, layers)
+                if t is None:
                     continue
+                t /= L
                 log(f"  linear {name} T={T:3d} {t*1e6:7.1f} us {nbytes/t/1e12:5.2f} TB/s cfg={cfg}")
                 if best is None or t < best[0]:
                     best = (t, cfg)
@@ -296,11 +301,10 @@ def bench_linear_many(bw, configs, T=1, L=8):
                 "3 launches": jax.jit(lambda x, ws, ls, cfg=cfg: [linear_decode.linear(x, w, b, ls[i], **cfg)
                                                                   for i in range(L) for w, b in zip(ws, bs)])}
         for name, run in runs.items():
-            try:
-                t = timeit(run, x, ws, layers) / L
-            except Exception as e:  # noqa: BLE001
-                log(f"  linear qkv {name} T={T} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}")
+            t = timed(f"linear qkv {name} T={T} {cfg}", run, x, ws, layers)
+            if t is None:
                 continue
+            t /= L
             log(f"  linear qkv {name:10s} T={T:3d} {t*1e6:7.1f} us {nbytes/t/1e12:5.2f} TB/s cfg={cfg}")
             if name not in best or t < best[name][0]:
                 best[name] = (t, cfg)
@@ -322,10 +326,8 @@ def bench_paged(bw, cases, split_opts):
             for bkv in (64, 128):
                 f = jax.jit(lambda q, kp, vp, bt, pos, sinks, ns=ns, bkv=bkv: paged_attention.attention(
                     q, kp, vp, bt, pos, sinks, window, num_splits=ns, block_kv=bkv))
-                try:
-                    t = timeit(f, q, kp, vp, bt, pos, sinks, n=20)
-                except Exception as e:  # noqa: BLE001
-                    log(f"  paged B={B} ctx={ctx} ns={ns} bkv={bkv}: FAILED {str(e)[:200]}")
+                t = timed(f"paged B={B} ctx={ctx} ns={ns} bkv={bkv}", f, q, kp, vp, bt, pos, sinks, n=20)
+                if t is None:
                     continue
                 log(f"  paged B={B} ctx={ctx} win={window} page={S} splits={ns} bkv={bkv}: {t*1e6:8.1f} us "
                     f"{nbytes/t/1e12:5.2f} TB/s = {nbytes/t/bw*100:5.1f}%")
@@ -361,10 +363,8 @@ def bench_flash(mm, cases, cfgs):
         best = None
         for cfg in cfgs:
             f = jax.jit(lambda *a, cfg=cfg: flash_attention.attention(*a, window, **cfg))
-            try:
-                t = timeit(f, q, kp, vp, bt, pos, sinks, n=5, reps=3)
-            except Exception as e:  # noqa: BLE001
-                log(f"  flash B={B} T={T} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}")
+            t = timed(f"flash B={B} T={T} {cfg}", f, q, kp, vp, bt, pos, sinks, n=5, reps=3)
+            if t is None:
                 continue
             log(f"  flash B={B} T={T} start={start} win={window} {t*1e3:7.3f} ms {flops/t/1e12:6.1f} TFLOP/s "
                 f"cfg={cfg}")
