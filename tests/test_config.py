@@ -70,3 +70,19 @@ def test_bad_files_and_values(tmp_path):
 def test_layer_parity_layer0_sliding():
     c = preset("gpt-oss-20b")
     assert [c.is_sliding(i) for i in range(4)] == [True, False, True, False]
+
+
+@pytest.mark.parametrize("preset_env, expected", [(None, "0.92"), ("0.5", "0.5")])
+def test_gpu_memory_fraction_default(preset_env, expected):
+    """Importing the package raises JAX's GPU pool from 75% to 92% unless the user chose a value."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}
+    if preset_env is not None:
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = preset_env
+    out = subprocess.run([sys.executable, "-c", "import os, gptoss_jax; "
+                          "print(os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'])"],
+                         env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == expected
