@@ -12,6 +12,11 @@ This probe measures that data path on a batched per-expert matmul `out[e] = W[e]
   map    + the E2M1 value map: codes stored as signed int4 v = +-k (k = the 3-bit magnitude code), value
          2 * e2m1 = g(|v|) with g(k) = k + max(k - 4, 0) + 2 max(k - 6, 0), sign from v;
   scale  + one bf16 multiply per weight (a per-row scale per K step, the cost of E8M0 block scales).
+  mxfp4  the real thing on the shipped weight encoding (`moe_decode.KernelExperts` words, 8 weights per
+         u32 in phase order): one inline-PTX block per word and scale decodes 4 f16x2 pairs (E2M1 * 2^-14
+         times the block scale, as f16, with the scales normalised by the row's largest), straight into the
+         f16 wgmma A-operand registers (`plgpu.inline_mgpu`); the tokens enter as f16 scaled per token,
+         their K order permuted inside each 32-block to match the registers (`MMA_PERM`).
 Each is checked against a jnp reference and timed against the copy bandwidth and the Pallas-Triton
 "mma" MoE kernels of `pallas_kernels.moe_decode` on the same shapes, same run.
 
@@ -22,14 +27,22 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import statistics
 import time
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.mosaic.gpu import fragmented_array as mfa
+from jax.experimental.mosaic.gpu import utils as mu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, llvm, memref
+
+from pallas_kernels import moe_decode
 
 TILE_N = 64    # weight rows per CTA: one warpgroup's wgmma M
 TILE_K = 256   # int4 elements per K step: 128 bytes, one 128-byte swizzle row
@@ -78,6 +91,127 @@ def probe_matmul(w_ENK, x_ETK, s_EJN, *, variant: str, stages: int = 3):
                      grid=(E, N // TILE_N), grid_names=("e", "n"),
                      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
     return f(w_ENK, x_ETK, s_EJN)
+
+
+# ----------------------------------------------------------------------------------------------
+# MXFP4 on the shipped word encoding
+
+MX_TILE_K = 512  # weights per K step: 64 words and 16 scales (16 bytes, the least a TMA row may be) per row
+F16_SCALE_BIAS = 30  # scale byte stored as s - rowmax + 30 (clamped at 0): an f16 exponent field
+
+
+def _mma_perm() -> np.ndarray:
+    """Within each 32-block: MMA column 8j + 2c + e holds natural weight 8c + j + 4e (word c of the block,
+    pair j of its decode, half e), the order in which a thread's word lands in its wgmma A registers."""
+    m = np.arange(32)
+    j, c, e = m // 8, (m % 8) // 2, m % 2
+    return 8 * c + j + 4 * e
+
+
+MMA_PERM = _mma_perm()
+
+# One word + its f16x2 scale multiplier -> pair j (f16x2): the decode of `moe_decode._WORD_DOT_PTX`.
+_PAIR_PTX = [
+    "and.b32 $0, $1, 0x8E008E00; mul.rn.f16x2 $0, $0, $2;",
+    "{.reg .b32 t; shl.b32 t, $1, 3; and.b32 t, t, 0x8E008E00; mul.rn.f16x2 $0, t, $2;}",
+    "{.reg .b32 t, u; shl.b32 t, $1, 6; shl.b32 u, $1, 1; and.b32 t, t, 0x0E000E00; and.b32 u, u, 0x80008000;"
+    " or.b32 t, t, u; mul.rn.f16x2 $0, t, $2;}",
+    "{.reg .b32 t, u; shl.b32 t, $1, 9; shl.b32 u, $1, 2; and.b32 t, t, 0x0E000E00; and.b32 u, u, 0x80008000;"
+    " or.b32 t, t, u; mul.rn.f16x2 $0, t, $2;}",
+]
+
+
+def _decode_mgpu(ctx, w_ref, s_ref):
+    """w_ref u32 [64, 64] words, s_ref u32 [64, 4] scale bytes -> f16 [64, 512] in the wgmma A layout."""
+    del ctx
+    i32, f16, idx = ir.IntegerType.get_signless(32), ir.F16Type.get(), ir.IndexType.get()
+    c = lambda v: mu.c(v, i32)
+    tid = mu.thread_idx()
+    lane, warp = arith.remui(tid, c(32)), arith.remui(arith.divui(tid, c(32)), c(4))
+    row0 = arith.addi(arith.muli(warp, c(16)), arith.divui(lane, c(4)))
+    col = arith.remui(lane, c(4))
+    shape = (64, MX_TILE_K)
+    regs = np.empty(mfa.WGMMA_LAYOUT.registers_shape(shape), dtype=object)
+    vec_ty = ir.VectorType.get((2,), f16)
+    for h in range(2):
+        row = arith.index_cast(idx, arith.addi(row0, c(8 * h)))
+        swords = [memref.load(s_ref, [row, arith.constant(idx, q)]) for q in range(4)]
+        for b in range(MX_TILE_K // 32):
+            word = memref.load(w_ref, [row, arith.index_cast(idx, arith.addi(col, c(4 * b)))])
+            byte = arith.andi(arith.shrui(swords[b // 4], c(8 * (b % 4))), c(0xFF))
+            mult = arith.muli(byte, c(0x04000400))  # (byte << 10) in both f16 halves
+            for j in range(4):
+                pair = llvm.inline_asm(i32, [word, mult], _PAIR_PTX[j], "=r,r,r")
+                ridx = [0] * len(regs.shape)
+                ridx[1], ridx[4] = 4 * b + j, h
+                regs[tuple(ridx)] = mu.bitcast(pair, vec_ty)
+    return mfa.FragmentedArray(_registers=regs, _layout=mfa.WGMMA_LAYOUT, _is_signed=None)
+
+
+def mxfp4_matmul(words_ENW, sexp_ENQ, x16_ETK, *, stages: int = 3):
+    """acc[e, n, t] = sum_k A[e, n, k] x16[e, t, k] with A the f16 decode (MMA K order); see `mxfp4_inputs`."""
+    E, N, W = words_ENW.shape
+    T, K = x16_ETK.shape[1:]
+    nk = -(-K // MX_TILE_K)
+    decode = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()),
+                               return_type=plgpu.ShapeDtypeStruct((TILE_N, MX_TILE_K), jnp.float16,
+                                                                  layout=plgpu.Layout.WGMMA))(_decode_mgpu)
+
+    def body(w_gmem, s_gmem, x_gmem, o_gmem, o_smem):
+        e, n = jax.lax.axis_index("e"), jax.lax.axis_index("n")
+
+        def acc_scope(acc_ref):
+            def step(_, w_smem, s_smem, x_smem):
+                plgpu.wgmma(acc_ref, decode(w_smem, s_smem), x_smem.T)
+                plgpu.wgmma_wait(0)
+
+            plgpu.emit_pipeline(
+                step, grid=(nk,), max_concurrent_steps=stages,
+                in_specs=[plgpu.BlockSpec((TILE_N, MX_TILE_K // 8), lambda k: (n, k)),
+                          plgpu.BlockSpec((TILE_N, 4), lambda k: (n, k)),
+                          plgpu.BlockSpec((T, MX_TILE_K), lambda k: (0, k))],
+            )(w_gmem.at[e], s_gmem.at[e], x_gmem.at[e])
+            return acc_ref[...]
+
+        acc = pl.run_scoped(acc_scope, plgpu.ACC((TILE_N, T)))
+        o_smem[...] = acc
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[e, pl.ds(n * TILE_N, TILE_N)])
+        plgpu.wait_smem_to_gmem(0)
+
+    f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((E, N, T), jnp.float32),
+                     scratch_types=[plgpu.SMEM((TILE_N, T), jnp.float32)],
+                     grid=(E, N // TILE_N), grid_names=("e", "n"),
+                     compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    return f(words_ENW, sexp_ENQ, x16_ETK)
+
+
+def mxfp4_inputs(words_ENW, scales_ENG, x_ETK):
+    """Kernel inputs from the shipped encoding: scale bytes as normalised f16 exponents padded to 16 per K
+    step (u32 view), tokens as f16 scaled per token in MMA K order; and the factors that undo both."""
+    E, N, G = scales_ENG.shape
+    T, K = x_ETK.shape[1:]
+    rowmax = jnp.max(scales_ENG, axis=-1).astype(jnp.int32)  # [E, N]
+    sexp = jnp.maximum(scales_ENG.astype(jnp.int32) - rowmax[..., None] + F16_SCALE_BIAS, 0).astype(jnp.uint8)
+    Gp = -(-G // 16) * 16
+    sexp = jnp.pad(sexp, ((0, 0), (0, 0), (0, Gp - G)))
+    sexp = jax.lax.bitcast_convert_type(sexp.reshape(E, N, Gp // 4, 4), jnp.uint32)
+    x = x_ETK.astype(jnp.float32)
+    _, ex = jnp.frexp(jnp.max(jnp.abs(x), axis=-1))  # [E, T]
+    x16 = jnp.ldexp(x, (14 - ex)[..., None]).astype(jnp.float16)
+    x16 = x16.reshape(E, T, K // 32, 32)[..., MMA_PERM].reshape(E, T, K)
+    # A = E2M1 * 2^(s - rowmax + 1), the weight is E2M1 * 2^(s - 127): out = acc * 2^(rowmax - 128) * 2^(ex - 14)
+    undo = jnp.ldexp(jnp.ones((E, N, T), jnp.float32), (rowmax - 128)[..., None] + (ex - 14)[:, None, :])
+    return sexp, x16, undo
+
+
+def mxfp4_reference(words_ENW, scales_ENG, x_ETK):
+    """f32 `W @ x^T` with W the MXFP4 weights the words and scales encode (natural K order)."""
+    E, N, W = words_ENW.shape
+    vals = jnp.stack(moe_decode._decode_words(words_ENW), axis=-1)  # [E, N, W, 8]: weight 8w + j, * 2^-14
+    w = vals.reshape(E, N, W * 8) * 2.0 ** 14
+    w = w * jnp.repeat(jnp.exp2(scales_ENG.astype(jnp.float32) - 127), 32, axis=-1)
+    return jnp.einsum("enk,etk->ent", w, x_ETK.astype(jnp.float32), precision="highest")
 
 
 def reference(w_ENK, x_ETK, s_EJN, variant):
@@ -132,8 +266,10 @@ def main():
     ap.add_argument("--n", type=int, default=5760, help="weight rows per expert (20b gate_up: 5,760)")
     ap.add_argument("--k", type=int, default=2816, help="K (multiple of 256; 20b has 2,880)")
     ap.add_argument("--tokens", default="8,32,64", help="tokens per expert")
-    ap.add_argument("--variants", default="plain,map,scale")
-    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--variants", default="plain,map,scale", help="int4 variants ('' for none)")
+    ap.add_argument("--stages", type=int, default=3, help="pipeline stages of the int4 variants")
+    ap.add_argument("--mx-stages", type=lambda v: [int(x) for x in v.split(",")], default=[2, 3],
+                    help="pipeline stages tried for the mxfp4 kernel")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     E, N, K = a.experts, a.n, a.k
@@ -146,7 +282,7 @@ def main():
     rows = []
     for T in [int(t) for t in a.tokens.split(",")]:
         x = jax.random.normal(kx, (E, T, K), jnp.bfloat16)
-        for v in a.variants.split(","):
+        for v in filter(None, a.variants.split(",")):
             row = dict(tokens=T, variant=v)
             try:
                 f = jax.jit(functools.partial(probe_matmul, variant=v, stages=a.stages))
@@ -162,6 +298,27 @@ def main():
                 row["error"] = f"{type(err).__name__}: {str(err)[:2000]}"
             print(row, flush=True)
             rows.append(row)
+    kd = 2880
+    words = jax.random.bits(kw, (E, N, kd // 8), jnp.uint32)
+    scales = jax.random.randint(ks, (E, N, kd // 32), 112, 124).astype(jnp.uint8)
+    for T, stages in itertools.product([int(t) for t in a.tokens.split(",")], a.mx_stages):
+        row = dict(tokens=T, variant="mxfp4", K=kd, stages=stages)
+        try:
+            x = jax.random.normal(kx, (E, T, kd), jnp.bfloat16)
+            sexp, x16, undo = jax.jit(mxfp4_inputs)(words, scales, x)
+            f = jax.jit(functools.partial(mxfp4_matmul, stages=stages))
+            out = f(words, sexp, x16) * undo
+            ref = mxfp4_reference(words, scales, x)
+            row["max_rel_err"] = float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
+            t = timeit(f, words, sexp, x16)
+            row["us"] = t * 1e6
+            row["weights_per_s"] = E * N * kd / t
+            row["frac_copy"] = E * N * kd * 4.25 / 8 / t / (copy * 1e12)
+            row["tflops"] = 2 * E * N * kd * T / t / 1e12
+        except Exception as err:
+            row["error"] = f"{type(err).__name__}: {str(err)[:3000]}"
+        print(row, flush=True)
+        rows.append(row)
     for T in [int(t) for t in a.tokens.split(",")]:
         try:
             t, weights, cfg = triton_moe(T * E // 4, E, 2880, 2880, key)
