@@ -22,7 +22,7 @@ def _allowed(logits, temp, top_k, top_p, min_p):
 
 @pytest.mark.parametrize("V", [300, 3000])
 def test_draws_stay_inside_the_filtered_set(V):
-    """Covers both the candidate path and the full-sort fallback (top_k beyond the candidates)."""
+    """Includes top_k 2,000: beyond the 1,024 candidates of the old `lax.top_k` path (which then sorted)."""
     rng = np.random.default_rng(V)
     B = 48
     logits = (rng.standard_normal((B, V)) * rng.uniform(0.1, 8, (B, 1))).astype(np.float32)
@@ -64,3 +64,124 @@ def test_draws_across_draw_blocks_follow_the_distribution():
     assert set(draws.tolist()) <= set(where)
     freq = np.array([np.mean(draws == t) for t in where])
     np.testing.assert_allclose(freq, probs, atol=0.03)
+
+
+def test_greedy_rows_beside_filtered_rows():
+    """Temperature-0 rows take the argmax whatever their filters, in a batch that runs the search."""
+    rng = np.random.default_rng(3)
+    B, V = 8, 2000
+    logits = jnp.asarray(rng.standard_normal((B, V)).astype(np.float32))
+    temp = jnp.asarray([0.0, 1.0] * 4, jnp.float32)
+    top_k = jnp.asarray([5, 5, 0, 0, 1500, 1500, 1, 1], jnp.int32)
+    top_p = jnp.asarray([1.0, 1.0, 0.5, 0.5, 0.9, 0.9, 1e-6, 1e-6], jnp.float32)
+    keys = jnp.stack([jax.random.PRNGKey(i) for i in range(B)])
+    draws = np.asarray(jax.jit(sampling.sample)(logits, keys, temp, top_k, top_p, jnp.zeros(B)))
+    greedy = np.asarray(jnp.argmax(logits, axis=-1))
+    np.testing.assert_array_equal(draws[::2], greedy[::2])
+    assert draws[7] == greedy[7]  # top_k 1 on a sampled row
+
+
+def _reference_threshold(s, top_k, top_p, margin=1e-5):
+    """Sort-based top-k / top-p threshold of one row of scaled logits, in float64: `(lo, hi)`, the
+    thresholds for `top_p + margin` and `top_p - margin`. They are equal unless an exclusive cumulative
+    sum lies within `margin` of top_p; there f32 sums in any order (the old cumulative sum as much as the
+    new search) may decide either way, and anything between is right. -inf: keep all."""
+    V = len(s)
+    d = np.sort(s.astype(np.float64))[::-1]
+    t_k = d[top_k - 1] if 0 < top_k < V else -np.inf
+    if top_p >= 1:
+        return (t_k, t_k)
+    p = np.exp(d - d[0])
+    p /= p.sum()
+    excl = np.cumsum(p) - p
+    out = []
+    for q in (top_p + margin, top_p - margin):
+        kept = max(1, int(np.sum(excl < q)))
+        out.append(max(t_k, d[kept - 1]))
+    return tuple(out)
+
+
+def _keep_all_as_inf(t, row):
+    """A threshold at or below the row's minimum keeps the whole row, as -inf does."""
+    return -np.inf if t <= row.min() else float(t)
+
+
+def _check_thresholds(scaled, top_k, top_p, min_decisive=0.8):
+    t = np.asarray(jax.jit(sampling._rank_threshold)(jnp.asarray(scaled), jnp.asarray(top_k), jnp.asarray(top_p)))
+    decisive = 0
+    for b in range(len(scaled)):
+        lo, hi = (_keep_all_as_inf(x, scaled[b]) for x in _reference_threshold(scaled[b], top_k[b], top_p[b]))
+        got = _keep_all_as_inf(t[b], scaled[b])
+        decisive += lo == hi
+        assert lo <= got <= hi, (b, top_k[b], top_p[b], got, lo, hi, np.sum(scaled[b] >= got), np.sum(scaled[b] >= lo))
+    assert decisive >= min_decisive * len(scaled), decisive  # the comparison keeps its teeth
+    return t
+
+
+def _mixed_rows(rng, B, V):
+    """Rows of many shapes: gaussian at scales from very flat to very peaked, coarse grids full of ties
+    (and of +0.0 / -0.0), and rows with -inf entries."""
+    scale = rng.choice([1e-3, 0.05, 1.0, 4.0, 30.0], (B, 1))
+    logits = rng.standard_normal((B, V)) * scale
+    grid = rng.random(B) < 0.3
+    logits[grid] = np.round(logits[grid] / scale[grid] * 2) / 2  # steps of 0.5: hundreds of ties each
+    neg_inf = rng.random(B) < 0.3
+    logits[neg_inf] = np.where(rng.random((neg_inf.sum(), V)) < 0.4, -np.inf, logits[neg_inf])
+    logits = logits.astype(np.float32)
+    zeros = logits == 0
+    logits[zeros] = np.where(rng.random(zeros.sum()) < 0.5, np.float32(-0.0), np.float32(0.0))
+    return logits
+
+
+@pytest.mark.parametrize("V", [1000, 4999])
+@pytest.mark.parametrize("filters", ["both", "top_k", "top_p"])
+def test_rank_threshold_matches_sorted_reference(V, filters):
+    """Exact against a full sort for every k and nucleus width, including nuclei far wider than the
+    1,024 candidates of the old `lax.top_k` path, ties, -inf and signed zeros."""
+    rng = np.random.default_rng(V + len(filters))
+    B = 120
+    logits = _mixed_rows(rng, B, V)
+    temp = rng.choice([0.5, 1.0, 2.0], (B, 1)).astype(np.float32)
+    scaled = np.asarray(jnp.asarray(logits) / jnp.asarray(temp))
+    top_k = rng.choice([0, 1, 5, V - 1, V], B).astype(np.int32)
+    top_p = rng.choice([1.0, 0.9, 0.5, 1e-6], B).astype(np.float32)
+    if filters == "top_k":
+        top_p[:] = 1.0
+    elif filters == "top_p":
+        top_k[:] = 0
+    t = _check_thresholds(scaled, top_k, top_p)
+    kept = (scaled >= t[:, None]).sum(-1)
+    if filters != "top_k" and V > 1024:
+        assert kept[top_p == 0.9].max() > 1024  # some nucleus wider than the old candidates
+
+
+def test_rank_threshold_ties_and_signed_zeros():
+    """Ties at the threshold are all kept, by either filter; -0.0 and +0.0 tie; -inf tokens rank last."""
+    probs = np.array([0.3, 0.2, 0.2, 0.2, 0.1], np.float32)
+    row = np.concatenate([np.log(probs), [-np.inf, -np.inf]]).astype(np.float32)
+    zeros = np.array([0.0, -1.0, -0.0, 1.0, -np.inf, -0.0, -2.0], np.float32)
+    cases = [  # row, top_k, top_p, tokens kept
+        (row, 1, 1.0, 1), (row, 2, 1.0, 4), (row, 4, 1.0, 4), (row, 5, 1.0, 5), (row, 6, 1.0, 7),
+        (row, 0, 0.25, 1), (row, 0, 0.4, 4), (row, 0, 0.75, 4), (row, 0, 0.95, 5), (row, 2, 0.25, 1),
+        (row, 1, 0.4, 1), (row, 3, 0.6, 4), (row, 0, 1e-6, 1),
+        (zeros, 1, 1.0, 1), (zeros, 2, 1.0, 4), (zeros, 3, 1.0, 4), (zeros, 4, 1.0, 4), (zeros, 5, 1.0, 5),
+        (zeros, 6, 1.0, 6), (zeros, 7, 1.0, 7), (zeros, 0, 0.5, 4),
+    ]
+    scaled = np.stack([c[0] for c in cases])
+    top_k = np.array([c[1] for c in cases], np.int32)
+    top_p = np.array([c[2] for c in cases], np.float32)
+    t = _check_thresholds(scaled, top_k, top_p, min_decisive=1.0)
+    assert (scaled >= t[:, None]).sum(-1).tolist() == [c[3] for c in cases]
+
+
+def test_rank_threshold_full_vocabulary():
+    """gpt-oss's vocabulary: peaked rows and flat ones (a nucleus of ~180k tokens, whose mass steps of
+    ~5e-6 a token put a few tokens within rounding of top_p: the one row not compared exactly). The seed
+    leaves the peaked top-p row clear of such near-ties."""
+    V = 201_088
+    rng = np.random.default_rng(8)
+    scaled = (rng.standard_normal((4, V)) * np.array([[4.0], [4.0], [0.05], [0.05]])).astype(np.float32)
+    top_k = np.array([50, 0, 0, 150_000], np.int32)
+    top_p = np.array([0.9, 0.9, 0.9, 1.0], np.float32)
+    t = _check_thresholds(scaled, top_k, top_p, min_decisive=0.75)
+    assert (scaled[2] >= t[2]).sum() > 100_000

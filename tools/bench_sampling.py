@@ -1,5 +1,6 @@
 """Sampling cost per decode step: `sampling.sample` on `[batch, 201,088]` logits for each kind of request
-(greedy, temperature only, top-p, top-k, min-p), and the pieces it is made of (the 1,024-candidate top-k,
+(greedy, temperature only, top-p, top-k, min-p), and the pieces it is made of or was made of (the top-k
+and top-p thresholds by radix select at 1, 2 and 4 bits a pass, the 1,024-candidate top-k they replaced,
 a full-vocabulary cumulative sum, a full sort), against the copy bandwidth measured in the same run.
 
 At batch 256 the logits are 206 MB of fp32: a pass over them is ~0.1 ms at the copy bandwidth, so
@@ -34,8 +35,21 @@ KINDS = {  # temperature, top_k, top_p, min_p
     "top_k 50": (1.0, 50, 1.0, 0.0),
     "min_p 0.05": (1.0, 0, 1.0, 0.05),
 }
+
+
+def _radix_piece(bits: int, top_p: bool):
+    """The top-k 50 or top-p 0.9 threshold search alone (keys included; for top-p, the softmax)."""
+    def f(x):
+        target = jnp.full((x.shape[0],), 0.9) if top_p else jnp.full((x.shape[0],), 50, jnp.int32)
+        w = jax.nn.softmax(x, axis=-1) if top_p else None
+        return sampling._radix_select(sampling._order_keys(x), w, target, bits)
+    return f
+
+
 PIECES = {
-    "top_k 1024": lambda x: jax.lax.top_k(x, sampling.TOP_CANDIDATES)[0],
+    **{f"{which} threshold, radix {bits} bit": _radix_piece(bits, which == "top_p")
+       for which in ("top_k", "top_p") for bits in (1, 2, 4)},
+    "top_k 1024": lambda x: jax.lax.top_k(x, 1024)[0],  # the candidates the radix select replaced
     "cumsum": lambda x: jnp.cumsum(x, axis=-1),
     "sort": lambda x: jnp.sort(x, axis=-1),
     "max": lambda x: jnp.max(x, axis=-1),
