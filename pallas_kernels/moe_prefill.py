@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels import moe_decode, moe_reference
+from pallas_kernels import moe_decode, moe_mosaic, moe_reference
 from pallas_kernels.moe_decode import F16_SHIFT, KernelExperts, prepare_experts  # noqa: F401  (re-export)
 
 DENSE_ROWS = 64   # from this many routed rows per expert (on average) dequantize + dense GEMMs
@@ -204,10 +204,13 @@ DENSE_CONFIG = dict(kernel="dense", block_m=128, block_n=128, block_k=64, num_wa
 
 def auto_config(T: int, k: int, E: int, dtype) -> dict:
     """Kernels and block sizes for a (static) token count: dequantize + dense GEMMs once experts average
-    `DENSE_ROWS` routed rows (best of the H200 sweep at 8,192 tokens, 2026-11-22), else `moe_decode`'s
-    choice (GEMV, or the fused tensor-core kernels)."""
+    `DENSE_ROWS` routed rows (best of the H200 sweep at 8,192 tokens, 2026-11-22); on Hopper, bf16 models
+    from 2 to `moe_mosaic.MAX_ROWS` rows per expert take the Mosaic GPU kernels; else `moe_decode`'s choice
+    (GEMV, or the fused tensor-core kernels)."""
     if T * k >= DENSE_ROWS * E:
         return dict(DENSE_CONFIG)
+    if dtype != jnp.float32 and 2 * E < T * k <= moe_mosaic.MAX_ROWS * E and moe_mosaic.available():
+        return moe_mosaic.config(T, k, E)
     return moe_decode.decode_config(T, k, E, half=dtype != jnp.float32)
 
 
@@ -217,7 +220,12 @@ def experts(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, 
     otherwise it updates `auto_config`'s."""
     if "kernel" not in config:
         config = auto_config(*idx_TK.shape, kexp.gu_words.shape[-4], x_TD.dtype) | config
-    fn = experts_dense if config["kernel"] == "dense" else moe_decode.experts_forward
+        if config["kernel"] == "mosaic" and not moe_mosaic.fits(kexp):
+            config = moe_decode.decode_config(*idx_TK.shape, kexp.gu_words.shape[-4], half=True)
+    fn = {"dense": experts_dense, "mosaic": moe_mosaic.experts_forward}.get(config["kernel"],
+                                                                         moe_decode.experts_forward)
+    if fn is moe_mosaic.experts_forward:
+        config = {k: v for k, v in config.items() if k != "kernel"}
     return fn(x_TD, idx_TK, w_TK, kexp, layer, valid_TK, swiglu_limit=float(swiglu_limit),
               swiglu_alpha=float(swiglu_alpha), interpret=interpret, **config)
 

@@ -77,6 +77,11 @@ def main():
         "moe_prefill": ("20b", 777, (2, 9), moe_prefill.moe),  # dense (97 rows per expert)
         "moe_prefill ": ("120b", 1001, (), moe_prefill.moe),  # fused mma (31 rows per expert)
         "moe_prefill dense": ("120b", 2305, (4, 100), moe_prefill.moe),  # 4 expert groups
+        # Mosaic GPU mid-batch kernels (picked on Hopper from 2 to 16 rows per expert)
+        "moe_mosaic": ("20b", 64, (3,), moe_prefill.moe),  # 8 rows per expert: 16-row slots
+        "moe_mosaic ": ("120b", 333, (5,), moe_prefill.moe),  # 10.4 rows per expert: 32-row slots
+        "moe_mosaic bm8": ("20b", 100, (), functools.partial(moe_prefill.moe, kernel="mosaic", block_m=8,
+                                                              stages=3)),  # many experts in several slots
     }.items():
         s = kc.SHAPES[model]
         key, k1, k2 = jax.random.split(key, 3)
@@ -86,7 +91,8 @@ def main():
         kx = jax.jit(moe_decode.prepare_experts)(ex)
         out = fn(x, rw, rb, kx, top_k=s["k"], swiglu_limit=kc.LIMIT, swiglu_alpha=kc.ALPHA)
         e, fin = rel(out, ref)
-        rows.append((name.strip(), f"{model} T={T} empty={list(empty)}", e, fin))
+        picked = moe_prefill.auto_config(T, s["k"], s["E"], x.dtype)["kernel"] if fn is moe_prefill.moe else ""
+        rows.append((name.strip(), f"{model} T={T} empty={list(empty)} {picked}", e, fin))
         print(*rows[-1], flush=True)
         del ex, kx
 

@@ -1,0 +1,268 @@
+"""Mid-batch MXFP4 mixture-of-experts on Hopper: a Mosaic GPU grouped matmul that decodes the packed experts
+straight into the wgmma A-operand registers.
+
+Backend: **Mosaic GPU** (`plgpu`), because the Pallas-Triton kernels of `moe_decode` reach the tensor cores
+only through a register -> shared-memory layout conversion per K step and stall at ~1.1-1.7e12 weights/s
+at 8-64 rows per expert.  Here TMA streams the words, each thread decodes the words of its own A fragment
+with one inline-PTX block per f16x2 pair (E2M1 bits placed as an f16 * 2^-14, times the block scale) and
+wgmma takes A from registers, B (the slot's tokens) from shared memory: 3.2e12 weights/s at 8 rows per
+expert on an H200 (tools/probe_mosaic_mxfp4.py, docs/BENCHMARKS.md §2e).  Mosaic's CPU interpreter does
+not run register-operand wgmma, so off-GPU `grouped_matmul_reference` (the same function in jnp) stands in
+and CI tests the glue; tools/check_kernels.py tests the kernel on the GPU.
+
+The matmul reads the same re-encoded words as the other kernels (`KernelExperts`: 8 weights of a row per
+u32, in phase order).  Thread `c` (lane % 4) of a K step of 512 weights decodes words `16c .. 16c + 15` of
+its rows (four 16-byte loads); pair `j`, half `e` of word `16c + b` lands in MMA column `32b + 8j + 2c + e`.
+So the tokens enter in that K order (`mma_perm`), as f16 scaled per row to |x| < 2^14 (products exact in
+the f32 accumulator).  Scales enter as f16 exponent fields relative to their row's largest scale
+(`scale_exponents`, clamped at 0: a block 2^30 or more below its row's largest reads as 0); the per-row and
+per-token factors are applied after the kernel, with the biases, the clamped SwiGLU (between the two
+matmuls) and the routing weights, in XLA.
+
+Layout: (token, expert) pairs sorted by expert and cut into slots of `block_m` rows (`moe_decode.slots`);
+every slot owns rows `s * block_m ...` of the operand buffers, so outputs never overlap; grid
+`(slots, 64-row tiles)`, an empty slot exits at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from pallas_kernels import moe_decode
+from pallas_kernels.moe_decode import KernelExperts
+
+MAX_ROWS = 16     # routed rows per expert (average) up to which `moe_prefill.auto_config` picks these kernels
+TILE_N = 64       # weight rows per CTA: one warpgroup's wgmma M
+TILE_K = 512      # weights per K step: 64 words and 16 scale bytes (the least TMA moves per row) per row
+SCALE_BIAS = 30   # scale byte stored as s - rowmax + 30: an f16 exponent field (2^(s - rowmax + 15))
+
+
+def available() -> bool:
+    """Hopper only (wgmma exists on sm_90: not on Ampere, and Blackwell has tcgen05 instead), unless the
+    environment sets GPTOSS_JAX_NO_MOSAIC=1 (then the Pallas-Triton kernels run at every batch size)."""
+    dev = jax.devices()[0]
+    return (dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+            and os.environ.get("GPTOSS_JAX_NO_MOSAIC", "0") != "1")
+
+
+def fits(kexp: KernelExperts) -> bool:
+    """Whether the expert shapes tile: 64-row tiles of the 2I gate/up rows and the D down rows, and K (D or I)
+    at least one K step (TMA fills the last step's words past K with zeros, but no box may exceed a dimension)."""
+    D, I = kexp.dn_words.shape[-2], kexp.gu_words.shape[-2]
+    return D % TILE_N == 0 and (2 * I) % TILE_N == 0 and min(D, I) >= TILE_K
+
+
+def config(T: int, k: int, E: int) -> dict:
+    """Rows per slot for T tokens: 16 up to 8 routed rows per expert on average, else 32 (measured per weight on
+    the H200, §2e: 3.2e12 weights/s with 8-row slots, 2.6e12 with 16, 2.4e12 with 32, 1.0e12 with 64, where
+    three pipeline stages no longer fit in shared memory), so that an expert rarely needs two slots."""
+    return dict(kernel="mosaic", block_m=16 if T * k <= 8 * E else 32, stages=2)
+
+
+def mma_perm() -> np.ndarray:
+    """The natural K index (within a K step) that each MMA column of the step holds."""
+    m = np.arange(TILE_K)
+    b, j, c, e = m // 32, (m % 32) // 8, (m % 8) // 2, m % 2
+    return 8 * (16 * c + b) + j + 4 * e
+
+
+def scale_exponents(scales_ENG: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """E8M0 scales `[E, N, G]` -> (u32 `[E, N, Gp / 4]`: bytes s - rowmax + SCALE_BIAS clamped at 0, padded to
+    whole K steps; f32 `[E, N]`: 2^(rowmax - 128), the factor that restores each row's scale)."""
+    E, N, G = scales_ENG.shape
+    rowmax = jnp.max(scales_ENG, axis=-1).astype(jnp.int32)
+    sexp = jnp.maximum(scales_ENG.astype(jnp.int32) - rowmax[..., None] + SCALE_BIAS, 0).astype(jnp.uint8)
+    Gp = -(-G // (TILE_K // 32)) * (TILE_K // 32)
+    sexp = jnp.pad(sexp, ((0, 0), (0, 0), (0, Gp - G)))
+    return (jax.lax.bitcast_convert_type(sexp.reshape(E, N, Gp // 4, 4), jnp.uint32),
+            jnp.ldexp(jnp.ones((E, N), jnp.float32), rowmax - 128))
+
+
+def f16_operand(x_RK: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Rows -> (f16 `[R, Kp]` scaled per row to |x| < 2^14 and in MMA K order, zero-padded to whole K steps;
+    f32 `[R]`: the factor that undoes the scaling)."""
+    R, K = x_RK.shape
+    x = x_RK.astype(jnp.float32)
+    _, ex = jnp.frexp(jnp.max(jnp.abs(x), axis=-1))
+    x16 = jnp.ldexp(x, (14 - ex)[:, None]).astype(jnp.float16)
+    Kp = -(-K // TILE_K) * TILE_K
+    x16 = jnp.pad(x16, ((0, 0), (0, Kp - K))).reshape(R, Kp // TILE_K, TILE_K)[..., mma_perm()]
+    return x16.reshape(R, Kp), jnp.ldexp(jnp.ones((R,), jnp.float32), ex - 14)
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel
+
+# One word + its f16x2 scale multiplier -> decoded pair j as f16x2 (low half weight j, high half j + 4):
+# the bit placement of `moe_decode._WORD_DOT_PTX`, then one multiply.
+_PAIR_PTX = [
+    "and.b32 $0, $1, 0x8E008E00; mul.rn.f16x2 $0, $0, $2;",
+    "{.reg .b32 t; shl.b32 t, $1, 3; and.b32 t, t, 0x8E008E00; mul.rn.f16x2 $0, t, $2;}",
+    "{.reg .b32 t, u; shl.b32 t, $1, 6; shl.b32 u, $1, 1; and.b32 t, t, 0x0E000E00; and.b32 u, u, 0x80008000;"
+    " or.b32 t, t, u; mul.rn.f16x2 $0, t, $2;}",
+    "{.reg .b32 t, u; shl.b32 t, $1, 9; shl.b32 u, $1, 2; and.b32 t, t, 0x0E000E00; and.b32 u, u, 0x80008000;"
+    " or.b32 t, t, u; mul.rn.f16x2 $0, t, $2;}",
+]
+
+
+def _decode_fragment(ctx, w_ref, s_ref):
+    """Words u32 `[64, 64]` and scale bytes u32 `[64, 4]` of one K step -> f16 `[64, 512]` in the wgmma A
+    layout (thread (warp w, lane l) holds rows 16w + l/4 (+8) and the columns of `mma_perm`)."""
+    from jax.experimental.mosaic.gpu import fragmented_array as mfa
+    from jax.experimental.mosaic.gpu import utils as mu
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, llvm, memref, vector
+
+    del ctx
+    i32, f16, idx = ir.IntegerType.get_signless(32), ir.F16Type.get(), ir.IndexType.get()
+    c = lambda v: mu.c(v, i32)
+    tid = mu.thread_idx()
+    lane, warp = arith.remui(tid, c(32)), arith.remui(arith.divui(tid, c(32)), c(4))
+    row0 = arith.addi(arith.muli(warp, c(16)), arith.divui(lane, c(4)))
+    col = arith.remui(lane, c(4))
+    regs = np.empty(mfa.WGMMA_LAYOUT.registers_shape((TILE_N, TILE_K)), dtype=object)
+    v4, pair_ty = ir.VectorType.get((4,), i32), ir.VectorType.get((2,), f16)
+    for h in range(2):
+        row = arith.index_cast(idx, arith.addi(row0, c(8 * h)))
+        base = arith.muli(col, c(16))
+        quads = [vector.load(v4, w_ref, [row, arith.index_cast(idx, arith.addi(base, c(4 * i)))]) for i in range(4)]
+        sword = memref.load(s_ref, [row, arith.index_cast(idx, col)])  # the scales of words 16c .. 16c + 15
+        for b in range(TILE_K // 32):
+            word = vector.extract(quads[b // 4], [], [b % 4])
+            byte = arith.andi(arith.shrui(sword, c(8 * (b // 4))), c(0xFF))
+            mult = arith.muli(byte, c(0x04000400))  # the byte as the exponent field of both f16 halves
+            for j in range(4):
+                pair = llvm.inline_asm(i32, [word, mult], _PAIR_PTX[j], "=r,r,r")
+                ridx = [0] * regs.ndim
+                ridx[1], ridx[4] = 4 * b + j, h  # 8-column group, row half
+                regs[tuple(ridx)] = mu.bitcast(pair, pair_ty)
+    return mfa.FragmentedArray(_registers=regs, _layout=mfa.WGMMA_LAYOUT, _is_signed=None)
+
+
+def grouped_matmul(words_ENW, sexp_ENQ, x16_RK, slot_ew_S, slot_es_S, slot_rows_S, *, block_m: int,
+                   stages: int = 2):
+    """acc `[S, N, block_m]` f32: slot s's rows `x16[s * block_m ...]` times expert `slot_ew[s]`'s decoded
+    words (`sexp` of expert `slot_es[s]`), in MMA K order, before the row and token factors. Rows of empty
+    slots are left unwritten."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    N = words_ENW.shape[1]
+    S, Kp = slot_rows_S.shape[0], x16_RK.shape[1]
+    decode = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()),
+                               return_type=plgpu.ShapeDtypeStruct((TILE_N, TILE_K), jnp.float16,
+                                                                  layout=plgpu.Layout.WGMMA))(_decode_fragment)
+
+    def body(ew_gmem, es_gmem, rows_gmem, w_gmem, s_gmem, x_gmem, o_gmem, o_smem):
+        s, n = jax.lax.axis_index("s"), jax.lax.axis_index("n")
+
+        @pl.when(rows_gmem[s] > 0)
+        def _():
+            def acc_scope(acc_ref):
+                def step(_, w_smem, s_smem, x_smem):
+                    plgpu.wgmma(acc_ref, decode(w_smem, s_smem), x_smem.T)
+                    plgpu.wgmma_wait(0)
+
+                plgpu.emit_pipeline(
+                    step, grid=(Kp // TILE_K,), max_concurrent_steps=stages,
+                    in_specs=[plgpu.BlockSpec((TILE_N, TILE_K // 8), lambda k: (n, k)),
+                              plgpu.BlockSpec((TILE_N, TILE_K // 128), lambda k: (n, k)),
+                              plgpu.BlockSpec((block_m, TILE_K), lambda k: (0, k))],
+                )(w_gmem.at[ew_gmem[s]], s_gmem.at[es_gmem[s]], x_gmem.at[pl.ds(s * block_m, block_m)])
+                return acc_ref[...]
+
+            o_smem[...] = pl.run_scoped(acc_scope, plgpu.ACC((TILE_N, block_m)))
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[s, pl.ds(n * TILE_N, TILE_N)])
+            plgpu.wait_smem_to_gmem(0)
+
+    f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((S, N, block_m), jnp.float32),
+                     scratch_types=[plgpu.SMEM((TILE_N, block_m), jnp.float32)],
+                     grid=(S, N // TILE_N), grid_names=("s", "n"),
+                     compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    return f(slot_ew_S, slot_es_S, slot_rows_S, words_ENW, sexp_ENQ, x16_RK)
+
+
+def grouped_matmul_reference(words_ENW, sexp_ENQ, x16_RK, slot_ew_S, slot_es_S, slot_rows_S, *, block_m: int,
+                             stages: int = 2):
+    """`grouped_matmul` in jnp, the same arithmetic (f16 decoded weights times their f16 scale multiplier, f32
+    sums); rows of empty slots are 0."""
+    del stages
+    S, Kp = slot_rows_S.shape[0], x16_RK.shape[1]
+    W = words_ENW.shape[2]
+    words = jnp.pad(words_ENW[slot_ew_S], ((0, 0), (0, 0), (0, Kp // 8 - W)))        # [S, N, Kp/8]
+    vals = jnp.stack(moe_decode._decode_words(words), axis=-1)                        # [S, N, Kp/8, 8]
+    sbytes = jax.lax.bitcast_convert_type(sexp_ENQ[slot_es_S], jnp.uint8).reshape(*words.shape[:2], -1)
+    mult = jnp.where(sbytes > 0, jnp.exp2(sbytes.astype(jnp.float32) - 15), 0.0)     # [S, N, Kp/32]
+    a = (vals * jnp.repeat(mult, 4, axis=-1)[..., None]).astype(jnp.float16).astype(jnp.float32)
+    a = a.reshape(*words.shape[:2], Kp // TILE_K, TILE_K)[..., mma_perm()].reshape(*words.shape[:2], Kp)
+    x = x16_RK.astype(jnp.float32).reshape(S, block_m, Kp)
+    acc = jnp.einsum("snk,smk->snm", a, x, precision="highest")
+    return jnp.where((slot_rows_S > 0)[:, None, None], acc, 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatch, glue and the entry point
+
+
+def slot_rows(slot_start_S, slot_rows_S, P: int, block_m: int):
+    """For each slot row `[S, block_m]`: the sorted pair it holds (P where none), and for each sorted pair
+    `[P]`: its row in the flattened slot buffers."""
+    r = jnp.arange(block_m, dtype=jnp.int32)
+    held = jnp.where(r[None, :] < slot_rows_S[:, None], slot_start_S[:, None] + r[None, :], P)
+    flat = jnp.arange(held.size, dtype=jnp.int32)
+    where = jnp.zeros((P + 1,), jnp.int32).at[held.reshape(-1)].set(flat)[:P]
+    return held, where
+
+
+@functools.partial(jax.jit, static_argnames=("swiglu_limit", "swiglu_alpha", "block_m", "stages", "interpret"))
+def experts_forward(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, *, swiglu_limit,
+                    swiglu_alpha, block_m=16, stages=2, interpret=None):
+    """`moe_decode.experts_forward`'s contract (sum over the routed experts, `[T, D]`) on the Mosaic kernels;
+    `interpret` (default: off the GPU) runs `grouped_matmul_reference` instead of the kernel."""
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    if not fits(kexp):
+        raise ValueError(f"moe_mosaic: experts with D={kexp.dn_words.shape[-2]}, I={kexp.gu_words.shape[-2]} do "
+                         f"not tile (D and 2I multiples of {TILE_N}, both >= {TILE_K}); use moe_decode")
+    matmul = functools.partial(grouped_matmul_reference if interpret else grouped_matmul, block_m=block_m,
+                               stages=stages)
+    T, k = idx_TK.shape
+    P = T * k
+    E, _, I, W = kexp.gu_words.shape[-4:]
+    D = x_TD.shape[1]
+    tok, w_sorted, order, slot_e, slot_start, rows = moe_decode.slots(idx_TK, w_TK, valid_TK, E, block_m)
+    S = slot_e.shape[0]
+    held, where = slot_rows(slot_start, rows, P, block_m)
+    ok = (held < P).reshape(-1)
+    one = lambda a: a if layer is None else a[layer]  # this layer's small per-expert tables
+    gu_words = kexp.gu_words.reshape(-1, 2 * I, W)  # [L E, 2I, D/8]: gate rows, then up rows
+    dn_words = kexp.dn_words.reshape(-1, D, I // 8)
+    ew = slot_e if layer is None else slot_e + layer * E
+
+    # gate and up: one matmul over the 2I stored rows (phase order of the features)
+    x_rows = jnp.where(ok[:, None], x_TD[jnp.append(tok, 0)[held.reshape(-1)]], 0)
+    x16, tok_fac = f16_operand(x_rows)
+    sexp, row_fac = scale_exponents(one(kexp.gu_scales).reshape(E, 2 * I, -1))
+    acc = matmul(gu_words, sexp, x16, ew, slot_e, rows)                               # [S, 2I, bm]
+    fac = row_fac[slot_e][:, :, None] * tok_fac.reshape(S, 1, block_m)
+    bias = one(kexp.gu_bias).reshape(E, 2 * I)[slot_e].astype(jnp.float32)[:, :, None]
+    h = acc * fac + bias
+    act = moe_decode._swiglu(h[:, :I], h[:, I:], swiglu_limit, swiglu_alpha)          # [S, I, bm], stored order
+    # stored row q holds feature phase_order(I)[q]: back to natural feature order, then the down's MMA order
+    natural = np.argsort(moe_decode.phase_order(I))
+    a_rows = jnp.swapaxes(act, 1, 2).reshape(S * block_m, I)[:, natural]
+    a16, a_fac = f16_operand(a_rows)
+
+    # down
+    sexp, row_fac = scale_exponents(one(kexp.dn_scales))
+    acc = matmul(dn_words, sexp, a16, ew, slot_e, rows)                               # [S, D, bm]
+    fac = row_fac[slot_e][:, :, None] * a_fac.reshape(S, 1, block_m)
+    y = acc * fac + one(kexp.dn_bias)[slot_e].astype(jnp.float32)[:, :, None]
+    y = jnp.swapaxes(y, 1, 2).reshape(S * block_m, D) * jnp.append(w_sorted, 0.0)[held.reshape(-1)][:, None]
+    return moe_decode.combine(y[where], order, valid_TK, T, k, x_TD.dtype)

@@ -1,0 +1,92 @@
+"""The Mosaic GPU mid-batch MoE (`pallas_kernels.moe_mosaic`): its dispatch, operand encodings and epilogues
+against `moe_reference`. On CPU `grouped_matmul_reference` stands in for the kernel (Mosaic's interpreter does
+not run register-operand wgmma); on a Hopper GPU the same tests run the kernel (as does tools/check_kernels.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import moe_decode, moe_mosaic, moe_reference
+from test_kernels_moe import ALPHA, LIMIT, _experts, _rel
+
+
+def test_mma_perm_is_a_permutation_pairing_each_threads_words():
+    p = moe_mosaic.mma_perm()
+    assert sorted(p) == list(range(moe_mosaic.TILE_K))
+    # MMA columns 2c, 2c + 1 of every 8 are weights j and j + 4 of one word: that word's f16x2 pair
+    assert np.all(p[1::2] - p[0::2] == 4)
+    assert np.all(p[0::2] // 8 == p[1::2] // 8)
+
+
+def test_scale_exponents_restore_every_block_scale():
+    """2^-14 (the decode) * 2^(byte - 15) (the f16 multiplier) * 2^(rowmax - 128) (the row factor) = 2^(s - 127)
+    for every block; blocks 2^30 below their row's largest flush to 0."""
+    s = jnp.asarray([[[120, 127, 100, 90]]], jnp.uint8)
+    sexp, fac = moe_mosaic.scale_exponents(s)
+    b = np.asarray(jax.lax.bitcast_convert_type(sexp, jnp.uint8)).reshape(-1)
+    assert sexp.shape == (1, 1, moe_mosaic.TILE_K // 128)
+    np.testing.assert_array_equal(b[:4], [23, 30, 3, 0])
+    assert np.all(b[4:] == 0)
+    got = np.exp2(b[:3].astype(np.float64) - 15 - 14) * float(fac[0, 0])
+    np.testing.assert_array_equal(got, np.exp2(np.asarray([120, 127, 100], np.float64) - 127))
+
+
+def test_f16_operand_roundtrip():
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(5, 600)) * np.array([1e-3, 1, 30, 1e4, 0])[:, None], jnp.float32)
+    x16, fac = moe_mosaic.f16_operand(x)
+    assert x16.shape == (5, 1024) and np.all(np.abs(np.asarray(x16, np.float32)) < 2 ** 14)
+    un = np.asarray(x16, np.float32).reshape(5, 2, 512)
+    nat = np.zeros_like(un)
+    nat[..., moe_mosaic.mma_perm()] = un
+    np.testing.assert_allclose(nat.reshape(5, 1024)[:, :600] * np.asarray(fac)[:, None], np.asarray(x),
+                               rtol=2 ** -10, atol=0)
+    assert np.all(nat.reshape(5, 1024)[:, 600:] == 0)
+
+
+@pytest.mark.parametrize("T,E,k,D,I,bm,empty", [
+    (24, 8, 4, 576, 512, 16, True),   # K tail in the gate/up (D not a multiple of 512), an expert never routed
+    (40, 4, 2, 512, 576, 8, False),   # K tail in the down; several slots per expert
+    (9, 16, 4, 512, 512, 16, True),   # most slots empty
+])
+def test_experts_forward_matches_reference(T, E, k, D, I, bm, empty):
+    rng = np.random.default_rng(T + E)
+    ex = _experts(rng, E, D, I, jnp.bfloat16)
+    x = jnp.asarray(rng.normal(size=(T, D)) * 2, jnp.bfloat16)
+    rw = jnp.asarray(rng.normal(size=(E, D)) * 0.2, jnp.bfloat16)
+    rb = np.zeros((E,), np.float32)
+    if empty:
+        rb[0] = -1e4
+    idx, w, _ = moe_reference.route(x, rw, jnp.asarray(rb, jnp.bfloat16), k)
+    ref = moe_reference.apply_experts(x, idx, w, ex, swiglu_limit=LIMIT, swiglu_alpha=ALPHA)
+    out = moe_mosaic.experts_forward(x, idx, w, moe_decode.prepare_experts(ex), swiglu_limit=LIMIT,
+                                     swiglu_alpha=ALPHA, block_m=bm)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert _rel(out, ref) < 1e-2
+
+
+def test_shapes_that_do_not_tile_are_refused():
+    ex = moe_decode.prepare_experts(_experts(np.random.default_rng(0), 4, 96, 512, jnp.bfloat16))
+    assert not moe_mosaic.fits(ex)
+    with pytest.raises(ValueError, match="D=96, I=512 do not tile"):
+        moe_mosaic.experts_forward(jnp.zeros((4, 96), jnp.bfloat16), jnp.zeros((4, 2), jnp.int32),
+                                   jnp.ones((4, 2)), ex, swiglu_limit=LIMIT, swiglu_alpha=ALPHA)
+
+
+def test_stacked_layers_and_invalid_pairs():
+    """With a leading layer axis the slots point into the flattened experts; pairs outside `valid_TK` add 0."""
+    rng = np.random.default_rng(5)
+    T, E, k, D, I = 12, 4, 2, 512, 512
+    layers = [_experts(rng, E, D, I, jnp.bfloat16) for _ in range(3)]
+    kx = jax.tree.map(lambda *a: jnp.stack(a), *[moe_decode.prepare_experts(e) for e in layers])
+    x = jnp.asarray(rng.normal(size=(T, D)), jnp.bfloat16)
+    idx = jnp.asarray(rng.integers(0, E, (T, k)), jnp.int32)
+    w = jnp.asarray(rng.random((T, k)), jnp.float32)
+    valid = jnp.asarray(rng.random((T, k)) < 0.6).at[0].set(False)
+    out = moe_mosaic.experts_forward(x, idx, w, kx, jnp.int32(2), valid, swiglu_limit=LIMIT, swiglu_alpha=ALPHA,
+                                     block_m=8)
+    ref = moe_reference.apply_experts(x, idx, jnp.where(valid, w, 0.0), layers[2], swiglu_limit=LIMIT,
+                                      swiglu_alpha=ALPHA)
+    assert np.all(np.asarray(out[0], np.float32) == 0.0)
+    assert _rel(out, ref) < 1e-2
