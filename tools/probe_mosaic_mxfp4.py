@@ -12,13 +12,10 @@ This probe measures that data path on a batched per-expert matmul `out[e] = W[e]
   map    + the E2M1 value map: codes stored as signed int4 v = +-k (k = the 3-bit magnitude code), value
          2 * e2m1 = g(|v|) with g(k) = k + max(k - 4, 0) + 2 max(k - 6, 0), sign from v;
   scale  + one bf16 multiply per weight (a per-row scale per K step, the cost of E8M0 block scales).
-  mxfp4  the real thing on the shipped weight encoding (`moe_decode.KernelExperts` words, 8 weights per
-         u32 in phase order): one inline-PTX block per word and scale decodes 4 f16x2 pairs (E2M1 * 2^-14
-         times the block scale, as f16, with the scales normalised by the row's largest), straight into the
-         f16 wgmma A-operand registers (`plgpu.inline_mgpu`); the tokens enter as f16 scaled per token,
-         their K order permuted to match the registers (`_mma_perm`).
-  mxfp4_ws  the same decode, warp-specialised: a memory warpgroup feeds 128-row tiles to two compute
-         warpgroups (`plgpu.emit_pipeline_warp_specialized`).
+  mxfp4  the shipped kernel, `pallas_kernels.moe_mosaic.grouped_matmul` (one slot per expert): the real
+         MXFP4 words decoded by inline PTX straight into f16 wgmma A-operand registers (its docstring).
+         Two earlier forms were measured with the code of commit 123866a (docs/BENCHMARKS.md §2e): one word
+         per 32-block per thread, and a warp-specialised version (a memory warpgroup, two compute warpgroups).
 Each is checked against a jnp reference and timed against the copy bandwidth and the Pallas-Triton
 "mma" MoE kernels of `pallas_kernels.moe_decode` on the same shapes, same run.
 
@@ -35,16 +32,11 @@ import statistics
 import time
 
 import jax
-import numpy as np
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax.experimental.mosaic.gpu import fragmented_array as mfa
-from jax.experimental.mosaic.gpu import utils as mu
-from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, llvm, memref, vector
 
-from pallas_kernels import moe_decode
+from pallas_kernels import moe_decode, moe_mosaic
 
 TILE_N = 64    # weight rows per CTA: one warpgroup's wgmma M
 TILE_K = 256   # int4 elements per K step: 128 bytes, one 128-byte swizzle row
@@ -96,179 +88,23 @@ def probe_matmul(w_ENK, x_ETK, s_EJN, *, variant: str, stages: int = 3):
 
 
 # ----------------------------------------------------------------------------------------------
-# MXFP4 on the shipped word encoding
-
-MX_TILE_K = 512  # weights per K step: 64 words and 16 scales (16 bytes, the least a TMA row may be) per row
-F16_SCALE_BIAS = 30  # scale byte stored as s - rowmax + 30 (clamped at 0): an f16 exponent field
+# MXFP4: the shipped kernel (`moe_mosaic.grouped_matmul`), one slot per expert
 
 
-def _mma_perm(contiguous: bool) -> np.ndarray:
-    """Natural weight held by each MMA column of a block: MMA column 32b + 8j + 2c + e is pair j, half e of
-    the word that thread c (lane % 4) decodes for 32-column chunk b.  Spread: that word is 4b + c (blocks of
-    32, each chunk one E8M0 block); contiguous: it is 16c + b (blocks of 512: each thread's 16 words of a K
-    step are adjacent, one 16-byte shared-memory load per 4)."""
-    n = MX_TILE_K if contiguous else 32
-    m = np.arange(n)
-    b, j, c, e = m // 32, (m % 32) // 8, (m % 8) // 2, m % 2
-    word = 16 * c + b if contiguous else 4 * b + c
-    return 8 * word + j + 4 * e
+def mxfp4_matmul(words_ENW, sexp_ENQ, x16_RK, *, stages: int = 2):
+    E = words_ENW.shape[0]
+    T = x16_RK.shape[0] // E
+    slots = jnp.arange(E, dtype=jnp.int32)
+    return moe_mosaic.grouped_matmul(words_ENW, sexp_ENQ, x16_RK, slots, slots, jnp.full((E,), T, jnp.int32),
+                                     block_m=T, stages=stages)
 
 
-# One word + its f16x2 scale multiplier -> pair j (f16x2): the decode of `moe_decode._WORD_DOT_PTX`.
-_PAIR_PTX = [
-    "and.b32 $0, $1, 0x8E008E00; mul.rn.f16x2 $0, $0, $2;",
-    "{.reg .b32 t; shl.b32 t, $1, 3; and.b32 t, t, 0x8E008E00; mul.rn.f16x2 $0, t, $2;}",
-    "{.reg .b32 t, u; shl.b32 t, $1, 6; shl.b32 u, $1, 1; and.b32 t, t, 0x0E000E00; and.b32 u, u, 0x80008000;"
-    " or.b32 t, t, u; mul.rn.f16x2 $0, t, $2;}",
-    "{.reg .b32 t, u; shl.b32 t, $1, 9; shl.b32 u, $1, 2; and.b32 t, t, 0x0E000E00; and.b32 u, u, 0x80008000;"
-    " or.b32 t, t, u; mul.rn.f16x2 $0, t, $2;}",
-]
-
-
-def _decode_mgpu(ctx, w_ref, s_ref, *, contiguous=False):
-    """w_ref u32 [64, 64] words, s_ref u32 [64, 4] scale bytes -> f16 [64, 512] in the wgmma A layout
-    (K order: `_mma_perm(contiguous)`)."""
-    del ctx
-    i32, f16, idx = ir.IntegerType.get_signless(32), ir.F16Type.get(), ir.IndexType.get()
-    c = lambda v: mu.c(v, i32)
-    tid = mu.thread_idx()
-    lane, warp = arith.remui(tid, c(32)), arith.remui(arith.divui(tid, c(32)), c(4))
-    # warpgroup w of a warp-specialised CTA decodes rows 64 w .. 64 w + 63 of the tile (w = 0 otherwise)
-    row0 = arith.addi(arith.muli(warp, c(16)), arith.divui(lane, c(4)))
-    row0 = arith.addi(row0, arith.muli(arith.divui(tid, c(128)), c(TILE_N)))
-    col = arith.remui(lane, c(4))
-    shape = (64, MX_TILE_K)
-    regs = np.empty(mfa.WGMMA_LAYOUT.registers_shape(shape), dtype=object)
-    vec_ty = ir.VectorType.get((2,), f16)
-    v4 = ir.VectorType.get((4,), i32)
-    for h in range(2):
-        row = arith.index_cast(idx, arith.addi(row0, c(8 * h)))
-        if contiguous:  # words 16c .. 16c + 15 and their 4 scale bytes (u32 c of the row)
-            base = arith.muli(col, c(16))
-            quads = [vector.load(v4, w_ref, [row, arith.index_cast(idx, arith.addi(base, c(4 * i)))])
-                     for i in range(4)]
-            words = [vector.extract(quads[b // 4], [], [b % 4]) for b in range(16)]
-            sword = memref.load(s_ref, [row, arith.index_cast(idx, col)])
-            bytes_ = [arith.andi(arith.shrui(sword, c(8 * (b // 4))), c(0xFF)) for b in range(16)]
-        else:  # words 4b + c: one per 32-block
-            swords = [memref.load(s_ref, [row, arith.constant(idx, q)]) for q in range(4)]
-            words = [memref.load(w_ref, [row, arith.index_cast(idx, arith.addi(col, c(4 * b)))])
-                     for b in range(16)]
-            bytes_ = [arith.andi(arith.shrui(swords[b // 4], c(8 * (b % 4))), c(0xFF)) for b in range(16)]
-        for b in range(MX_TILE_K // 32):
-            word, byte = words[b], bytes_[b]
-            mult = arith.muli(byte, c(0x04000400))  # (byte << 10) in both f16 halves
-            for j in range(4):
-                pair = llvm.inline_asm(i32, [word, mult], _PAIR_PTX[j], "=r,r,r")
-                ridx = [0] * len(regs.shape)
-                ridx[1], ridx[4] = 4 * b + j, h
-                regs[tuple(ridx)] = mu.bitcast(pair, vec_ty)
-    return mfa.FragmentedArray(_registers=regs, _layout=mfa.WGMMA_LAYOUT, _is_signed=None)
-
-
-def mxfp4_matmul(words_ENW, sexp_ENQ, x16_ETK, *, stages: int = 3, contiguous: bool = False):
-    """acc[e, n, t] = sum_k A[e, n, k] x16[e, t, k] with A the f16 decode (MMA K order); see `mxfp4_inputs`."""
-    E, N, W = words_ENW.shape
-    T, K = x16_ETK.shape[1:]
-    nk = -(-K // MX_TILE_K)
-    decode = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()),
-                               return_type=plgpu.ShapeDtypeStruct((TILE_N, MX_TILE_K), jnp.float16,
-                                                                  layout=plgpu.Layout.WGMMA))(
-        functools.partial(_decode_mgpu, contiguous=contiguous))
-
-    def body(w_gmem, s_gmem, x_gmem, o_gmem, o_smem):
-        e, n = jax.lax.axis_index("e"), jax.lax.axis_index("n")
-
-        def acc_scope(acc_ref):
-            def step(_, w_smem, s_smem, x_smem):
-                plgpu.wgmma(acc_ref, decode(w_smem, s_smem), x_smem.T)
-                plgpu.wgmma_wait(0)
-
-            plgpu.emit_pipeline(
-                step, grid=(nk,), max_concurrent_steps=stages,
-                in_specs=[plgpu.BlockSpec((TILE_N, MX_TILE_K // 8), lambda k: (n, k)),
-                          plgpu.BlockSpec((TILE_N, 4), lambda k: (n, k)),
-                          plgpu.BlockSpec((T, MX_TILE_K), lambda k: (0, k))],
-            )(w_gmem.at[e], s_gmem.at[e], x_gmem.at[e])
-            return acc_ref[...]
-
-        acc = pl.run_scoped(acc_scope, plgpu.ACC((TILE_N, T)))
-        o_smem[...] = acc
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[e, pl.ds(n * TILE_N, TILE_N)])
-        plgpu.wait_smem_to_gmem(0)
-
-    f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((E, N, T), jnp.float32),
-                     scratch_types=[plgpu.SMEM((TILE_N, T), jnp.float32)],
-                     grid=(E, N // TILE_N), grid_names=("e", "n"),
-                     compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-    return f(words_ENW, sexp_ENQ, x16_ETK)
-
-
-def mxfp4_matmul_ws(words_ENW, sexp_ENQ, x16_ETK, *, stages: int = 3, contiguous: bool = False):
-    """`mxfp4_matmul` warp-specialised: a memory warpgroup runs the TMA pipeline for 128-row tiles and two
-    compute warpgroups decode and multiply 64 rows each, sharing the token tile."""
-    E, N, W = words_ENW.shape
-    T, K = x16_ETK.shape[1:]
-    nk = -(-K // MX_TILE_K)
-    decode = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()),
-                               return_type=plgpu.ShapeDtypeStruct((TILE_N, MX_TILE_K), jnp.float16,
-                                                                  layout=plgpu.Layout.WGMMA))(
-        functools.partial(_decode_mgpu, contiguous=contiguous))
-
-    def body(w_gmem, s_gmem, x_gmem, o_gmem, o_smem):
-        e, n = jax.lax.axis_index("e"), jax.lax.axis_index("n")
-        wg = jax.lax.axis_index("wg")
-
-        def compute_context(eval_pipeline):
-            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((TILE_N, T)))
-            def _(acc_ref):
-                eval_pipeline(acc_ref)
-                o_smem[wg] = acc_ref[...]
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[e, pl.ds(n * 2 * TILE_N + wg * TILE_N, TILE_N)])
-                plgpu.wait_smem_to_gmem(0)
-
-        def step(_, w_smem, s_smem, x_smem, acc_ref):
-            plgpu.wgmma(acc_ref, decode(w_smem, s_smem), x_smem.T)
-            plgpu.wgmma_wait(0)
-            return acc_ref
-
-        plgpu.emit_pipeline_warp_specialized(
-            step, grid=(nk,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
-            max_concurrent_steps=stages, compute_context=compute_context,
-            in_specs=[plgpu.BlockSpec((2 * TILE_N, MX_TILE_K // 8), lambda k: (n, k)),
-                      plgpu.BlockSpec((2 * TILE_N, 4), lambda k: (n, k)),
-                      plgpu.BlockSpec((T, MX_TILE_K), lambda k: (0, k))],
-        )(w_gmem.at[e], s_gmem.at[e], x_gmem.at[e])
-
-    f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((E, N, T), jnp.float32),
-                     scratch_types=[plgpu.SMEM((2, TILE_N, T), jnp.float32)],
-                     grid=(E, N // (2 * TILE_N)), grid_names=("e", "n"), num_threads=3, thread_name="wg",
-                     compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-    return f(words_ENW, sexp_ENQ, x16_ETK)
-
-
-def mxfp4_inputs(words_ENW, scales_ENG, x_ETK, contiguous: bool = False):
-    """Kernel inputs from the shipped encoding: scale bytes as normalised f16 exponents padded to 16 per K
-    step (u32 view), tokens as f16 scaled per token in MMA K order; and the factors that undo both."""
-    E, N, G = scales_ENG.shape
-    T, K = x_ETK.shape[1:]
-    rowmax = jnp.max(scales_ENG, axis=-1).astype(jnp.int32)  # [E, N]
-    sexp = jnp.maximum(scales_ENG.astype(jnp.int32) - rowmax[..., None] + F16_SCALE_BIAS, 0).astype(jnp.uint8)
-    Gp = -(-G // 16) * 16
-    sexp = jnp.pad(sexp, ((0, 0), (0, 0), (0, Gp - G)))
-    sexp = jax.lax.bitcast_convert_type(sexp.reshape(E, N, Gp // 4, 4), jnp.uint32)
-    x = x_ETK.astype(jnp.float32)
-    _, ex = jnp.frexp(jnp.max(jnp.abs(x), axis=-1))  # [E, T]
-    x16 = jnp.ldexp(x, (14 - ex)[..., None]).astype(jnp.float16)
-    n = MX_TILE_K if contiguous else 32
-    Kp = -(-K // n) * n  # whole permutation blocks; the words past K are TMA zero fill
-    x16 = jnp.pad(x16, ((0, 0), (0, 0), (0, Kp - K)))
-    x16 = x16.reshape(E, T, Kp // n, n)[..., _mma_perm(contiguous)].reshape(E, T, Kp)
-    # A = E2M1 * 2^(s - rowmax + 1), the weight is E2M1 * 2^(s - 127): out = acc * 2^(rowmax - 128) * 2^(ex - 14)
-    undo = jnp.ldexp(jnp.ones((E, N, T), jnp.float32), (rowmax - 128)[..., None] + (ex - 14)[:, None, :])
-    return sexp, x16, undo
+def mxfp4_inputs(words_ENW, scales_ENG, x_ETK):
+    """The kernel's operands (`moe_mosaic.scale_exponents`, `f16_operand`) and the factor that undoes them."""
+    E, T, K = x_ETK.shape
+    sexp, row_fac = moe_mosaic.scale_exponents(scales_ENG)
+    x16, tok_fac = moe_mosaic.f16_operand(x_ETK.reshape(E * T, K))
+    return sexp, x16, row_fac[:, :, None] * tok_fac.reshape(E, 1, T)
 
 
 def mxfp4_reference(words_ENW, scales_ENG, x_ETK):
@@ -335,10 +171,7 @@ def main():
     ap.add_argument("--variants", default="plain,map,scale", help="int4 variants ('' for none)")
     ap.add_argument("--stages", type=int, default=3, help="pipeline stages of the int4 variants")
     ap.add_argument("--mx-stages", type=lambda v: [int(x) for x in v.split(",")], default=[2, 3],
-                    help="pipeline stages tried for the mxfp4 kernels")
-    ap.add_argument("--mx-kernels", default="mxfp4,mxfp4_ws,mxfp4_c,mxfp4_ws_c",
-                    help="mxfp4: one warpgroup per CTA; _ws: warp-specialised, two compute warpgroups; _c: each "
-                    "thread's words contiguous (16-byte loads)")
+                    help="pipeline stages tried for the mxfp4 kernel")
     ap.add_argument("--skip-triton", action="store_true")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -371,16 +204,12 @@ def main():
     kd = 2880
     words = jax.random.bits(kw, (E, N, kd // 8), jnp.uint32)
     scales = jax.random.randint(ks, (E, N, kd // 32), 112, 124).astype(jnp.uint8)
-    kernels = {"mxfp4": mxfp4_matmul, "mxfp4_ws": mxfp4_matmul_ws,
-               "mxfp4_c": functools.partial(mxfp4_matmul, contiguous=True),
-               "mxfp4_ws_c": functools.partial(mxfp4_matmul_ws, contiguous=True)}
-    for T, stages, name in itertools.product([int(t) for t in a.tokens.split(",")], a.mx_stages,
-                                             a.mx_kernels.split(",")):
-        row = dict(tokens=T, variant=name, K=kd, stages=stages)
+    for T, stages in itertools.product([int(t) for t in a.tokens.split(",")], a.mx_stages):
+        row = dict(tokens=T, variant="mxfp4", K=kd, stages=stages)
         try:
             x = jax.random.normal(kx, (E, T, kd), jnp.bfloat16)
-            sexp, x16, undo = jax.jit(mxfp4_inputs, static_argnums=3)(words, scales, x, name.endswith("_c"))
-            f = jax.jit(functools.partial(kernels[name], stages=stages))
+            sexp, x16, undo = jax.jit(mxfp4_inputs)(words, scales, x)
+            f = jax.jit(functools.partial(mxfp4_matmul, stages=stages))
             out = f(words, sexp, x16) * undo
             ref = mxfp4_reference(words, scales, x)
             row["max_rel_err"] = float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
