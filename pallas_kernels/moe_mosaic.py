@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import moe_decode
 from pallas_kernels.moe_decode import KernelExperts
 
-MAX_ROWS = 16     # routed rows per expert (average) up to which `moe_prefill.auto_config` picks these kernels
+MAX_ROWS = 32     # routed rows per expert (average) up to which `moe_prefill.auto_config` picks these kernels
 TILE_N = 64       # weight rows per CTA: one warpgroup's wgmma M
 TILE_K = 512      # weights per K step: 64 words and 16 scale bytes (the least TMA moves per row) per row
 SCALE_BIAS = 30   # scale byte stored as s - rowmax + 30: an f16 exponent field (2^(s - rowmax + 15))
@@ -61,7 +61,8 @@ def fits(kexp: KernelExperts) -> bool:
 def config(T: int, k: int, E: int) -> dict:
     """Rows per slot for T tokens: 16 up to 8 routed rows per expert on average, else 32 (measured per weight on
     the H200, §2e: 3.2e12 weights/s with 8-row slots, 2.6e12 with 16, 2.4e12 with 32, 1.0e12 with 64, where
-    three pipeline stages no longer fit in shared memory), so that an expert rarely needs two slots."""
+    three pipeline stages no longer fit in shared memory). At 32 rows per expert about half the experts need
+    two 32-row slots, and the step is still faster than the Triton kernels' (20b batch 256: 16.1 vs 18.0 ms)."""
     return dict(kernel="mosaic", block_m=16 if T * k <= 8 * E else 32, stages=2)
 
 

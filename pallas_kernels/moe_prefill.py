@@ -205,7 +205,7 @@ DENSE_CONFIG = dict(kernel="dense", block_m=128, block_n=128, block_k=64, num_wa
 def auto_config(T: int, k: int, E: int, dtype) -> dict:
     """Kernels and block sizes for a (static) token count: dequantize + dense GEMMs once experts average
     `DENSE_ROWS` routed rows (best of the H200 sweep at 8,192 tokens, 2026-11-22); on Hopper, bf16 models
-    from 2 to `moe_mosaic.MAX_ROWS` rows per expert take the Mosaic GPU kernels; else `moe_decode`'s choice
+    from 2 to `moe_mosaic.MAX_ROWS` (32) rows per expert take the Mosaic GPU kernels; else `moe_decode`'s choice
     (GEMV, or the fused tensor-core kernels)."""
     if T * k >= DENSE_ROWS * E:
         return dict(DENSE_CONFIG)

@@ -75,9 +75,11 @@ def main():
         "moe_decode gemv16 bm2": ("120b", 33, (), functools.partial(moe_decode.moe, kernel="gemv16", block_m=2,
                                                                     block_k=1024, prefetch=False)),
         "moe_prefill": ("20b", 777, (2, 9), moe_prefill.moe),  # dense (97 rows per expert)
-        "moe_prefill ": ("120b", 1001, (), moe_prefill.moe),  # fused mma (31 rows per expert)
+        "moe_prefill ": ("120b", 1001, (), moe_prefill.moe),  # 31 rows per expert: Mosaic on Hopper
+        "moe_prefill mma": ("120b", 1001, (), functools.partial(moe_prefill.moe, **moe_decode.decode_config(
+            1001, 4, 128, half=True))),  # the Triton fused mma kernels at the same size
         "moe_prefill dense": ("120b", 2305, (4, 100), moe_prefill.moe),  # 4 expert groups
-        # Mosaic GPU mid-batch kernels (picked on Hopper from 2 to 16 rows per expert)
+        # Mosaic GPU mid-batch kernels (picked on Hopper from 2 to 32 rows per expert)
         "moe_mosaic": ("20b", 64, (3,), moe_prefill.moe),  # 8 rows per expert: 16-row slots
         "moe_mosaic ": ("120b", 333, (5,), moe_prefill.moe),  # 10.4 rows per expert: 32-row slots
         "moe_mosaic bm8": ("20b", 100, (), functools.partial(moe_prefill.moe, kernel="mosaic", block_m=8,
