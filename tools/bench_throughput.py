@@ -51,9 +51,11 @@ def run_job(engine: Engine, prompts: list[list[int]], output_len: int) -> dict:
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, sp)
     first, last, n_out = {}, {}, 0
+    steps = []  # (time, output tokens) per engine step: splits the job into its prefill and decode phases
     while engine.has_unfinished_requests():
         outs = engine.step()
         now = time.perf_counter()
+        steps.append((now, sum(len(o.new_token_ids) for o in outs)))
         for o in outs:
             n_out += len(o.new_token_ids)
             if o.new_token_ids:
@@ -61,6 +63,10 @@ def run_job(engine: Engine, prompts: list[list[int]], output_len: int) -> dict:
                 last[o.request_id] = now
     elapsed = time.perf_counter() - t0
     ttft = [first[r] - t0 for r in first]
+    # Phase 1 ends when the last request has its first token: every prompt is prefilled; from then on the
+    # steps only decode, at a batch that shrinks as requests finish.
+    t_all = max(first.values()) if first else t0
+    tok_1 = sum(n for t, n in steps if t <= t_all)
     tpot = [(last[r] - first[r]) / (output_len - 1) for r in first if output_len > 1]
     stats = engine.stats()
     return {"requests": len(prompts), "input_len": len(prompts[0]), "output_len": output_len,
@@ -68,7 +74,10 @@ def run_job(engine: Engine, prompts: list[list[int]], output_len: int) -> dict:
             "total_tok_s": (n_out + sum(map(len, prompts))) / elapsed,
             "ttft_s_median": statistics.median(ttft), "ttft_s_max": max(ttft),
             "tpot_ms_median": 1e3 * statistics.median(tpot) if tpot else None,
-            "num_preemptions": stats.num_preemptions, "num_compiles": stats.num_compiles}
+            "num_preemptions": stats.num_preemptions, "num_compiles": stats.num_compiles,
+            "prefill_phase_s": t_all - t0, "prefill_phase_output_tokens": tok_1,
+            "decode_phase_s": elapsed - (t_all - t0), "decode_phase_output_tokens": n_out - tok_1,
+            "decode_phase_steps": sum(1 for t, n in steps if t > t_all and n)}
 
 
 def main() -> None:
