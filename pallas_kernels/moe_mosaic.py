@@ -33,6 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as mfa
+from jax.experimental.mosaic.gpu import utils as mu
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, llvm, memref, vector
 
 from pallas_kernels import moe_decode
 from pallas_kernels.moe_decode import KernelExperts
@@ -115,11 +120,6 @@ _PAIR_PTX = [
 def _decode_fragment(ctx, w_ref, s_ref):
     """Words u32 `[64, 64]` and scale bytes u32 `[64, 4]` of one K step -> f16 `[64, 512]` in the wgmma A
     layout (thread (warp w, lane l) holds rows 16w + l/4 (+8) and the columns of `mma_perm`)."""
-    from jax.experimental.mosaic.gpu import fragmented_array as mfa
-    from jax.experimental.mosaic.gpu import utils as mu
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, llvm, memref, vector
-
     del ctx
     i32, f16, idx = ir.IntegerType.get_signless(32), ir.F16Type.get(), ir.IndexType.get()
     c = lambda v: mu.c(v, i32)
@@ -151,8 +151,6 @@ def grouped_matmul(words_ENW, sexp_ENQ, x16_RK, slot_ew_S, slot_es_S, slot_rows_
     """acc `[S, N, block_m]` f32: slot s's rows `x16[s * block_m ...]` times expert `slot_ew[s]`'s decoded
     words (`sexp` of expert `slot_es[s]`), in MMA K order, before the row and token factors. Rows of empty
     slots are left unwritten."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
     N = words_ENW.shape[1]
     S, Kp = slot_rows_S.shape[0], x16_RK.shape[1]
     decode = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()),

@@ -222,10 +222,10 @@ def experts(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, 
         config = auto_config(*idx_TK.shape, kexp.gu_words.shape[-4], x_TD.dtype) | config
         if config["kernel"] == "mosaic" and not moe_mosaic.fits(kexp):
             config = moe_decode.decode_config(*idx_TK.shape, kexp.gu_words.shape[-4], half=True)
-    fn = {"dense": experts_dense, "mosaic": moe_mosaic.experts_forward}.get(config["kernel"],
-                                                                         moe_decode.experts_forward)
-    if fn is moe_mosaic.experts_forward:
-        config = {k: v for k, v in config.items() if k != "kernel"}
+    if config["kernel"] == "mosaic":
+        fn, config = moe_mosaic.experts_forward, {k: v for k, v in config.items() if k != "kernel"}
+    else:
+        fn = experts_dense if config["kernel"] == "dense" else moe_decode.experts_forward
     return fn(x_TD, idx_TK, w_TK, kexp, layer, valid_TK, swiglu_limit=float(swiglu_limit),
               swiglu_alpha=float(swiglu_alpha), interpret=interpret, **config)
 
