@@ -67,7 +67,8 @@ def config(T: int, k: int, E: int) -> dict:
     """Rows per slot for T tokens: 16 up to 8 routed rows per expert on average, else 32 (measured per weight on
     the H200, §2e: 3.2e12 weights/s with 8-row slots, 2.6e12 with 16, 2.4e12 with 32, 1.0e12 with 64, where
     three pipeline stages no longer fit in shared memory). At 32 rows per expert about half the experts need
-    two 32-row slots, and the step is still faster than the Triton kernels' (20b batch 256: 16.1 vs 18.0 ms)."""
+    two 32-row slots, and the step is still faster than the Triton kernels' (20b batch 256: 16.6 vs 18.5 ms,
+    BENCHMARKS.md §4c)."""
     return dict(kernel="mosaic", block_m=16 if T * k <= 8 * E else 32, stages=2)
 
 
