@@ -205,8 +205,31 @@ def logprobs(logits_BV: jax.Array, tokens_B: jax.Array, num_top: int
     sampled tokens `[B]`, and the `num_top` most likely ids and values `[B, num_top]`."""
     lp = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
     chosen = jnp.take_along_axis(lp, tokens_B[:, None], axis=-1)[:, 0]
-    top_vals, top_ids = jax.lax.top_k(lp, num_top)
-    return chosen, top_ids.astype(jnp.int32), top_vals
+    top_vals, top_ids = top_k(lp, num_top)
+    return chosen, top_ids, top_vals
+
+
+def top_k(x_BV: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`lax.top_k` (values descending, ties to the lower id) as `k` argmax passes over `[B, V]`, each
+    finding the next (value, id) after the last one found.
+
+    Why not `lax.top_k`: the engine's steps call this under a `lax.cond` (only batches that ask for
+    log-probabilities pay for it). XLA runs a conditional whose branches are plain fusions inside the
+    step's CUDA graph, but one holding `lax.top_k` over the vocabulary reads the predicate back to the
+    host, so every step's dispatch blocked until the step ended and nothing overlapped the host's
+    work for the next one (tools/probe_dispatch.py, docs/BENCHMARKS.md §4c)."""
+    B, V = x_BV.shape
+    keys = _order_keys(x_BV)  # every key > 0 (no NaNs): 0 marks a taken entry
+    ids = jnp.arange(V, dtype=jnp.int32)
+    last_key, last_id = jnp.full((B, 1), 0xFFFFFFFF, jnp.uint32), jnp.full((B, 1), -1, jnp.int32)
+    found = []
+    for _ in range(k):
+        after = (keys < last_key) | ((keys == last_key) & (ids > last_id))
+        i = jnp.argmax(jnp.where(after, keys, jnp.uint32(0)), axis=-1).astype(jnp.int32)[:, None]
+        last_key, last_id = jnp.take_along_axis(keys, i, axis=-1), i
+        found.append(i)
+    top_ids = jnp.concatenate(found, axis=-1) if found else jnp.zeros((B, 0), jnp.int32)
+    return jnp.take_along_axis(x_BV, top_ids, axis=-1), top_ids
 
 
 def find_stop_string(text: str, stops: tuple[str, ...], start: int = 0) -> tuple[int, str] | None:

@@ -185,3 +185,20 @@ def test_rank_threshold_full_vocabulary():
     top_p = np.array([0.9, 0.9, 0.9, 1.0], np.float32)
     t = _check_thresholds(scaled, top_k, top_p, min_decisive=0.75)
     assert (scaled[2] >= t[2]).sum() > 100_000
+
+
+@pytest.mark.parametrize("k", [1, 20, 64])
+def test_top_k_matches_lax_top_k(k):
+    """The argmax-pass top-k (used for log-probabilities) returns what `lax.top_k` does: values descending,
+    tied values by lower id, -inf entries last, and k equal to the row length."""
+    rng = np.random.default_rng(k)
+    x = rng.standard_normal((4, 500)).astype(np.float32)
+    x[0, ::7] = 1.5              # a tie across the top
+    x[1, 3:] = -np.inf           # fewer finite values than k
+    x[2] = np.round(x[2], 1)     # many small ties
+    got_v, got_i = jax.jit(sampling.top_k, static_argnums=1)(jnp.asarray(x), k)
+    want_v, want_i = jax.lax.top_k(jnp.asarray(x), k)
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+    np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+    whole_v, whole_i = sampling.top_k(jnp.asarray(x[:, :k]), k)
+    np.testing.assert_array_equal(np.asarray(whole_i), np.asarray(jax.lax.top_k(jnp.asarray(x[:, :k]), k)[1]))
