@@ -66,21 +66,24 @@ def row_tokens(cfg, batch: int) -> jax.Array:
     return jnp.asarray(np.random.default_rng(batch).integers(0, cfg.vocab_size, batch), jnp.int32)
 
 
-def decode_call(params, cfg, batch: int, context: int, impl: str, num_steps: int):
+def decode_call(params, cfg, batch: int, context: int, impl: str, num_steps: int, temperature: float = 0.0,
+                top_p: float = 1.0):
     """`(run, free)`: `run()` makes one compiled decode call (`num_steps` tokens for every row of a
-    synthetic `context`-token batch) and blocks until it is done; `free()` releases its cache."""
+    synthetic `context`-token batch) and blocks until it is done (`run(block=False)` returns its
+    tokens as soon as the call returns); `free()` releases its cache. Sampling is greedy unless
+    `temperature` > 0."""
     cache, tables = synthetic_state(cfg, batch, context, params.embed.dtype)
-    sp = steps.SamplingBatch(temperature_B=jnp.zeros(batch), top_k_B=jnp.zeros(batch, jnp.int32),
-                             top_p_B=jnp.ones(batch), min_p_B=jnp.zeros(batch),
+    sp = steps.SamplingBatch(temperature_B=jnp.full(batch, temperature), top_k_B=jnp.zeros(batch, jnp.int32),
+                             top_p_B=jnp.full(batch, top_p), min_p_B=jnp.zeros(batch),
                              keys_B2=jnp.zeros((batch, 2), jnp.uint32), want_logprobs_B=jnp.zeros(batch, bool))
     tokens = row_tokens(cfg, batch)
     positions = jnp.full(batch, context, jnp.int32)
     state = {"cache": cache}
 
-    def run():
+    def run(block: bool = True):
         out, state["cache"] = steps.decode(params, state["cache"], tokens, positions, tables, sp, cfg=cfg, impl=impl,
                                            num_steps=num_steps, num_top=1)
-        out.tokens.block_until_ready()
+        return out.tokens.block_until_ready() if block else out.tokens
 
     def free():
         for buf in jax.tree.leaves(state["cache"]):

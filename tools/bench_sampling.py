@@ -50,6 +50,8 @@ PIECES = {
     **{f"{which} threshold, radix {bits} bit": _radix_piece(bits, which == "top_p")
        for which in ("top_k", "top_p") for bits in (1, 2, 4)},
     "top_k 1024": lambda x: jax.lax.top_k(x, 1024)[0],  # the candidates the radix select replaced
+    "logprobs top 20, argmax passes": lambda x: sampling.top_k(x, 20)[0],  # what the engine runs
+    "logprobs top 20, lax.top_k": lambda x: jax.lax.top_k(x, 20)[0],        # what it replaced
     "cumsum": lambda x: jnp.cumsum(x, axis=-1),
     "sort": lambda x: jnp.sort(x, axis=-1),
     "max": lambda x: jnp.max(x, axis=-1),

@@ -10,17 +10,22 @@ the kernels' layout.
     python tools/bench_throughput.py --preset gpt-oss-20b --jobs 1024/1024x256,8192/1024x64 --out $OUT/tp.json
     python tools/bench_throughput.py --smoke                                   # tiny model, CPU check
     python tools/bench_throughput.py --jobs 1024/1024x512 --set max_num_seqs=512 --set max_prefill_seqs=8
+    python tools/bench_throughput.py --jobs 1024/1024x256 --skip latency --trace-step 300   # GPU idle time, host split
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,35 +37,82 @@ import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
 import pallas_kernels  # noqa: E402
-from gptoss_jax import config, params as params_lib  # noqa: E402
+from gptoss_jax import config, engine as engine_lib, engine_config, params as params_lib  # noqa: E402
+from gptoss_jax import steps as steps_lib  # noqa: E402
 from gptoss_jax.engine import Engine  # noqa: E402
 from gptoss_jax.random_weights import DEMO_CONFIG, random_params  # noqa: E402
 from gptoss_jax.sampling import SamplingParams  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import copy_bandwidth  # noqa: E402
+from profile_decode import summarize_trace  # noqa: E402
 
 SMOKE = dict(DEMO_CONFIG, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, experts_per_token=2,
              vocab_size=512, hidden_size=64, intermediate_size=64, head_dim=16, num_attention_heads=4,
              num_key_value_heads=2, sliding_window=8, eos_token_id=1, pad_token_id=0)
 
 
-def run_job(engine: Engine, prompts: list[list[int]], output_len: int) -> dict:
+@contextlib.contextmanager
+def host_timers(engine: Engine):
+    """Seconds the engine's host loop spends per part, summed while the block runs (wraps this engine's
+    methods and, until the block ends, the engine module's device-to-host read and the compiled steps):
+    `schedule`, `launch` (building a call's inputs and dispatching it, of which `dispatch` is the jit
+    calls), `collect` (reading a call's tokens and applying them, of which `wait` blocks on the device).
+    With async scheduling a device-bound loop waits; a host-bound one, or one whose dispatch blocks, does
+    not."""
+    totals: collections.Counter = collections.Counter()
+
+    def timed(name, fn):
+        @functools.wraps(fn)
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                totals[name] += time.perf_counter() - t
+        return wrapper
+
+    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
+    engine._launch = timed("launch", engine._launch)
+    engine._collect = timed("collect", engine._collect)
+    patched = [(engine_lib, "_to_host", "wait"), (steps_lib, "decode", "dispatch"), (steps_lib, "prefill", "dispatch")]
+    originals = [getattr(mod, name) for mod, name, _ in patched]
+    for (mod, name, part), fn in zip(patched, originals):
+        setattr(mod, name, timed(part, fn))
+    try:
+        yield totals
+    finally:
+        for (mod, name, _), fn in zip(patched, originals):
+            setattr(mod, name, fn)
+
+
+def run_job(engine: Engine, prompts: list[list[int]], output_len: int, trace: tuple[int, str] | None = None) -> dict:
+    """`trace=(step, dir)`: a `jax.profiler` trace of engine steps `step` to `step + 7`, summed per GPU
+    kernel into the result (pick a step in the decode phase to see the device's idle time there)."""
     sp = SamplingParams(temperature=1.0, max_tokens=output_len, stop_token_ids=[], seed=0)
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, sp)
     first, last, n_out = {}, {}, 0
     steps = []  # (time, output tokens) per engine step: splits the job into its prefill and decode phases
-    while engine.has_unfinished_requests():
-        outs = engine.step()
-        now = time.perf_counter()
-        steps.append((now, sum(len(o.new_token_ids) for o in outs)))
-        for o in outs:
-            n_out += len(o.new_token_ids)
-            if o.new_token_ids:
-                first.setdefault(o.request_id, now)
-                last[o.request_id] = now
+    traced = None
+    with host_timers(engine) as timers:
+        while engine.has_unfinished_requests():
+            if trace and len(steps) == trace[0]:
+                jax.profiler.start_trace(trace[1], create_perfetto_trace=True)
+                t_trace = time.perf_counter()
+            outs = engine.step()
+            now = time.perf_counter()
+            if trace and len(steps) == trace[0] + 7:
+                jax.block_until_ready(engine.cache)
+                traced = {"first_step": trace[0], "steps": 8, "wall_us": (time.perf_counter() - t_trace) * 1e6}
+                jax.profiler.stop_trace()
+            steps.append((now, sum(len(o.new_token_ids) for o in outs)))
+            for o in outs:
+                n_out += len(o.new_token_ids)
+                if o.new_token_ids:
+                    first.setdefault(o.request_id, now)
+                    last[o.request_id] = now
     elapsed = time.perf_counter() - t0
     ttft = [first[r] - t0 for r in first]
     # Phase 1 ends when the last request has its first token: every prompt is prefilled; from then on the
@@ -69,7 +121,10 @@ def run_job(engine: Engine, prompts: list[list[int]], output_len: int) -> dict:
     tok_1 = sum(n for t, n in steps if t <= t_all)
     tpot = [(last[r] - first[r]) / (output_len - 1) for r in first if output_len > 1]
     stats = engine.stats()
-    return {"requests": len(prompts), "input_len": len(prompts[0]), "output_len": output_len,
+    if traced:
+        traced["threads"] = summarize_trace(trace[1])
+    return {"host_s": dict(timers), "trace": traced, "requests": len(prompts), "input_len": len(prompts[0]),
+            "output_len": output_len,
             "seconds": elapsed, "output_tokens": n_out, "output_tok_s": n_out / elapsed,
             "total_tok_s": (n_out + sum(map(len, prompts))) / elapsed,
             "ttft_s_median": statistics.median(ttft), "ttft_s_max": max(ttft),
@@ -95,6 +150,8 @@ def main() -> None:
     ap.add_argument("--skip", choices=["throughput", "latency"], help="leave out those jobs")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="engine setting for the throughput jobs, over the profile (repeatable)")
+    ap.add_argument("--trace-step", type=int, default=0,
+                    help="trace 8 engine steps of each throughput job from this one (0: no trace)")
     ap.add_argument("--out", default="throughput.json")
     args = ap.parse_args()
     overrides = {}
@@ -137,23 +194,32 @@ def main() -> None:
         if args.skip and name.startswith(args.skip):
             continue
         t0 = time.perf_counter()
-        chunk = overrides.get("prefill_chunk_size")
-        # One block-table width and one prefill length: a short fixed set of programs to compile.
         max_len = input_len + output_len
-        job_settings = settings if name.startswith("throughput") else {}
+        job_settings = {**overrides, **(settings if name.startswith("throughput") else {})}
+        # One block-table width, and prefill buckets from the prompt length up: a short fixed set of
+        # programs to compile, and no prompt padded past its own length.
+        chunk = engine_config.load(profile, **job_settings).prefill_chunk_size
         engine = Engine(loaded=(cfg, params), config=profile, impl=args.impl,
-                        **{**overrides, **job_settings, "max_model_len": max_len, "min_context_bucket": max_len,
-                           "warmup": True, "min_prefill_bucket": chunk or 2048})
+                        **{**job_settings, "max_model_len": max_len, "min_context_bucket": max_len,
+                           "warmup": True, "min_prefill_bucket": min(input_len, chunk)})
         warm = time.perf_counter() - t0
         print(f"[{name}] {profile}: engine ready (warm-up {warm:.1f}s, {engine.stats().num_compiles} programs, "
               f"{engine.kv.full.num_pages} full pages)", flush=True)
         prompts = [rng.integers(0, cfg.vocab_size, input_len).tolist() for _ in range(n)]
-        row = run_job(engine, prompts, output_len)
+        trace = (args.trace_step, tempfile.mkdtemp()) if args.trace_step and name.startswith("throughput") else None
+        row = run_job(engine, prompts, output_len, trace)
         row.update(job=name, profile=profile, warmup_s=warm, config=dataclasses.asdict(engine.config))
         result["jobs"].append(row)
         print(f"[{name}] {n} x ({input_len} in, {output_len} out): {row['output_tok_s']:.0f} output tok/s, "
               f"TTFT median {row['ttft_s_median'] * 1e3:.0f} ms, TPOT median {row['tpot_ms_median']:.2f} ms, "
               f"{row['num_preemptions']} preemptions", flush=True)
+        print(f"[{name}] phases: prefill {row['prefill_phase_s']:.1f}s, decode {row['decode_phase_s']:.1f}s "
+              f"({row['decode_phase_steps']} steps); host: "
+              + ", ".join(f"{k} {v:.1f}s" for k, v in sorted(row["host_s"].items())), flush=True)
+        if row["trace"]:
+            for thread, t in row["trace"]["threads"].items():
+                print(f"[{name}] trace of 8 steps from step {args.trace_step}: {thread} busy "
+                      f"{t['busy_us'] / 1e3:.1f} of {row['trace']['wall_us'] / 1e3:.1f} ms", flush=True)
         engine.close()
         del engine
         gc.collect()

@@ -20,6 +20,7 @@ import glob
 import gzip
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -78,6 +79,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--impl", default=pallas_kernels.default_impl(), choices=pallas_kernels.IMPLS)
+    ap.add_argument("--temperature", type=float, default=0.0, help="every row's sampling temperature (0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--prefill", default="", help="comma-separated ROWSxTOKENS prefill calls to trace instead")
     ap.add_argument("--label", default="baseline")
     ap.add_argument("--out", default="profile.json")
@@ -93,9 +96,11 @@ def main() -> None:
             results.append(profile(run, free, 1, f"prefill {rows}x{T}", "call", dict(rows=rows, tokens=T), args))
     else:
         for B in [int(b) for b in args.batch.split(",")]:
-            run, free = decode_call(params, cfg, B, args.context, args.impl, args.steps)
-            results.append(profile(run, free, args.steps, f"B={B} ctx={args.context}", "token",
-                                   dict(batch=B, context=args.context, steps=args.steps), args))
+            run, free = decode_call(params, cfg, B, args.context, args.impl, args.steps, args.temperature, args.top_p)
+            results.append(profile(run, free, args.steps, f"B={B} ctx={args.context} T={args.temperature} "
+                                   f"top_p={args.top_p}", "token", dict(batch=B, context=args.context, steps=args.steps,
+                                                                       temperature=args.temperature, top_p=args.top_p),
+                                   args))
     Path(args.out).write_text(json.dumps(results, indent=1))
 
 
@@ -110,10 +115,12 @@ def prefill_call(params, cfg, rows: int, T: int, impl: str):
     sp = steps.SamplingBatch(jnp.zeros(rows), jnp.zeros(rows, jnp.int32), jnp.ones(rows), jnp.zeros(rows),
                              jnp.zeros((rows, 2), jnp.uint32), jnp.zeros(rows, bool))
 
-    def run():
-        out, state["cache"] = steps.prefill(params, state["cache"], tokens, positions, tables,
-                                            jnp.full(rows, T - 1, jnp.int32), sp, cfg=cfg, impl=impl, num_top=1)
-        out.tokens.block_until_ready()
+    last = jnp.full(rows, T - 1, jnp.int32)
+
+    def run(block: bool = True):
+        out, state["cache"] = steps.prefill(params, state["cache"], tokens, positions, tables, last, sp, cfg=cfg,
+                                            impl=impl, num_top=1)
+        return out.tokens.block_until_ready() if block else out.tokens
 
     def free():
         for buf in jax.tree.leaves(state["cache"]):
@@ -128,6 +135,23 @@ def profile(run, free, per: int, what: str, unit: str, meta: dict, args) -> dict
     run()
     compile_s = time.perf_counter() - t0
     us = timeit(run, warmup=0, reps=args.reps) / per * 1e6
+    # Host time until the call returns: near the device time means the call blocks the host (device-side
+    # control flow such as `lax.cond` reads its predicate back), so nothing overlaps the next step's set-up.
+    returns = []
+    for _ in range(args.reps):
+        t0 = time.perf_counter()
+        out = run(block=False)
+        returns.append(time.perf_counter() - t0)
+        out.block_until_ready()
+    dispatch_us = statistics.median(returns) * 1e6
+    returns = []  # back to back, as the engine calls: the second call's cache is the first's, unfinished
+    for _ in range(args.reps):
+        run(block=False)
+        t0 = time.perf_counter()
+        out = run(block=False)
+        returns.append(time.perf_counter() - t0)
+        out.block_until_ready()
+    chained_us = statistics.median(returns) * 1e6
     trace_dir = tempfile.mkdtemp()
     jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
     t0 = time.perf_counter()
@@ -137,10 +161,13 @@ def profile(run, free, per: int, what: str, unit: str, meta: dict, args) -> dict
     summary = summarize_trace(trace_dir)
     free()
     result = {"label": args.label, "xla_flags": os.environ.get("XLA_FLAGS", ""), "preset": args.preset, **meta,
-              "compile_s": compile_s, "us_per_" + unit: us, "traced_us_per_" + unit: traced_us / per,
+              "compile_s": compile_s, "us_per_" + unit: us, "dispatch_us_per_call": dispatch_us,
+              "chained_dispatch_us_per_call": chained_us, "traced_us_per_" + unit: traced_us / per,
               "threads": summary}
     print(f"[{args.label}] {args.preset} {what}: {us:.0f} us per {unit}, traced "
-          f"{traced_us / per:.0f} us (compile {compile_s:.0f}s; flags '{result['xla_flags']}')", flush=True)
+          f"{traced_us / per:.0f} us, the call returns after {dispatch_us:.0f} us ({chained_us:.0f} us right after "
+          f"another; compile {compile_s:.0f}s; "
+          f"flags '{result['xla_flags']}')", flush=True)
     for name, t in summary.items():
         print(f"  {name}: {t['events'] / per:.0f} events/{unit}, busy {t['busy_us'] / per:.0f} us/{unit} "
               f"of span {t['span_us'] / per:.0f}", flush=True)
