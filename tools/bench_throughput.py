@@ -56,10 +56,10 @@ SMOKE = dict(DEMO_CONFIG, num_hidden_layers=2, num_local_experts=4, num_experts_
 def host_timers(engine: Engine):
     """Seconds the engine's host loop spends per part, summed while the block runs (wraps this engine's
     methods and, until the block ends, the engine module's device-to-host read and the compiled steps):
-    `schedule`, `launch` (building a call's inputs and dispatching it, of which `dispatch` is the jit
-    calls), `collect` (reading a call's tokens and applying them, of which `wait` blocks on the device).
-    With async scheduling a device-bound loop waits; a host-bound one, or one whose dispatch blocks, does
-    not."""
+    `schedule`; `launch` (building a call's inputs and dispatching it, of which `dispatch_decode` and
+    `dispatch_prefill` are the jit calls); `collect` (reading a call's tokens and applying them, of which
+    `wait` blocks on the device). With async scheduling a device-bound loop waits; a host-bound one, or
+    one whose dispatch blocks, does not."""
     totals: collections.Counter = collections.Counter()
 
     def timed(name, fn):
@@ -75,7 +75,8 @@ def host_timers(engine: Engine):
     engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
     engine._launch = timed("launch", engine._launch)
     engine._collect = timed("collect", engine._collect)
-    patched = [(engine_lib, "_to_host", "wait"), (steps_lib, "decode", "dispatch"), (steps_lib, "prefill", "dispatch")]
+    patched = [(engine_lib, "_to_host", "wait"), (steps_lib, "decode", "dispatch_decode"),
+               (steps_lib, "prefill", "dispatch_prefill")]
     originals = [getattr(mod, name) for mod, name, _ in patched]
     for (mod, name, part), fn in zip(patched, originals):
         setattr(mod, name, timed(part, fn))
