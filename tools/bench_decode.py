@@ -28,12 +28,16 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from gptoss_jax import config, model, params as params_lib, steps  # noqa: E402
+from gptoss_jax.engine_config import EngineConfig  # noqa: E402
 from gptoss_jax.random_weights import random_params  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_reference import decode_bytes, timeit  # noqa: E402
 
 PAGE = 16
+# The log-probability alternatives the engine compiles its steps for (`EngineConfig.max_logprobs`): the
+# branch that computes them decides whether a call blocks the host (docs/BENCHMARKS.md §4d).
+NUM_TOP = EngineConfig().max_logprobs
 
 
 def copy_bandwidth() -> float:
@@ -82,7 +86,7 @@ def decode_call(params, cfg, batch: int, context: int, impl: str, num_steps: int
 
     def run(block: bool = True):
         out, state["cache"] = steps.decode(params, state["cache"], tokens, positions, tables, sp, cfg=cfg, impl=impl,
-                                           num_steps=num_steps, num_top=1)
+                                           num_steps=num_steps, num_top=NUM_TOP)
         return out.tokens.block_until_ready() if block else out.tokens
 
     def free():

@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 
 import pallas_kernels  # noqa: E402
 
-from bench_decode import decode_call  # noqa: E402
+from bench_decode import NUM_TOP, decode_call  # noqa: E402
 from bench_reference import timeit  # noqa: E402
 from gptoss_jax import config, model, steps  # noqa: E402
 from gptoss_jax.random_weights import random_params  # noqa: E402
@@ -119,7 +119,7 @@ def prefill_call(params, cfg, rows: int, T: int, impl: str):
 
     def run(block: bool = True):
         out, state["cache"] = steps.prefill(params, state["cache"], tokens, positions, tables, last, sp, cfg=cfg,
-                                            impl=impl, num_top=1)
+                                            impl=impl, num_top=NUM_TOP)
         return out.tokens.block_until_ready() if block else out.tokens
 
     def free():
