@@ -75,10 +75,13 @@ def prepare_params(params, impl: str):
 
 
 def _expert_placement(sharding):
-    """The placement of a converted field: the source's split of the (layer, expert) axes, if any."""
+    """The placement of a converted field: the source's split of the (layer, expert) axes, if any. On one
+    device, none: the array stays uncommitted like the other parameters. (A committed parameter makes
+    every step's outputs committed, so each program warm-up compiled was compiled again at its first
+    real call: seconds inside the engine's jit calls, unseen by `steps.TRACES`.)"""
     if isinstance(sharding, jax.sharding.NamedSharding):
         return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[:2]))
-    return sharding
+    return None
 
 
 def attention(q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sinks_N, window: int, *,

@@ -63,6 +63,8 @@ def test_kernel_layout_loads_tensor_by_tensor(small_checkpoint, tmp_path):
     assert isinstance(want.layers.experts, moe_decode.KernelExperts)
     _leaves_equal(want.layers.experts, moe_decode.prepare_experts(ref.layers.experts))
     assert pallas_kernels.prepare_params(want, "pallas") is want  # already in kernel layout
+    # uncommitted like the rest: a committed parameter makes each warmed-up step compile again at its first call
+    assert not any(a.committed for a in jax.tree.leaves(want))
     _, direct = checkpoint.load_params(small_checkpoint, jnp.float32, impl="pallas", progress=False)
     _leaves_equal(want, direct)
     _to_original(small_checkpoint, tmp_path / "orig")
