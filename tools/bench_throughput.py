@@ -33,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from jax import monitoring  # noqa: E402
+from jax._src import dispatch  # noqa: E402  (the name of XLA's compile event)
 import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
@@ -59,8 +61,15 @@ def host_timers(engine: Engine):
     `schedule`; `launch` (building a call's inputs and dispatching it, of which `dispatch_decode` and
     `dispatch_prefill` are the jit calls); `collect` (reading a call's tokens and applying them, of which
     `wait` blocks on the device). With async scheduling a device-bound loop waits; a host-bound one, or
-    one whose dispatch blocks, does not."""
+    one whose dispatch blocks, does not. Also `compile` (XLA compilations inside the block, in seconds,
+    and `compiles`, their count): after warm-up there should be none, and a program compiled again
+    (say, for an argument that came back committed) does not show in `steps.TRACES`."""
     totals: collections.Counter = collections.Counter()
+
+    def on_event(event: str, seconds: float, **_):
+        if event == dispatch.BACKEND_COMPILE_EVENT:
+            totals["compile"] += seconds
+            totals["compiles"] += 1
 
     def timed(name, fn):
         @functools.wraps(fn)
@@ -80,9 +89,11 @@ def host_timers(engine: Engine):
     originals = [getattr(mod, name) for mod, name, _ in patched]
     for (mod, name, part), fn in zip(patched, originals):
         setattr(mod, name, timed(part, fn))
+    monitoring.register_event_duration_secs_listener(on_event)
     try:
         yield totals
     finally:
+        monitoring.unregister_event_duration_listener(on_event)
         for (mod, name, _), fn in zip(patched, originals):
             setattr(mod, name, fn)
 
@@ -216,7 +227,10 @@ def main() -> None:
               f"{row['num_preemptions']} preemptions", flush=True)
         print(f"[{name}] phases: prefill {row['prefill_phase_s']:.1f}s, decode {row['decode_phase_s']:.1f}s "
               f"({row['decode_phase_steps']} steps); host: "
-              + ", ".join(f"{k} {v:.1f}s" for k, v in sorted(row["host_s"].items())), flush=True)
+              + ", ".join(f"{k} {v:.1f}s" for k, v in sorted(row["host_s"].items()) if k != "compiles"), flush=True)
+        if row["host_s"].get("compiles"):
+            print(f"[{name}] WARNING: {row['host_s']['compiles']} XLA compilations during the job "
+                  f"({row['host_s']['compile']:.1f}s): warm-up missed a program", flush=True)
         if row["trace"]:
             for thread, t in row["trace"]["threads"].items():
                 print(f"[{name}] trace of 8 steps from step {args.trace_step}: {thread} busy "
