@@ -141,17 +141,18 @@ class Engine:
                              f"{self.kv.capacity_tokens} tokens ({n_full - 1} pages of {ec.page_size})")
         self.max_model_len = min(limit, self.kv.capacity_tokens)
         R = self.num_ranks  # each attention rank owns `n` consecutive pages of each pool
-        if layout is None:
-            self.cache = model_lib.PagedKVCache.zeros(mc, n_sliding, n_full, ec.page_size, self.dtype)
-        else:
-            self.cache = jax.jit(lambda: model_lib.PagedKVCache.zeros(mc, R * n_sliding, R * n_full, ec.page_size,
-                                                                      self.dtype),
-                                 out_shardings=layout.cache_sharding(mc.num_kv_heads))()
+        # The cache and the last-token table are committed to their devices from the start. A step's outputs
+        # are committed whenever an input is (parameters the caller placed, say), so an uncommitted first
+        # cache would make warm-up compile programs that real calls then compile again.
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        self.cache = jax.jit(lambda: model_lib.PagedKVCache.zeros(mc, R * n_sliding, R * n_full, ec.page_size,
+                                                                  self.dtype),
+                             out_shardings=one if layout is None else layout.cache_sharding(mc.num_kv_heads))()
         self.scheduler = Scheduler(ec, self.kv)
         # Last sampled token per sequence slot; the extra slot takes padding rows' writes.
         self._spare_slot = ec.max_num_seqs
         last = np.zeros(ec.max_num_seqs + 1, np.int32)
-        self._last_tokens = jnp.asarray(last) if layout is None else jax.device_put(last, layout.named(P()))
+        self._last_tokens = jax.device_put(last, one if layout is None else layout.named(P()))
         self._in_flight: _Call | None = None
         self.num_top = max(1, ec.max_logprobs)
         self._ctx_buckets = ec.context_buckets(self.max_model_len)

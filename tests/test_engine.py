@@ -1,10 +1,16 @@
 """The serving engine on a tiny fp32 model: continuous batching, chunked prefill, preemption, prefix
 caching, multi-step decode, compile stability, sampling parameters."""
 
+import contextlib
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import monitoring
+from jax._src import dispatch
 
-from gptoss_jax import steps
+from gptoss_jax import checkpoint, steps
 from gptoss_jax.engine import Engine
 from gptoss_jax.sampling import SamplingParams
 
@@ -101,8 +107,45 @@ def test_prefix_cache_hit_gives_identical_output(engine):
     assert outs[-1].num_cached_prompt_tokens == 28 - 7
 
 
+@contextlib.contextmanager
+def xla_compiles():
+    """The functions XLA compiles inside the block. `steps.TRACES` counts traces only: a program compiled
+    again for a reused trace (arguments that came back committed, say) shows here alone."""
+    seen = []
+
+    def on_event(event, seconds, **kw):
+        if event == dispatch.BACKEND_COMPILE_EVENT:
+            seen.append(kw.get("fun_name"))
+
+    monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        yield seen
+    finally:
+        monitoring.unregister_event_duration_listener(on_event)
+
+
 def test_compile_count_flat_after_warmup(engine):
     before = sum(steps.TRACES.values())
+    with xla_compiles() as seen:
+        _serve_a_mix(engine)
+    assert sum(steps.TRACES.values()) == before
+    assert engine.stats().num_compiles == before
+    assert seen == []
+
+
+def test_committed_parameters_compile_nothing_after_warmup(small_checkpoint):
+    """Parameters the caller placed on a device are committed, and so is every step's output then; warm-up
+    must have compiled the programs for the arguments real calls pass."""
+    cfg, params = checkpoint.load(small_checkpoint, jnp.float32, progress=False)
+    eng = Engine(loaded=(cfg, jax.device_put(params, jax.devices()[0])), progress=False, warmup=True, **SMALL)
+    with xla_compiles() as seen:
+        _serve_a_mix(eng)
+    eng.close()
+    assert seen == []
+
+
+def _serve_a_mix(engine):
+    """Requests arriving mid-run, an abort, stops at several lengths, log-probabilities."""
     reqs = {f"c{i}": (p, greedy(1 + 3 * i)) for i, p in enumerate(prompts(6, 1, 30, seed=5))}
     for rid, (p, sp) in list(reqs.items())[:3]:
         engine.add_request(rid, p, sp)
@@ -113,8 +156,6 @@ def test_compile_count_flat_after_warmup(engine):
     while engine.has_unfinished_requests():
         engine.step()
     run(engine, {"lp": (prompts(1, 5, 6, seed=6)[0], greedy(3, logprobs=2))})
-    assert sum(steps.TRACES.values()) == before
-    assert engine.stats().num_compiles == before
 
 
 def test_abort_frees_pages(engine):
