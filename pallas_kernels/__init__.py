@@ -75,10 +75,8 @@ def prepare_params(params, impl: str):
 
 
 def _expert_placement(sharding):
-    """The placement of a converted field: the source's split of the (layer, expert) axes, if any. On one
-    device, none: the array stays uncommitted like the other parameters. (A committed parameter makes
-    every step's outputs committed, so each program warm-up compiled was compiled again at its first
-    real call: seconds inside the engine's jit calls, unseen by `steps.TRACES`.)"""
+    """The placement of a converted field: the source's split of the (layer, expert) axes, if any; on one
+    device none, so the field stays uncommitted like every array the loader returns."""
     if isinstance(sharding, jax.sharding.NamedSharding):
         return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[:2]))
     return None
