@@ -1,13 +1,15 @@
 """Does a compiled call return before its device work ends? Async dispatch is what lets the engine
-build the next step while the GPU runs this one; device-side control flow can silently take it away.
+build the next step while the GPU runs this one, and some programs silently lose it.
 
-For a ~30 ms chain of bf16 matmuls, each variant prints the time the jit call takes to return and the
-time until its result is ready: plain, a `lax.cond` after the work (as the sampler's branches sit after
-the model; with cheap branches, or branches holding `lax.top_k`, a sort or an argmax, as the
-sampler's), a `lax.cond` around it, and a `lax.scan` (static trip count, as the model's layers). A
-variant whose return time is close to its ready time blocks the host. Then two calls back to back,
-the second on the first's unfinished (donated or kept) output, and a queue of eight. XLA flags are read at start-up,
-so compare them in separate runs:
+Each variant runs ~20 ms of bf16 matmuls and prints when the jit call returns and when its result is
+ready; a return time close to the ready time means the call blocks the host. The variants: plain; a
+`lax.cond` after the work, with cheap branches or with a branch holding `lax.top_k`, a sort or an
+argmax (like the sampler's conditionals); a `lax.cond` around the work; a `lax.scan` (static trip
+count, like the model's layers). Then two calls back to back, the second on the first's unfinished
+(donated or kept) output, and a queue of eight. On an H200 with jax 0.11.2 none of these blocked,
+although the engine's step did while its log-probability branch held `lax.top_k`
+(docs/BENCHMARKS.md §4d): to check an engine change, use `bench_throughput.py`'s host split or
+`profile_decode.py`'s return times. XLA flags are read at start-up, so compare them in separate runs:
 
     python tools/probe_dispatch.py
     XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUSTOM_CALL,CONDITIONAL,WHILE python tools/probe_dispatch.py
