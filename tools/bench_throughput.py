@@ -99,15 +99,23 @@ def host_timers(engine: Engine):
 
 
 def run_job(engine: Engine, prompts: list[list[int]], output_len: int, trace: tuple[int, str] | None = None) -> dict:
-    """`trace=(step, dir)`: a `jax.profiler` trace of engine steps `step` to `step + 7`, summed per GPU
-    kernel into the result (pick a step in the decode phase to see the device's idle time there)."""
+    """`trace=(step, dir)`: a `jax.profiler` trace of engine steps `step` to `step + 7` (fewer if the job
+    ends first), summed per GPU kernel into the result (pick a step in the decode phase to see the
+    device's idle time there)."""
     sp = SamplingParams(temperature=1.0, max_tokens=output_len, stop_token_ids=[], seed=0)
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, sp)
     first, last, n_out = {}, {}, 0
     steps = []  # (time, output tokens) per engine step: splits the job into its prefill and decode phases
-    traced = None
+    traced, t_trace = None, None
+
+    def stop_trace():  # after 8 steps, or when the job ends sooner
+        jax.block_until_ready(engine.cache)
+        jax.profiler.stop_trace()
+        return {"first_step": trace[0], "steps": len(steps) - trace[0],
+                "wall_us": (time.perf_counter() - t_trace) * 1e6}
+
     with host_timers(engine) as timers:
         while engine.has_unfinished_requests():
             if trace and len(steps) == trace[0]:
@@ -115,16 +123,16 @@ def run_job(engine: Engine, prompts: list[list[int]], output_len: int, trace: tu
                 t_trace = time.perf_counter()
             outs = engine.step()
             now = time.perf_counter()
-            if trace and len(steps) == trace[0] + 7:
-                jax.block_until_ready(engine.cache)
-                traced = {"first_step": trace[0], "steps": 8, "wall_us": (time.perf_counter() - t_trace) * 1e6}
-                jax.profiler.stop_trace()
             steps.append((now, sum(len(o.new_token_ids) for o in outs)))
+            if t_trace is not None and traced is None and len(steps) == trace[0] + 8:
+                traced = stop_trace()
             for o in outs:
                 n_out += len(o.new_token_ids)
                 if o.new_token_ids:
                     first.setdefault(o.request_id, now)
                     last[o.request_id] = now
+        if t_trace is not None and traced is None:
+            traced = stop_trace()
     elapsed = time.perf_counter() - t0
     ttft = [first[r] - t0 for r in first]
     # Phase 1 ends when the last request has its first token: every prompt is prefilled; from then on the
@@ -233,7 +241,7 @@ def main() -> None:
                   f"({row['host_s']['compile']:.1f}s): warm-up missed a program", flush=True)
         if row["trace"]:
             for thread, t in row["trace"]["threads"].items():
-                print(f"[{name}] trace of 8 steps from step {args.trace_step}: {thread} busy "
+                print(f"[{name}] trace of {row['trace']['steps']} steps from step {args.trace_step}: {thread} busy "
                       f"{t['busy_us'] / 1e3:.1f} of {row['trace']['wall_us'] / 1e3:.1f} ms", flush=True)
         engine.close()
         del engine
