@@ -228,7 +228,7 @@ def top_k(x_BV: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
         i = jnp.argmax(jnp.where(after, keys, jnp.uint32(0)), axis=-1).astype(jnp.int32)[:, None]
         last_key, last_id = jnp.take_along_axis(keys, i, axis=-1), i
         found.append(i)
-    top_ids = jnp.concatenate(found, axis=-1) if found else jnp.zeros((B, 0), jnp.int32)
+    top_ids = jnp.concatenate(found, axis=-1)
     return jnp.take_along_axis(x_BV, top_ids, axis=-1), top_ids
 
 

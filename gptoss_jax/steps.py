@@ -9,11 +9,14 @@ so a request's draws do not depend on its batch neighbours, on chunking, or on p
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax import monitoring
+from jax._src import dispatch  # the name of XLA's compile event
 
 from gptoss_jax import model, sampling
 from gptoss_jax.config import ModelConfig
@@ -22,6 +25,23 @@ from gptoss_jax.params import Params
 # Traces per step function. Each trace is one XLA compilation, so a serving process whose counts stop
 # growing after warm-up never compiles per request.
 TRACES: collections.Counter[str] = collections.Counter()
+
+
+@contextlib.contextmanager
+def compilations():
+    """`(function, seconds)` for each XLA compilation while the block runs. `TRACES` counts traces only: a
+    program compiled again for a reused trace (arguments that came back committed, say) shows here alone."""
+    seen: list[tuple[str, float]] = []
+
+    def on_event(event: str, seconds: float, **kw):
+        if event == dispatch.BACKEND_COMPILE_EVENT:
+            seen.append((kw.get("fun_name"), seconds))
+
+    monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        yield seen
+    finally:
+        monitoring.unregister_event_duration_listener(on_event)
 
 
 @struct.dataclass

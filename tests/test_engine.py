@@ -1,14 +1,10 @@
 """The serving engine on a tiny fp32 model: continuous batching, chunked prefill, preemption, prefix
 caching, multi-step decode, compile stability, sampling parameters."""
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import monitoring
-from jax._src import dispatch
 
 from gptoss_jax import checkpoint, steps
 from gptoss_jax.engine import Engine
@@ -107,26 +103,9 @@ def test_prefix_cache_hit_gives_identical_output(engine):
     assert outs[-1].num_cached_prompt_tokens == 28 - 7
 
 
-@contextlib.contextmanager
-def xla_compiles():
-    """The functions XLA compiles inside the block. `steps.TRACES` counts traces only: a program compiled
-    again for a reused trace (arguments that came back committed, say) shows here alone."""
-    seen = []
-
-    def on_event(event, seconds, **kw):
-        if event == dispatch.BACKEND_COMPILE_EVENT:
-            seen.append(kw.get("fun_name"))
-
-    monitoring.register_event_duration_secs_listener(on_event)
-    try:
-        yield seen
-    finally:
-        monitoring.unregister_event_duration_listener(on_event)
-
-
 def test_compile_count_flat_after_warmup(engine):
     before = sum(steps.TRACES.values())
-    with xla_compiles() as seen:
+    with steps.compilations() as seen:
         _serve_a_mix(engine)
     assert sum(steps.TRACES.values()) == before
     assert engine.stats().num_compiles == before
@@ -138,7 +117,7 @@ def test_committed_parameters_compile_nothing_after_warmup(small_checkpoint):
     must have compiled the programs for the arguments real calls pass."""
     cfg, params = checkpoint.load(small_checkpoint, jnp.float32, progress=False)
     eng = Engine(loaded=(cfg, jax.device_put(params, jax.devices()[0])), progress=False, warmup=True, **SMALL)
-    with xla_compiles() as seen:
+    with steps.compilations() as seen:
         _serve_a_mix(eng)
     eng.close()
     assert seen == []

@@ -33,8 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax import monitoring  # noqa: E402
-from jax._src import dispatch  # noqa: E402  (the name of XLA's compile event)
 import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
@@ -66,11 +64,6 @@ def host_timers(engine: Engine):
     (say, for an argument that came back committed) does not show in `steps.TRACES`."""
     totals: collections.Counter = collections.Counter()
 
-    def on_event(event: str, seconds: float, **_):
-        if event == dispatch.BACKEND_COMPILE_EVENT:
-            totals["compile"] += seconds
-            totals["compiles"] += 1
-
     def timed(name, fn):
         @functools.wraps(fn)
         def wrapper(*a, **k):
@@ -89,11 +82,12 @@ def host_timers(engine: Engine):
     originals = [getattr(mod, name) for mod, name, _ in patched]
     for (mod, name, part), fn in zip(patched, originals):
         setattr(mod, name, timed(part, fn))
-    monitoring.register_event_duration_secs_listener(on_event)
     try:
-        yield totals
+        with steps_lib.compilations() as compiled:
+            yield totals
     finally:
-        monitoring.unregister_event_duration_listener(on_event)
+        totals["compile"] += sum(seconds for _, seconds in compiled)
+        totals["compiles"] += len(compiled)
         for (mod, name, _), fn in zip(patched, originals):
             setattr(mod, name, fn)
 
