@@ -112,7 +112,7 @@ def field_paths(tree) -> list[tuple[str, ...]]:
         if dataclasses.is_dataclass(node):
             for f in dataclasses.fields(node):
                 walk(getattr(node, f.name), prefix + (f.name,))
-        else:
+        elif node is not None:
             out.append(prefix)
 
     walk(tree, ())

@@ -160,7 +160,7 @@ def random_params(cfg, dtype=jnp.bfloat16, seed: int = 0, impl: str = "reference
             x = make(jax.random.fold_in(key, layer), one, path[-1])
             buf = params_lib.put_layer(buf, pallas_kernels.relayout_expert_field(path[-1], x, impl), layer)
         tree = params_lib.with_field(tree, there, buf)
-    return tree
+    return pallas_kernels.prepare_params(tree, impl)  # what else the kernels store (on Hopper)
 
 
 def _draw_device(key, s, name: str):

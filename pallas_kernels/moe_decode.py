@@ -65,6 +65,12 @@ class KernelExperts:
     dn_words: jax.Array   # u32 [E, D, I/8]
     dn_scales: jax.Array  # u8  [E, D, I/32]
     dn_bias: jax.Array    #     [E, D]
+    # The Mosaic GPU kernels' scale operands (`moe_mosaic.scale_operands`), stored by
+    # `pallas_kernels.prepare_params` on Hopper for bf16 models; None elsewhere.
+    gu_sexp: jax.Array | None = None    # u32 [E, 2I, Gp/4] (Gp: D/32 padded to whole K steps)
+    gu_rowfac: jax.Array | None = None  # f32 [E, 2I]
+    dn_sexp: jax.Array | None = None    # u32 [E, D, Gp/4]
+    dn_rowfac: jax.Array | None = None  # f32 [E, D]
 
 
 def phase_order(n: int) -> np.ndarray:

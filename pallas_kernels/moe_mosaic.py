@@ -91,6 +91,13 @@ def scale_exponents(scales_ENG: jax.Array) -> tuple[jax.Array, jax.Array]:
             jnp.ldexp(jnp.ones((E, N), jnp.float32), rowmax - 128))
 
 
+def scale_operands(gu_scales: jax.Array, dn_scales: jax.Array) -> tuple[jax.Array, ...]:
+    """One layer's `scale_exponents` for both matmuls, `(gu_sexp, gu_rowfac, dn_sexp, dn_rowfac)` as
+    `KernelExperts` stores them: `gu_scales` `[E, 2, I, D/32]`, `dn_scales` `[E, D, I/32]`."""
+    E, _, I, G = gu_scales.shape
+    return (*scale_exponents(gu_scales.reshape(E, 2 * I, G)), *scale_exponents(dn_scales))
+
+
 def f16_operand(x_RK: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Rows -> (f16 `[R, Kp]` scaled per row to |x| < 2^14 and in MMA K order, zero-padded to whole K steps;
     f32 `[R]`: the factor that undoes the scaling)."""
@@ -244,13 +251,19 @@ def experts_forward(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_T
     gu_words = kexp.gu_words.reshape(-1, 2 * I, W)  # [L E, 2I, D/8]: gate rows, then up rows
     dn_words = kexp.dn_words.reshape(-1, D, I // 8)
     ew = slot_e if layer is None else slot_e + layer * E
+    if kexp.gu_sexp is None:  # not stored: derive this layer's from the E8M0 scales, indexed by expert
+        gu_sexp, gu_rowfac, dn_sexp, dn_rowfac = scale_operands(one(kexp.gu_scales), one(kexp.dn_scales))
+        es = slot_e
+    else:  # stored for every layer: index the stacked arrays, as the words (no per-layer slice copy)
+        gu_sexp, dn_sexp = (a.reshape(-1, *a.shape[-2:]) for a in (kexp.gu_sexp, kexp.dn_sexp))   # [L E, N, Q]
+        gu_rowfac, dn_rowfac = (a.reshape(-1, a.shape[-1]) for a in (kexp.gu_rowfac, kexp.dn_rowfac))  # [L E, N]
+        es = ew
 
     # gate and up: one matmul over the 2I stored rows (phase order of the features)
     x_rows = jnp.where(ok[:, None], x_TD[jnp.append(tok, 0)[held.reshape(-1)]], 0)
     x16, tok_fac = f16_operand(x_rows)
-    sexp, row_fac = scale_exponents(one(kexp.gu_scales).reshape(E, 2 * I, -1))
-    acc = matmul(gu_words, sexp, x16, ew, slot_e, rows)                               # [S, 2I, bm]
-    fac = row_fac[slot_e][:, :, None] * tok_fac.reshape(S, 1, block_m)
+    acc = matmul(gu_words, gu_sexp, x16, ew, es, rows)                                # [S, 2I, bm]
+    fac = gu_rowfac[es][:, :, None] * tok_fac.reshape(S, 1, block_m)
     bias = one(kexp.gu_bias).reshape(E, 2 * I)[slot_e].astype(jnp.float32)[:, :, None]
     h = acc * fac + bias
     act = moe_decode._swiglu(h[:, :I], h[:, I:], swiglu_limit, swiglu_alpha)          # [S, I, bm], stored order
@@ -260,9 +273,8 @@ def experts_forward(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_T
     a16, a_fac = f16_operand(a_rows)
 
     # down
-    sexp, row_fac = scale_exponents(one(kexp.dn_scales))
-    acc = matmul(dn_words, sexp, a16, ew, slot_e, rows)                               # [S, D, bm]
-    fac = row_fac[slot_e][:, :, None] * a_fac.reshape(S, 1, block_m)
+    acc = matmul(dn_words, dn_sexp, a16, ew, es, rows)                                # [S, D, bm]
+    fac = dn_rowfac[es][:, :, None] * a_fac.reshape(S, 1, block_m)
     y = acc * fac + one(kexp.dn_bias)[slot_e].astype(jnp.float32)[:, :, None]
     y = jnp.swapaxes(y, 1, 2).reshape(S * block_m, D) * jnp.append(w_sorted, 0.0)[held.reshape(-1)][:, None]
     return moe_decode.combine(y[where], order, valid_TK, T, k, x_TD.dtype)

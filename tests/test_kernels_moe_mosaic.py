@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels
 from pallas_kernels import moe_decode, moe_mosaic, moe_reference
 from test_kernels_moe import ALPHA, LIMIT, _experts, _rel
 
@@ -90,3 +91,26 @@ def test_stacked_layers_and_invalid_pairs():
                                       swiglu_alpha=ALPHA)
     assert np.all(np.asarray(out[0], np.float32) == 0.0)
     assert _rel(out, ref) < 1e-2
+
+
+def test_stored_scale_operands_give_the_same_output():
+    """`prepare_params` on Hopper stores each layer's scale operands (`_with_scale_operands`); the kernels then
+    index the stacked arrays instead of deriving this layer's per call, with the same result. The stored
+    arrays stay uncommitted like every other parameter (a committed one recompiled each warmed-up step)."""
+    rng = np.random.default_rng(6)
+    T, E, k, D, I = 12, 4, 2, 512, 512
+    layers = [_experts(rng, E, D, I, jnp.bfloat16) for _ in range(3)]
+    kx = jax.tree.map(lambda *a: jnp.stack(a), *[moe_decode.prepare_experts(e) for e in layers])
+    stored = pallas_kernels._with_scale_operands(kx)
+    for layer in range(3):
+        want = moe_mosaic.scale_operands(kx.gu_scales[layer], kx.dn_scales[layer])
+        got = (stored.gu_sexp[layer], stored.gu_rowfac[layer], stored.dn_sexp[layer], stored.dn_rowfac[layer])
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert not any(a.committed for a in (stored.gu_sexp, stored.gu_rowfac, stored.dn_sexp, stored.dn_rowfac))
+    x = jnp.asarray(rng.normal(size=(T, D)), jnp.bfloat16)
+    idx = jnp.asarray(rng.integers(0, E, (T, k)), jnp.int32)
+    w = jnp.asarray(rng.random((T, k)), jnp.float32)
+    run = lambda ex: moe_mosaic.experts_forward(x, idx, w, ex, jnp.int32(1), swiglu_limit=LIMIT,  # noqa: E731
+                                                swiglu_alpha=ALPHA, block_m=8)
+    np.testing.assert_array_equal(np.asarray(run(stored), np.float32), np.asarray(run(kx), np.float32))
