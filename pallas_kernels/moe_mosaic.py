@@ -57,10 +57,10 @@ def available() -> bool:
 
 
 def fits(kexp: KernelExperts) -> bool:
-    """Whether the expert shapes tile: 64-row tiles of the 2I gate/up rows and the D down rows, and K (D or I)
-    at least one K step (TMA fills the last step's words past K with zeros, but no box may exceed a dimension)."""
+    """Whether the expert shapes tile: 64-row tiles of the I gate (and up) rows and the D down rows, and K (D or
+    I) at least one K step (TMA fills the last step's words past K with zeros, but no box may exceed a dimension)."""
     D, I = kexp.dn_words.shape[-2], kexp.gu_words.shape[-2]
-    return D % TILE_N == 0 and (2 * I) % TILE_N == 0 and min(D, I) >= TILE_K
+    return D % TILE_N == 0 and I % TILE_N == 0 and min(D, I) >= TILE_K
 
 
 def config(T: int, k: int, E: int) -> dict:
@@ -110,6 +110,28 @@ def f16_operand(x_RK: jax.Array) -> tuple[jax.Array, jax.Array]:
     return x16.reshape(R, Kp), jnp.ldexp(jnp.ones((R,), jnp.float32), ex - 14)
 
 
+def _padded(K: int) -> int:
+    return -(-K // TILE_K) * TILE_K
+
+
+def act_columns(I: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Where the gate/up kernel stores the activation: stored row q (feature `phase_order(I)[q]`) -> its column
+    in the down's operand (MMA K order); and the columns no feature lands in (the K padding), repeated to whole
+    64-entry tiles, with the count of those tiles (at least one tile is returned, so no operand is empty)."""
+    f = moe_decode.phase_order(I)
+    pos = f // TILE_K * TILE_K + np.argsort(mma_perm())[f % TILE_K]
+    pads = np.setdiff1d(np.arange(_padded(I)), pos)
+    n_tiles = -(-len(pads) // TILE_N)
+    pads = np.resize(pads if len(pads) else np.zeros(1, np.int64), max(n_tiles, 1) * TILE_N)
+    return pos.astype(np.int32), pads.astype(np.int32), n_tiles
+
+
+def act_exponent(swiglu_limit: float) -> int:
+    """The power of two the activation is stored times: |SwiGLU| <= limit * (limit + 1) (the gate clamped at
+    `limit`, the up at +-`limit`), so the scaled f16 stays below 2^14 like the token operand."""
+    return 14 - int(np.ceil(np.log2(swiglu_limit * (swiglu_limit + 1))))
+
+
 # ----------------------------------------------------------------------------------------------
 # The kernel
 
@@ -127,7 +149,8 @@ _PAIR_PTX = [
 
 def _decode_fragment(ctx, w_ref, s_ref):
     """Words u32 `[64, 64]` and scale bytes u32 `[64, 4]` of one K step -> f16 `[64, 512]` in the wgmma A
-    layout (thread (warp w, lane l) holds rows 16w + l/4 (+8) and the columns of `mma_perm`)."""
+    layout (thread (warp w, lane l) holds rows 16w + l/4 (+8) and the columns of `mma_perm`). Tiles of two
+    32-row halves (`[2, 32, 64]`, `[2, 32, 4]`) are read as their 64 rows."""
     del ctx
     i32, f16, idx = ir.IntegerType.get_signless(32), ir.F16Type.get(), ir.IndexType.get()
     c = lambda v: mu.c(v, i32)
@@ -138,10 +161,12 @@ def _decode_fragment(ctx, w_ref, s_ref):
     regs = np.empty(mfa.WGMMA_LAYOUT.registers_shape((TILE_N, TILE_K)), dtype=object)
     v4, pair_ty = ir.VectorType.get((4,), i32), ir.VectorType.get((2,), f16)
     for h in range(2):
-        row = arith.index_cast(idx, arith.addi(row0, c(8 * h)))
+        row = arith.addi(row0, c(8 * h))
+        lead = [row] if ir.MemRefType(w_ref.type).rank == 2 else [arith.divui(row, c(32)), arith.remui(row, c(32))]
+        at = lambda i, lead=lead: [arith.index_cast(idx, v) for v in lead] + [i]  # noqa: E731
         base = arith.muli(col, c(16))
-        quads = [vector.load(v4, w_ref, [row, arith.index_cast(idx, arith.addi(base, c(4 * i)))]) for i in range(4)]
-        sword = memref.load(s_ref, [row, arith.index_cast(idx, col)])  # the scales of words 16c .. 16c + 15
+        quads = [vector.load(v4, w_ref, at(arith.index_cast(idx, arith.addi(base, c(4 * i))))) for i in range(4)]
+        sword = memref.load(s_ref, at(arith.index_cast(idx, col)))  # the scales of words 16c .. 16c + 15
         for b in range(TILE_K // 32):
             word = vector.extract(quads[b // 4], [], [b % 4])
             byte = arith.andi(arith.shrui(sword, c(8 * (b // 4))), c(0xFF))
@@ -154,41 +179,226 @@ def _decode_fragment(ctx, w_ref, s_ref):
     return mfa.FragmentedArray(_registers=regs, _layout=mfa.WGMMA_LAYOUT, _is_signed=None)
 
 
-def grouped_matmul(words_ENW, sexp_ENQ, x16_RK, slot_ew_S, slot_es_S, slot_rows_S, *, block_m: int,
-                   stages: int = 2):
-    """acc `[S, N, block_m]` f32: slot s's rows `x16[s * block_m ...]` times expert `slot_ew[s]`'s decoded
-    words (`sexp` of expert `slot_es[s]`), in MMA K order, before the row and token factors. Rows of empty
-    slots are left unwritten."""
-    N = words_ENW.shape[1]
-    S, Kp = slot_rows_S.shape[0], x16_RK.shape[1]
+def _k_loop(acc_ref, w_ref, s_ref, x_ref, w_block, s_block, index, *, Kp: int, block_m: int, stages: int):
+    """One CTA's K loop, TMA-pipelined: `acc_ref += decode(w_ref, s_ref blocks at index(k)) @ x_ref.T`."""
     decode = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()),
                                return_type=plgpu.ShapeDtypeStruct((TILE_N, TILE_K), jnp.float16,
                                                                   layout=plgpu.Layout.WGMMA))(_decode_fragment)
 
-    def body(ew_gmem, es_gmem, rows_gmem, w_gmem, s_gmem, x_gmem, o_gmem, o_smem):
+    def step(_, w_smem, s_smem, x_smem):
+        plgpu.wgmma(acc_ref, decode(w_smem, s_smem), x_smem.T)
+        plgpu.wgmma_wait(0)
+
+    plgpu.emit_pipeline(step, grid=(Kp // TILE_K,), max_concurrent_steps=stages,
+                        in_specs=[plgpu.BlockSpec(w_block, index), plgpu.BlockSpec(s_block, index),
+                                  plgpu.BlockSpec((block_m, TILE_K), lambda k: (0, k))])(w_ref, s_ref, x_ref)
+
+
+def _elements(acc):
+    """(row, column, value) of every element this thread holds of a `[64, bm]` accumulator."""
+    index = ir.IndexType.get()
+    for idx, reg in zip(acc.layout.thread_idxs(acc.shape), acc.registers.flat, strict=True):
+        if not isinstance(reg.type, ir.VectorType):
+            yield idx[0], idx[1], reg
+            continue
+        for i in range(ir.VectorType(reg.type).shape[0]):
+            yield idx[0], arith.addi(idx[1], mu.c(i, index)), vector.extract(
+                reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
+
+
+def _half_row(r):
+    """Row r of a `[2, 32]`-shaped per-row table."""
+    i32 = ir.IndexType.get()
+    return [arith.divui(r, mu.c(32, i32)), arith.remui(r, mu.c(32, i32))]
+
+
+def _act_epilogue(block_m: int, limit: float, alpha: float, scale: float):
+    """In-register epilogue of the gate/up kernel, whose tile is 32 gate rows then the same features' 32 up rows:
+    row and token factors and biases, through shared memory so each gate meets its up, then the clamped SwiGLU,
+    times `scale`, to f16, each feature stored straight into its column of the down's operand (`pos`)."""
+    ref = plgpu.RefType()
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, ref, ref, ref, ref, ref, ref))
+    def epilogue(ctx, acc, rowfac, bias, tok_fac, pos, h_smem, out):
+        del ctx
+        f32, f16, idx = ir.F32Type.get(), ir.F16Type.get(), ir.IndexType.get()
+        c = lambda v: arith.constant(f32, v)  # noqa: E731
+        h = [(r, col, arith.addf(arith.mulf(arith.mulf(v, memref.load(rowfac, _half_row(r))),
+                                            memref.load(tok_fac, [col])), memref.load(bias, _half_row(r))))
+             for r, col, v in _elements(acc)]
+        for r, col, v in h:
+            memref.store(v, h_smem, [r, col])
+        mu.warpgroup_barrier()
+        tid = arith.index_cast(idx, mu.thread_idx())
+        acts = []
+        for j in range(32 * block_m // 128):  # lanes along the tokens: no bank conflicts
+            i = arith.addi(tid, mu.c(128 * j, idx))
+            r, col = arith.divui(i, mu.c(block_m, idx)), arith.remui(i, mu.c(block_m, idx))
+            g = arith.minimumf(memref.load(h_smem, [r, col]), c(limit))
+            u = memref.load(h_smem, [arith.addi(r, mu.c(32, idx)), col])
+            u = arith.maximumf(arith.minimumf(u, c(limit)), c(-limit))
+            e = llvm.inline_asm(f32, [arith.mulf(g, c(-alpha * float(np.log2(np.e))))],
+                                "ex2.approx.ftz.f32 $0, $1;", "=f,f")
+            act = arith.mulf(arith.divf(g, arith.addf(e, c(1.0))), arith.addf(u, c(1.0)))
+            q = arith.index_cast(idx, memref.load(pos, [r]))
+            acts.append((col, q, arith.truncf(f16, arith.mulf(act, c(scale)))))
+        for col, q, v in acts:
+            memref.store(v, out, [col, q])
+
+    return epilogue
+
+
+@plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType()))
+def _zero_columns(ctx, like, cols, out):
+    """Zeros into columns `cols[r]` of `out` `[bm, Kp]` for the rows and columns `like` (`[64, bm]`) covers."""
+    del ctx
+    zero = arith.constant(ir.F16Type.get(), 0.0)
+    for r, col, _ in _elements(like):
+        memref.store(zero, out, [col, arith.index_cast(ir.IndexType.get(), memref.load(cols, [r]))])
+
+
+def _out_epilogue(act_fac: float):
+    """In-register epilogue of the down kernel: (acc * row factor * `act_fac` + bias) * routing weight, f32,
+    stored transposed (`out` `[bm, 64]`: token rows). Every load comes before the first store."""
+    ref = plgpu.RefType()
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, ref, ref, ref, ref))
+    def epilogue(ctx, acc, rowfac, bias, w, out):
+        del ctx
+        cf = arith.constant(ir.F32Type.get(), act_fac)
+        ys = [(r, col, arith.mulf(arith.addf(arith.mulf(arith.mulf(v, memref.load(rowfac, [r])), cf),
+                                             memref.load(bias, [r])), memref.load(w, [col])))
+              for r, col, v in _elements(acc)]
+        for r, col, y in ys:
+            memref.store(y, out, [col, r])
+
+    return epilogue
+
+
+def gate_up_act(words_ENW, sexp_ENQ, rowfac_EN, bias_EN, x16_RK, tok_fac_R, slot_ew_S, slot_es_S, slot_rows_S,
+                pos_I, pad_cols, *, n_pad_tiles: int, block_m: int, stages: int, swiglu_limit: float,
+                swiglu_alpha: float, act_scale: float):
+    """The down's f16 operand `[S * block_m, Kp(I)]`: slot s's rows `x16[s * block_m ...]` through expert
+    `slot_ew[s]`'s gate and up rows (`words` rows `[0, I)` and `[I, 2I)`, scales of expert `slot_es[s]`), the
+    row and token factors, biases (`bias` `[E, 2I]` f32, by `slot_ew[s] % E`) and the clamped SwiGLU, times
+    `act_scale`; stored row q goes to column `pos[q]`, and the first `n_pad_tiles` 64-entry tiles of `pad_cols`
+    are zeroed. Rows of empty slots are left unwritten. Each CTA takes 32 features: one 64-row MMA tile of
+    their gate rows and up rows (one TMA box of the `[2, I/32, 32, W]` view)."""
+    I = words_ENW.shape[1] // 2
+    E = bias_EN.shape[0]
+    S, Kp = slot_rows_S.shape[0], x16_RK.shape[1]
+    halves = lambda a: a.reshape(a.shape[0], 2, I // 32, 32, *a.shape[2:])  # noqa: E731
+    epilogue = _act_epilogue(block_m, swiglu_limit, swiglu_alpha, act_scale)
+
+    def gate_up_body(ew_gmem, es_gmem, rows_gmem, w_gmem, s_gmem, rf_gmem, b_gmem, x_gmem, tf_gmem, pos_gmem,
+                     pad_gmem, o_gmem, h_smem, rf_smem, b_smem, tf_smem, pos_smem, bars):
         s, n = jax.lax.axis_index("s"), jax.lax.axis_index("n")
 
         @pl.when(rows_gmem[s] > 0)
         def _():
-            def acc_scope(acc_ref):
-                def step(_, w_smem, s_smem, x_smem):
-                    plgpu.wgmma(acc_ref, decode(w_smem, s_smem), x_smem.T)
-                    plgpu.wgmma_wait(0)
+            ew, es = ew_gmem[s], es_gmem[s]
+            toks = pl.ds(s * block_m, block_m)
+            vectors = ((rf_gmem.at[es, :, n], rf_smem), (b_gmem.at[ew % E, :, n], b_smem), (tf_gmem.at[toks], tf_smem),
+                       (pos_gmem.at[pl.ds(n * 32, 32)], pos_smem))
+            for i, (src, dst) in enumerate(vectors):  # the epilogue's vectors, in flight during the K loop
+                plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
 
-                plgpu.emit_pipeline(
-                    step, grid=(Kp // TILE_K,), max_concurrent_steps=stages,
-                    in_specs=[plgpu.BlockSpec((TILE_N, TILE_K // 8), lambda k: (n, k)),
-                              plgpu.BlockSpec((TILE_N, TILE_K // 128), lambda k: (n, k)),
-                              plgpu.BlockSpec((block_m, TILE_K), lambda k: (0, k))],
-                )(w_gmem.at[ew_gmem[s]], s_gmem.at[es_gmem[s]], x_gmem.at[pl.ds(s * block_m, block_m)])
-                return acc_ref[...]
+            def acc_scope(acc):
+                _k_loop(acc, w_gmem.at[ew], s_gmem.at[es], x_gmem.at[toks],
+                        (2, None, 32, TILE_K // 8), (2, None, 32, TILE_K // 128), lambda k: (0, n, 0, k),
+                        Kp=Kp, block_m=block_m, stages=stages)
+                return acc[...]
+
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((TILE_N, block_m)))
+            for i in range(len(vectors)):
+                plgpu.barrier_wait(bars.at[i])
+            out = o_gmem.at[toks]
+            epilogue(acc, rf_smem, b_smem, tf_smem, pos_smem, h_smem, out)
+
+            @pl.when(n < n_pad_tiles)
+            def _():
+                _zero_columns(acc, pad_gmem.at[pl.ds(n * TILE_N, TILE_N)], out)
+
+    f = plgpu.kernel(gate_up_body, out_type=jax.ShapeDtypeStruct((S * block_m, _padded(I)), jnp.float16),
+                     scratch_types=[plgpu.SMEM((TILE_N, block_m + 1), jnp.float32),  # +1: no bank conflicts
+                                    plgpu.SMEM((2, 32), jnp.float32), plgpu.SMEM((2, 32), jnp.float32),
+                                    plgpu.SMEM((block_m,), jnp.float32), plgpu.SMEM((32,), jnp.int32),
+                                    plgpu.Barrier(num_barriers=4)],
+                     grid=(S, I // 32), grid_names=("s", "n"),
+                     compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    return f(slot_ew_S, slot_es_S, slot_rows_S, halves(words_ENW), halves(sexp_ENQ),
+             rowfac_EN.reshape(-1, 2, I // 32, 32), bias_EN.reshape(E, 2, I // 32, 32), x16_RK, tok_fac_R, pos_I,
+             pad_cols)
+
+
+def down_out(words_ENW, sexp_ENQ, rowfac_EN, bias_EN, a16_RK, w_R, slot_ew_S, slot_es_S, slot_rows_S, *,
+             act_fac: float, block_m: int, stages: int):
+    """f32 `[S * block_m, N]`: slot s's operand rows through expert `slot_ew[s]`'s rows, times the row factor
+    and `act_fac`, plus the bias (`[E, N]` f32, by `slot_ew[s] % E`), times each row's routing weight `w_R`.
+    Rows of empty slots are left unwritten."""
+    N = words_ENW.shape[1]
+    E = bias_EN.shape[0]
+    S, Kp = slot_rows_S.shape[0], a16_RK.shape[1]
+    epilogue = _out_epilogue(act_fac)
+
+    def down_body(ew_gmem, es_gmem, rows_gmem, w_gmem, s_gmem, rf_gmem, b_gmem, x_gmem, wr_gmem, o_gmem, rf_smem,
+                  b_smem, wr_smem, bars):
+        s, n = jax.lax.axis_index("s"), jax.lax.axis_index("n")
+
+        @pl.when(rows_gmem[s] > 0)
+        def _():
+            ew, es = ew_gmem[s], es_gmem[s]
+            rows, toks = pl.ds(n * TILE_N, TILE_N), pl.ds(s * block_m, block_m)
+            vectors = ((rf_gmem.at[es, rows], rf_smem), (b_gmem.at[ew % E, rows], b_smem), (wr_gmem.at[toks], wr_smem))
+            for i, (src, dst) in enumerate(vectors):
+                plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+
+            def acc_scope(acc):
+                _k_loop(acc, w_gmem.at[ew], s_gmem.at[es], x_gmem.at[toks],
+                        (TILE_N, TILE_K // 8), (TILE_N, TILE_K // 128), lambda k: (n, k), Kp=Kp, block_m=block_m,
+                        stages=stages)
+                return acc[...]
+
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((TILE_N, block_m)))
+            for i in range(len(vectors)):
+                plgpu.barrier_wait(bars.at[i])
+            epilogue(acc, rf_smem, b_smem, wr_smem, o_gmem.at[toks, rows])
+
+    f = plgpu.kernel(down_body, out_type=jax.ShapeDtypeStruct((S * block_m, N), jnp.float32),
+                     scratch_types=[plgpu.SMEM((TILE_N,), jnp.float32), plgpu.SMEM((TILE_N,), jnp.float32),
+                                    plgpu.SMEM((block_m,), jnp.float32), plgpu.Barrier(num_barriers=3)],
+                     grid=(S, N // TILE_N), grid_names=("s", "n"),
+                     compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    return f(slot_ew_S, slot_es_S, slot_rows_S, words_ENW, sexp_ENQ, rowfac_EN, bias_EN, a16_RK, w_R)
+
+
+def grouped_matmul(words_ENW, sexp_ENQ, x16_RK, slot_ew_S, slot_es_S, slot_rows_S, *, block_m: int,
+                   stages: int = 2):
+    """acc `[S, N, block_m]` f32: slot s's rows `x16[s * block_m ...]` times expert `slot_ew[s]`'s decoded
+    words (`sexp` of expert `slot_es[s]`), in MMA K order, before the row and token factors: the bare matmul
+    that tools/probe_mosaic_mxfp4.py times. Rows of empty slots are left unwritten."""
+    N = words_ENW.shape[1]
+    S, Kp = slot_rows_S.shape[0], x16_RK.shape[1]
+
+    def matmul_body(ew_gmem, es_gmem, rows_gmem, w_gmem, s_gmem, x_gmem, o_gmem, o_smem):
+        s, n = jax.lax.axis_index("s"), jax.lax.axis_index("n")
+
+        @pl.when(rows_gmem[s] > 0)
+        def _():
+            ew, es = ew_gmem[s], es_gmem[s]
+
+            def acc_scope(acc):
+                _k_loop(acc, w_gmem.at[ew], s_gmem.at[es], x_gmem.at[pl.ds(s * block_m, block_m)],
+                        (TILE_N, TILE_K // 8), (TILE_N, TILE_K // 128), lambda k: (n, k), Kp=Kp, block_m=block_m,
+                        stages=stages)
+                return acc[...]
 
             o_smem[...] = pl.run_scoped(acc_scope, plgpu.ACC((TILE_N, block_m)))
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[s, pl.ds(n * TILE_N, TILE_N)])
             plgpu.wait_smem_to_gmem(0)
 
-    f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((S, N, block_m), jnp.float32),
+    f = plgpu.kernel(matmul_body, out_type=jax.ShapeDtypeStruct((S, N, block_m), jnp.float32),
                      scratch_types=[plgpu.SMEM((TILE_N, block_m), jnp.float32)],
                      grid=(S, N // TILE_N), grid_names=("s", "n"),
                      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
@@ -213,6 +423,30 @@ def grouped_matmul_reference(words_ENW, sexp_ENQ, x16_RK, slot_ew_S, slot_es_S, 
     return jnp.where((slot_rows_S > 0)[:, None, None], acc, 0.0)
 
 
+def gate_up_act_reference(words_ENW, sexp_ENQ, rowfac_EN, bias_EN, x16_RK, tok_fac_R, slot_ew_S, slot_es_S,
+                          slot_rows_S, pos_I, pad_cols, *, n_pad_tiles: int, block_m: int, stages: int,
+                          swiglu_limit: float, swiglu_alpha: float, act_scale: float):
+    """`gate_up_act` in jnp (rows of empty slots hold the biases' activation)."""
+    del pad_cols, n_pad_tiles
+    I, E, S = words_ENW.shape[1] // 2, bias_EN.shape[0], slot_rows_S.shape[0]
+    acc = grouped_matmul_reference(words_ENW, sexp_ENQ, x16_RK, slot_ew_S, slot_es_S, slot_rows_S,
+                                   block_m=block_m, stages=stages)                    # [S, 2I, bm]
+    h = acc * rowfac_EN[slot_es_S][:, :, None] * tok_fac_R.reshape(S, 1, block_m) + bias_EN[slot_ew_S % E][..., None]
+    act = moe_decode._swiglu(h[:, :I], h[:, I:], swiglu_limit, swiglu_alpha) * act_scale
+    rows = jnp.swapaxes(act, 1, 2).reshape(S * block_m, I).astype(jnp.float16)
+    return jnp.zeros((S * block_m, _padded(I)), jnp.float16).at[:, pos_I].set(rows)
+
+
+def down_out_reference(words_ENW, sexp_ENQ, rowfac_EN, bias_EN, a16_RK, w_R, slot_ew_S, slot_es_S, slot_rows_S, *,
+                       act_fac: float, block_m: int, stages: int):
+    """`down_out` in jnp (rows of empty slots hold the biases times their routing weight, 0)."""
+    N, E, S = words_ENW.shape[1], bias_EN.shape[0], slot_rows_S.shape[0]
+    acc = grouped_matmul_reference(words_ENW, sexp_ENQ, a16_RK, slot_ew_S, slot_es_S, slot_rows_S,
+                                   block_m=block_m, stages=stages)                    # [S, N, bm]
+    y = acc * rowfac_EN[slot_es_S][:, :, None] * act_fac + bias_EN[slot_ew_S % E][..., None]
+    return jnp.swapaxes(y, 1, 2).reshape(S * block_m, N) * w_R[:, None]
+
+
 # ----------------------------------------------------------------------------------------------
 # Dispatch, glue and the entry point
 
@@ -231,22 +465,21 @@ def slot_rows(slot_start_S, slot_rows_S, P: int, block_m: int):
 def experts_forward(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, *, swiglu_limit,
                     swiglu_alpha, block_m=16, stages=2, interpret=None):
     """`moe_decode.experts_forward`'s contract (sum over the routed experts, `[T, D]`) on the Mosaic kernels;
-    `interpret` (default: off the GPU) runs `grouped_matmul_reference` instead of the kernel."""
+    `interpret` (default: off the GPU) runs the kernels' jnp references instead."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     if not fits(kexp):
         raise ValueError(f"moe_mosaic: experts with D={kexp.dn_words.shape[-2]}, I={kexp.gu_words.shape[-2]} do "
-                         f"not tile (D and 2I multiples of {TILE_N}, both >= {TILE_K}); use moe_decode")
-    matmul = functools.partial(grouped_matmul_reference if interpret else grouped_matmul, block_m=block_m,
-                               stages=stages)
+                         f"not tile (D and I multiples of {TILE_N}, both >= {TILE_K}); use moe_decode")
+    if not 0 < swiglu_limit < 2 ** 6:
+        raise ValueError(f"moe_mosaic: swiglu_limit={swiglu_limit} must be in (0, 64): it bounds the f16 activation")
+    gate_up, down = (gate_up_act_reference, down_out_reference) if interpret else (gate_up_act, down_out)
     T, k = idx_TK.shape
     P = T * k
     E, _, I, W = kexp.gu_words.shape[-4:]
     D = x_TD.shape[1]
     tok, w_sorted, order, slot_e, slot_start, rows = moe_decode.slots(idx_TK, w_TK, valid_TK, E, block_m)
-    S = slot_e.shape[0]
     held, where = slot_rows(slot_start, rows, P, block_m)
-    ok = (held < P).reshape(-1)
     one = lambda a: a if layer is None else a[layer]  # this layer's small per-expert tables
     gu_words = kexp.gu_words.reshape(-1, 2 * I, W)  # [L E, 2I, D/8]: gate rows, then up rows
     dn_words = kexp.dn_words.reshape(-1, D, I // 8)
@@ -259,22 +492,25 @@ def experts_forward(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_T
         gu_rowfac, dn_rowfac = (a.reshape(-1, a.shape[-1]) for a in (kexp.gu_rowfac, kexp.dn_rowfac))  # [L E, N]
         es = ew
 
-    # gate and up: one matmul over the 2I stored rows (phase order of the features)
-    x_rows = jnp.where(ok[:, None], x_TD[jnp.append(tok, 0)[held.reshape(-1)]], 0)
-    x16, tok_fac = f16_operand(x_rows)
-    acc = matmul(gu_words, gu_sexp, x16, ew, es, rows)                                # [S, 2I, bm]
-    fac = gu_rowfac[es][:, :, None] * tok_fac.reshape(S, 1, block_m)
-    bias = one(kexp.gu_bias).reshape(E, 2 * I)[slot_e].astype(jnp.float32)[:, :, None]
-    h = acc * fac + bias
-    act = moe_decode._swiglu(h[:, :I], h[:, I:], swiglu_limit, swiglu_alpha)          # [S, I, bm], stored order
-    # stored row q holds feature phase_order(I)[q]: back to natural feature order, then the down's MMA order
-    natural = np.argsort(moe_decode.phase_order(I))
-    a_rows = jnp.swapaxes(act, 1, 2).reshape(S * block_m, I)[:, natural]
-    a16, a_fac = f16_operand(a_rows)
+    gu_bias = one(kexp.gu_bias).reshape(E, 2 * I).astype(jnp.float32)                # [E, 2I]: by ew % E
+    dn_bias = one(kexp.dn_bias).astype(jnp.float32)                                   # [E, D]
+    kern = dict(block_m=block_m, stages=stages)
 
-    # down
-    acc = matmul(dn_words, dn_sexp, a16, ew, es, rows)                                # [S, D, bm]
-    fac = dn_rowfac[es][:, :, None] * a_fac.reshape(S, 1, block_m)
-    y = acc * fac + one(kexp.dn_bias)[slot_e].astype(jnp.float32)[:, :, None]
-    y = jnp.swapaxes(y, 1, 2).reshape(S * block_m, D) * jnp.append(w_sorted, 0.0)[held.reshape(-1)][:, None]
+    # Each token's f16 operand row is encoded once (the MMA-order permutation is a slow gather in XLA), then
+    # copied to its slot rows; padding rows copy token 0 (finite; their outputs are never read).
+    x16_T, tok_fac_T = f16_operand(x_TD)
+    row_pair = held.reshape(-1)                                                       # [S bm]
+    row_tok = jnp.append(tok, 0)[row_pair]
+    x16, tok_fac = x16_T[row_tok], tok_fac_T[row_tok]
+
+    # gate and up, SwiGLU: the activation lands in the down's operand layout, scaled by a fixed power of two
+    pos, pads, n_pad_tiles = act_columns(I)
+    a_exp = act_exponent(swiglu_limit)
+    a16 = gate_up(gu_words, gu_sexp, gu_rowfac, gu_bias, x16, tok_fac, ew, es, rows, jnp.asarray(pos),
+                  jnp.asarray(pads), n_pad_tiles=n_pad_tiles, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha,
+                  act_scale=2.0 ** a_exp, **kern)                                     # [S bm, Kp(I)]
+
+    # down, biases and routing weights: token rows [S bm, D]
+    y = down(dn_words, dn_sexp, dn_rowfac, dn_bias, a16, jnp.append(w_sorted, 0.0)[row_pair], ew, es, rows,
+             act_fac=2.0 ** -a_exp, **kern)
     return moe_decode.combine(y[where], order, valid_TK, T, k, x_TD.dtype)
