@@ -114,16 +114,11 @@ def _padded(K: int) -> int:
     return -(-K // TILE_K) * TILE_K
 
 
-def act_columns(I: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """Where the gate/up kernel stores the activation: stored row q (feature `phase_order(I)[q]`) -> its column
-    in the down's operand (MMA K order); and the columns no feature lands in (the K padding), repeated to whole
-    64-entry tiles, with the count of those tiles (at least one tile is returned, so no operand is empty)."""
+def act_positions(I: int) -> np.ndarray:
+    """The down's operand column (MMA K order) of each stored gate/up row q, which holds feature
+    `phase_order(I)[q]`."""
     f = moe_decode.phase_order(I)
-    pos = f // TILE_K * TILE_K + np.argsort(mma_perm())[f % TILE_K]
-    pads = np.setdiff1d(np.arange(_padded(I)), pos)
-    n_tiles = -(-len(pads) // TILE_N)
-    pads = np.resize(pads if len(pads) else np.zeros(1, np.int64), max(n_tiles, 1) * TILE_N)
-    return pos.astype(np.int32), pads.astype(np.int32), n_tiles
+    return f // TILE_K * TILE_K + np.argsort(mma_perm())[f % TILE_K]
 
 
 def act_exponent(swiglu_limit: float) -> int:
@@ -149,8 +144,9 @@ _PAIR_PTX = [
 
 def _decode_fragment(ctx, w_ref, s_ref):
     """Words u32 `[64, 64]` and scale bytes u32 `[64, 4]` of one K step -> f16 `[64, 512]` in the wgmma A
-    layout (thread (warp w, lane l) holds rows 16w + l/4 (+8) and the columns of `mma_perm`). Tiles of two
-    32-row halves (`[2, 32, 64]`, `[2, 32, 4]`) are read as their 64 rows."""
+    layout (thread (warp w, lane l) holds rows 16w + l/4 (+8) and the columns of `mma_perm`). A tile of two
+    32-row halves (`[2, 32, 64]`, `[2, 32, 4]`: gate and up rows) is read so that MMA row 16w + 8h + l/4 holds
+    half h's row 8w + l/4: each thread holds a feature's gate and up rows."""
     del ctx
     i32, f16, idx = ir.IntegerType.get_signless(32), ir.F16Type.get(), ir.IndexType.get()
     c = lambda v: mu.c(v, i32)
@@ -162,7 +158,10 @@ def _decode_fragment(ctx, w_ref, s_ref):
     v4, pair_ty = ir.VectorType.get((4,), i32), ir.VectorType.get((2,), f16)
     for h in range(2):
         row = arith.addi(row0, c(8 * h))
-        lead = [row] if ir.MemRefType(w_ref.type).rank == 2 else [arith.divui(row, c(32)), arith.remui(row, c(32))]
+        if ir.MemRefType(w_ref.type).rank == 2:
+            lead = [row]
+        else:
+            lead = [c(h), arith.addi(arith.muli(warp, c(8)), arith.divui(lane, c(4)))]
         at = lambda i, lead=lead: [arith.index_cast(idx, v) for v in lead] + [i]  # noqa: E731
         base = arith.muli(col, c(16))
         quads = [vector.load(v4, w_ref, at(arith.index_cast(idx, arith.addi(base, c(4 * i))))) for i in range(4)]
@@ -179,95 +178,73 @@ def _decode_fragment(ctx, w_ref, s_ref):
     return mfa.FragmentedArray(_registers=regs, _layout=mfa.WGMMA_LAYOUT, _is_signed=None)
 
 
-def _k_loop(acc_ref, w_ref, s_ref, x_ref, w_block, s_block, index, *, Kp: int, block_m: int, stages: int):
-    """One CTA's K loop, TMA-pipelined: `acc_ref += decode(w_ref, s_ref blocks at index(k)) @ x_ref.T`."""
-    decode = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()),
-                               return_type=plgpu.ShapeDtypeStruct((TILE_N, TILE_K), jnp.float16,
-                                                                  layout=plgpu.Layout.WGMMA))(_decode_fragment)
-
-    def step(_, w_smem, s_smem, x_smem):
-        plgpu.wgmma(acc_ref, decode(w_smem, s_smem), x_smem.T)
-        plgpu.wgmma_wait(0)
-
-    plgpu.emit_pipeline(step, grid=(Kp // TILE_K,), max_concurrent_steps=stages,
-                        in_specs=[plgpu.BlockSpec(w_block, index), plgpu.BlockSpec(s_block, index),
-                                  plgpu.BlockSpec((block_m, TILE_K), lambda k: (0, k))])(w_ref, s_ref, x_ref)
-
-
 def _elements(acc):
     """(row, column, value) of every element this thread holds of a `[64, bm]` accumulator."""
     index = ir.IndexType.get()
     for idx, reg in zip(acc.layout.thread_idxs(acc.shape), acc.registers.flat, strict=True):
-        if not isinstance(reg.type, ir.VectorType):
-            yield idx[0], idx[1], reg
-            continue
         for i in range(ir.VectorType(reg.type).shape[0]):
             yield idx[0], arith.addi(idx[1], mu.c(i, index)), vector.extract(
                 reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
 
 
-def _half_row(r):
-    """Row r of a `[2, 32]`-shaped per-row table."""
-    i32 = ir.IndexType.get()
-    return [arith.divui(r, mu.c(32, i32)), arith.remui(r, mu.c(32, i32))]
-
-
-def _act_epilogue(block_m: int, limit: float, alpha: float, scale: float):
-    """In-register epilogue of the gate/up kernel, whose tile is 32 gate rows then the same features' 32 up rows:
-    row and token factors and biases, through shared memory so each gate meets its up, then the clamped SwiGLU,
-    times `scale`, to f16, each feature stored straight into its column of the down's operand (`pos`)."""
+def _gate_up_epilogue(limit: float, alpha: float, scale: float):
+    """In-register epilogue of gate/up tile (e, h) = divmod(`tile`, 2) (`_decode_fragment`'s two-half reading:
+    each thread holds a feature's gate and up values for its columns): row and token factors (`rowfac`, `bias`
+    `[gate/up, e, 64]`, `tok_fac` `[bm]`), biases, the clamped SwiGLU, times `scale`, f16 into
+    `stage[token, f % 16, 4h + 2 (f // 16) + e]` for the tile's feature f < 32. Smem refs go whole (a strided view
+    would stop Mosaic's layout inference); the tile index comes as a scalar."""
     ref = plgpu.RefType()
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, ref, ref, ref, ref, ref, ref))
-    def epilogue(ctx, acc, rowfac, bias, tok_fac, pos, h_smem, out):
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, ref, ref, ref, ref))
+    def epilogue(ctx, acc, tile, rowfac, bias, tok_fac, stage):
         del ctx
         f32, f16, idx = ir.F32Type.get(), ir.F16Type.get(), ir.IndexType.get()
         c = lambda v: arith.constant(f32, v)  # noqa: E731
-        h = [(r, col, arith.addf(arith.mulf(arith.mulf(v, memref.load(rowfac, _half_row(r))),
-                                            memref.load(tok_fac, [col])), memref.load(bias, _half_row(r))))
-             for r, col, v in _elements(acc)]
-        for r, col, v in h:
-            memref.store(v, h_smem, [r, col])
-        mu.warpgroup_barrier()
-        tid = arith.index_cast(idx, mu.thread_idx())
-        acts = []
-        for j in range(32 * block_m // 128):  # lanes along the tokens: no bank conflicts
-            i = arith.addi(tid, mu.c(128 * j, idx))
-            r, col = arith.divui(i, mu.c(block_m, idx)), arith.remui(i, mu.c(block_m, idx))
-            g = arith.minimumf(memref.load(h_smem, [r, col]), c(limit))
-            u = memref.load(h_smem, [arith.addi(r, mu.c(32, idx)), col])
-            u = arith.maximumf(arith.minimumf(u, c(limit)), c(-limit))
-            e = llvm.inline_asm(f32, [arith.mulf(g, c(-alpha * float(np.log2(np.e))))],
-                                "ex2.approx.ftz.f32 $0, $1;", "=f,f")
-            act = arith.mulf(arith.divf(g, arith.addf(e, c(1.0))), arith.addf(u, c(1.0)))
-            q = arith.index_cast(idx, memref.load(pos, [r]))
-            acts.append((col, q, arith.truncf(f16, arith.mulf(act, c(scale)))))
-        for col, q, v in acts:
-            memref.store(v, out, [col, q])
+        ci = lambda v: mu.c(v, idx)  # noqa: E731
+        tile = arith.index_cast(idx, tile.registers.flat[0])  # a scalar arrives as a splat array
+        e, hw = arith.divui(tile, ci(2)), arith.remui(tile, ci(2))
+        where = dict(zip(np.ndindex(acc.registers.shape), acc.layout.thread_idxs(acc.shape), strict=True))
+        for gi in (r for r in np.ndindex(acc.registers.shape) if r[4] == 0):  # dim 4: the row half (gate, up)
+            ui = gi[:4] + (1,) + gi[5:]
+            row, col0 = where[gi]
+            f = arith.addi(arith.muli(arith.divui(row, ci(16)), ci(8)), arith.remui(row, ci(8)))  # 8w + l/4
+            fw = arith.addi(arith.muli(hw, ci(32)), f)  # its word within the CTA's 64
+            pos = arith.addi(arith.muli(hw, ci(4)), arith.muli(arith.divui(f, ci(16)), ci(2)))  # 4h + 2c
+            for i in range(2):
+                col = arith.addi(col0, ci(i))
+                at = ir.DenseI64ArrayAttr.get([i])
+                vg, vu = (vector.extract(acc.registers[r], dynamic_position=[], static_position=at) for r in (gi, ui))
+                tf = memref.load(tok_fac, [col])
+                g = arith.addf(arith.mulf(arith.mulf(vg, memref.load(rowfac, [ci(0), e, fw])), tf),
+                               memref.load(bias, [ci(0), e, fw]))
+                u = arith.addf(arith.mulf(arith.mulf(vu, memref.load(rowfac, [ci(1), e, fw])), tf),
+                               memref.load(bias, [ci(1), e, fw]))
+                g = arith.minimumf(g, c(limit))
+                u = arith.maximumf(arith.minimumf(u, c(limit)), c(-limit))
+                ex = llvm.inline_asm(f32, [arith.mulf(g, c(-alpha * float(np.log2(np.e))))],
+                                     "ex2.approx.ftz.f32 $0, $1;", "=f,f")
+                act = arith.mulf(arith.divf(g, arith.addf(ex, c(1.0))), arith.addf(u, c(1.0)))
+                memref.store(arith.truncf(f16, arith.mulf(act, c(scale))), stage,
+                             [col, arith.remui(f, ci(16)), arith.addi(pos, e)])
 
     return epilogue
 
 
-@plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(), plgpu.RefType()))
-def _zero_columns(ctx, like, cols, out):
-    """Zeros into columns `cols[r]` of `out` `[bm, Kp]` for the rows and columns `like` (`[64, bm]`) covers."""
-    del ctx
-    zero = arith.constant(ir.F16Type.get(), 0.0)
-    for r, col, _ in _elements(like):
-        memref.store(zero, out, [col, arith.index_cast(ir.IndexType.get(), memref.load(cols, [r]))])
-
-
-def _out_epilogue(act_fac: float):
-    """In-register epilogue of the down kernel: (acc * row factor * `act_fac` + bias) * routing weight, f32,
-    stored transposed (`out` `[bm, 64]`: token rows). Every load comes before the first store."""
+def _down_epilogue(act_fac: float):
+    """In-register epilogue of down tile `tile`: (acc * row factor * `act_fac` + bias) * routing weight, f32,
+    stored transposed (`out` `[bm, 64]`: token rows). `rowfac` and `bias` hold the CTA's tiles' rows. Every load
+    comes before the first store."""
     ref = plgpu.RefType()
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, ref, ref, ref, ref))
-    def epilogue(ctx, acc, rowfac, bias, w, out):
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, ref, ref, ref, ref))
+    def epilogue(ctx, acc, tile, rowfac, bias, w, out):
         del ctx
+        idx = ir.IndexType.get()
         cf = arith.constant(ir.F32Type.get(), act_fac)
-        ys = [(r, col, arith.mulf(arith.addf(arith.mulf(arith.mulf(v, memref.load(rowfac, [r])), cf),
-                                             memref.load(bias, [r])), memref.load(w, [col])))
+        base = arith.muli(arith.index_cast(idx, tile.registers.flat[0]), mu.c(TILE_N, idx))
+        at = lambda r: [arith.addi(base, r)]  # noqa: E731
+        ys = [(r, col, arith.mulf(arith.addf(arith.mulf(arith.mulf(v, memref.load(rowfac, at(r))), cf),
+                                             memref.load(bias, at(r))), memref.load(w, [col])))
               for r, col, v in _elements(acc)]
         for r, col, y in ys:
             memref.store(y, out, [col, r])
@@ -275,71 +252,113 @@ def _out_epilogue(act_fac: float):
     return epilogue
 
 
-def gate_up_act(words_ENW, sexp_ENQ, rowfac_EN, bias_EN, x16_RK, tok_fac_R, slot_ew_S, slot_es_S, slot_rows_S,
-                pos_I, pad_cols, *, n_pad_tiles: int, block_m: int, stages: int, swiglu_limit: float,
-                swiglu_alpha: float, act_scale: float):
-    """The down's f16 operand `[S * block_m, Kp(I)]`: slot s's rows `x16[s * block_m ...]` through expert
-    `slot_ew[s]`'s gate and up rows (`words` rows `[0, I)` and `[I, 2I)`, scales of expert `slot_es[s]`), the
-    row and token factors, biases (`bias` `[E, 2I]` f32, by `slot_ew[s] % E`) and the clamped SwiGLU, times
-    `act_scale`; stored row q goes to column `pos[q]`, and the first `n_pad_tiles` 64-entry tiles of `pad_cols`
-    are zeroed. Rows of empty slots are left unwritten. Each CTA takes 32 features: one 64-row MMA tile of
-    their gate rows and up rows (one TMA box of the `[2, I/32, 32, W]` view)."""
+def _tiles_loop(tile_epilogue, w_ref, s_ref, x_ref, w_block, s_block, index, *, tiles: int, Kp: int, block_m: int,
+                stages: int):
+    """A CTA's `tiles` weight tiles in one TMA pipeline over (tile, K step), so the next tile's first loads are
+    in flight during a tile's epilogue: `tile_epilogue(tile, acc)` after each tile's last step."""
+    decode = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()),
+                               return_type=plgpu.ShapeDtypeStruct((TILE_N, TILE_K), jnp.float16,
+                                                                  layout=plgpu.Layout.WGMMA))(_decode_fragment)
+    nk = Kp // TILE_K
+
+    def scope(acc_ref):
+        def step(ix, w_smem, s_smem, x_smem):
+            tile, k = ix
+            plgpu.wgmma(acc_ref, decode(w_smem, s_smem), x_smem.T)
+            plgpu.wgmma_wait(0)
+
+            @pl.when(k == nk - 1)
+            def _():
+                tile_epilogue(tile, acc_ref[...])
+                acc_ref[...] = jnp.zeros((TILE_N, block_m), jnp.float32)
+
+        plgpu.emit_pipeline(step, grid=(tiles, nk), max_concurrent_steps=stages,
+                            in_specs=[plgpu.BlockSpec(w_block, index), plgpu.BlockSpec(s_block, index),
+                                      plgpu.BlockSpec((block_m, TILE_K), lambda t, k: (0, k))])(w_ref, s_ref, x_ref)
+
+    pl.run_scoped(scope, plgpu.ACC((TILE_N, block_m)))
+
+
+def _prefetch(pairs, bars):
+    """Starts TMA copies gmem -> smem (one barrier each); returns the wait for all of them (call it once)."""
+    for i, (src, dst) in enumerate(pairs):
+        plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+
+    def wait():
+        for i in range(len(pairs)):
+            plgpu.barrier_wait(bars.at[i])
+
+    return wait
+
+
+def gate_up_act(words_ENW, sexp_ENQ, rowfac_EN, bias_EN, x16_RK, tok_fac_R, slot_ew_S, slot_es_S, slot_rows_S, *,
+                block_m: int, stages: int, swiglu_limit: float, swiglu_alpha: float, act_scale: float):
+    """The down's f16 operand `[S * block_m, Kp(I)]` in its MMA K order: slot s's rows `x16[s * block_m ...]`
+    through expert `slot_ew[s]`'s gate and up rows (`words` rows `[0, I)` and `[I, 2I)` in phase order, scales
+    of expert `slot_es[s]`), the row and token factors, biases (`bias` `[E, 2I]` f32, by `slot_ew[s] % E`) and
+    the clamped SwiGLU, times `act_scale`; the K padding holds zeros. Rows of empty slots are left unwritten.
+
+    CTA (s, j, t) makes the operand's columns `512t + 32b + 8j + [0, 8)` for b < 16: features 512t + 128c + 8b +
+    4e + j (c < 4, e < 2), i.e. stored rows (p = 4e + j, word 64t + 16c + b): four tiles (e, 32-word half) of a
+    feature's gate and up rows, one TMA box each of the `[2, 8, I/8, W]` view (words past I/8 read as 0, so the
+    padding comes out 0). Each 16-byte run of the output is whole within one CTA: staged in shared memory, one
+    TMA store."""
     I = words_ENW.shape[1] // 2
     E = bias_EN.shape[0]
-    S, Kp = slot_rows_S.shape[0], x16_RK.shape[1]
-    halves = lambda a: a.reshape(a.shape[0], 2, I // 32, 32, *a.shape[2:])  # noqa: E731
-    epilogue = _act_epilogue(block_m, swiglu_limit, swiglu_alpha, act_scale)
+    S, Kp, Kp_out = slot_rows_S.shape[0], x16_RK.shape[1], _padded(I)
+    view = lambda a: a.reshape(a.shape[0], 2, 8, I // 8, *a.shape[2:])  # noqa: E731  [.., gate/up, p, word, ..]
+    vec = lambda a: a.reshape(a.shape[0], 2, 2, 4, I // 8)  # noqa: E731  [.., gate/up, e, j, word]
+    epilogue = _gate_up_epilogue(swiglu_limit, swiglu_alpha, act_scale)
 
-    def gate_up_body(ew_gmem, es_gmem, rows_gmem, w_gmem, s_gmem, rf_gmem, b_gmem, x_gmem, tf_gmem, pos_gmem,
-                     pad_gmem, o_gmem, h_smem, rf_smem, b_smem, tf_smem, pos_smem, bars):
-        s, n = jax.lax.axis_index("s"), jax.lax.axis_index("n")
+    def gate_up_body(ew_gmem, es_gmem, rows_gmem, w_gmem, s_gmem, rf_gmem, b_gmem, x_gmem, tf_gmem, o_gmem,
+                     rf_smem, b_smem, tf_smem, stage, bars):
+        s, j, t = jax.lax.axis_index("s"), jax.lax.axis_index("j"), jax.lax.axis_index("t")
 
         @pl.when(rows_gmem[s] > 0)
         def _():
             ew, es = ew_gmem[s], es_gmem[s]
-            toks = pl.ds(s * block_m, block_m)
-            vectors = ((rf_gmem.at[es, :, n], rf_smem), (b_gmem.at[ew % E, :, n], b_smem), (tf_gmem.at[toks], tf_smem),
-                       (pos_gmem.at[pl.ds(n * 32, 32)], pos_smem))
-            for i, (src, dst) in enumerate(vectors):  # the epilogue's vectors, in flight during the K loop
-                plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+            toks, words = pl.ds(s * block_m, block_m), pl.ds(t * 64, 64)
+            wait = _prefetch(((rf_gmem.at[es, :, :, j, words], rf_smem), (b_gmem.at[ew % E, :, :, j, words], b_smem),
+                              (tf_gmem.at[toks], tf_smem)), bars)
 
-            def acc_scope(acc):
-                _k_loop(acc, w_gmem.at[ew], s_gmem.at[es], x_gmem.at[toks],
-                        (2, None, 32, TILE_K // 8), (2, None, 32, TILE_K // 128), lambda k: (0, n, 0, k),
-                        Kp=Kp, block_m=block_m, stages=stages)
-                return acc[...]
+            def tile_epilogue(tile, acc):  # tile = (e, half): words 64t + 32 half + [0, 32) of phase 4e + j
+                pl.when(tile == 0)(wait)
+                epilogue(acc, tile, rf_smem, b_smem, tf_smem, stage)
 
-            acc = pl.run_scoped(acc_scope, plgpu.ACC((TILE_N, block_m)))
-            for i in range(len(vectors)):
-                plgpu.barrier_wait(bars.at[i])
-            out = o_gmem.at[toks]
-            epilogue(acc, rf_smem, b_smem, tf_smem, pos_smem, h_smem, out)
+            _tiles_loop(tile_epilogue, w_gmem.at[ew], s_gmem.at[es], x_gmem.at[toks],
+                        (2, None, 32, TILE_K // 8), (2, None, 32, TILE_K // 128),
+                        lambda tile, k: (0, j + 4 * (tile // 2), 2 * t + tile % 2, k),
+                        tiles=4, Kp=Kp, block_m=block_m, stages=stages)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(stage, o_gmem.at[toks, t, :, j, :])
+            plgpu.wait_smem_to_gmem(0)
 
-            @pl.when(n < n_pad_tiles)
-            def _():
-                _zero_columns(acc, pad_gmem.at[pl.ds(n * TILE_N, TILE_N)], out)
-
-    f = plgpu.kernel(gate_up_body, out_type=jax.ShapeDtypeStruct((S * block_m, _padded(I)), jnp.float16),
-                     scratch_types=[plgpu.SMEM((TILE_N, block_m + 1), jnp.float32),  # +1: no bank conflicts
-                                    plgpu.SMEM((2, 32), jnp.float32), plgpu.SMEM((2, 32), jnp.float32),
-                                    plgpu.SMEM((block_m,), jnp.float32), plgpu.SMEM((32,), jnp.int32),
-                                    plgpu.Barrier(num_barriers=4)],
-                     grid=(S, I // 32), grid_names=("s", "n"),
+    # output [R, t, b, j, 2c + e] = column 512t + 32b + 8j + 2c + e
+    f = plgpu.kernel(gate_up_body, out_type=jax.ShapeDtypeStruct((S * block_m, Kp_out // TILE_K, 16, 4, 8),
+                                                                 jnp.float16),
+                     scratch_types=[plgpu.SMEM((2, 2, 64), jnp.float32), plgpu.SMEM((2, 2, 64), jnp.float32),
+                                    plgpu.SMEM((block_m,), jnp.float32),
+                                    plgpu.SMEM((block_m, 16, 8), jnp.float16), plgpu.Barrier(num_barriers=3)],
+                     grid=(S, 4, Kp_out // TILE_K), grid_names=("s", "j", "t"),
                      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-    return f(slot_ew_S, slot_es_S, slot_rows_S, halves(words_ENW), halves(sexp_ENQ),
-             rowfac_EN.reshape(-1, 2, I // 32, 32), bias_EN.reshape(E, 2, I // 32, 32), x16_RK, tok_fac_R, pos_I,
-             pad_cols)
+    out = f(slot_ew_S, slot_es_S, slot_rows_S, view(words_ENW), view(sexp_ENQ), vec(rowfac_EN), vec(bias_EN),
+            x16_RK, tok_fac_R)
+    return out.reshape(S * block_m, Kp_out)
+
+
+DOWN_TILES = 3  # 64-row tiles of the down per CTA (D / 64 = 45 in both models)
 
 
 def down_out(words_ENW, sexp_ENQ, rowfac_EN, bias_EN, a16_RK, w_R, slot_ew_S, slot_es_S, slot_rows_S, *,
              act_fac: float, block_m: int, stages: int):
     """f32 `[S * block_m, N]`: slot s's operand rows through expert `slot_ew[s]`'s rows, times the row factor
     and `act_fac`, plus the bias (`[E, N]` f32, by `slot_ew[s] % E`), times each row's routing weight `w_R`.
-    Rows of empty slots are left unwritten."""
+    Rows of empty slots are left unwritten. Each CTA takes `DOWN_TILES` consecutive 64-row tiles (or one)."""
     N = words_ENW.shape[1]
     E = bias_EN.shape[0]
     S, Kp = slot_rows_S.shape[0], a16_RK.shape[1]
-    epilogue = _out_epilogue(act_fac)
+    tiles = DOWN_TILES if (N // TILE_N) % DOWN_TILES == 0 else 1
+    epilogue = _down_epilogue(act_fac)
 
     def down_body(ew_gmem, es_gmem, rows_gmem, w_gmem, s_gmem, rf_gmem, b_gmem, x_gmem, wr_gmem, o_gmem, rf_smem,
                   b_smem, wr_smem, bars):
@@ -348,26 +367,24 @@ def down_out(words_ENW, sexp_ENQ, rowfac_EN, bias_EN, a16_RK, w_R, slot_ew_S, sl
         @pl.when(rows_gmem[s] > 0)
         def _():
             ew, es = ew_gmem[s], es_gmem[s]
-            rows, toks = pl.ds(n * TILE_N, TILE_N), pl.ds(s * block_m, block_m)
-            vectors = ((rf_gmem.at[es, rows], rf_smem), (b_gmem.at[ew % E, rows], b_smem), (wr_gmem.at[toks], wr_smem))
-            for i, (src, dst) in enumerate(vectors):
-                plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+            rows, toks = pl.ds(n * tiles * TILE_N, tiles * TILE_N), pl.ds(s * block_m, block_m)
+            wait = _prefetch(((rf_gmem.at[es, rows], rf_smem), (b_gmem.at[ew % E, rows], b_smem),
+                              (wr_gmem.at[toks], wr_smem)), bars)
 
-            def acc_scope(acc):
-                _k_loop(acc, w_gmem.at[ew], s_gmem.at[es], x_gmem.at[toks],
-                        (TILE_N, TILE_K // 8), (TILE_N, TILE_K // 128), lambda k: (n, k), Kp=Kp, block_m=block_m,
-                        stages=stages)
-                return acc[...]
+            def tile_epilogue(tile, acc):
+                pl.when(tile == 0)(wait)
+                out = o_gmem.at[toks, pl.ds((n * tiles + tile) * TILE_N, TILE_N)]
+                epilogue(acc, tile, rf_smem, b_smem, wr_smem, out)
 
-            acc = pl.run_scoped(acc_scope, plgpu.ACC((TILE_N, block_m)))
-            for i in range(len(vectors)):
-                plgpu.barrier_wait(bars.at[i])
-            epilogue(acc, rf_smem, b_smem, wr_smem, o_gmem.at[toks, rows])
+            _tiles_loop(tile_epilogue, w_gmem.at[ew], s_gmem.at[es], x_gmem.at[toks], (TILE_N, TILE_K // 8),
+                        (TILE_N, TILE_K // 128), lambda tile, k: (n * tiles + tile, k), tiles=tiles, Kp=Kp,
+                        block_m=block_m, stages=stages)
 
     f = plgpu.kernel(down_body, out_type=jax.ShapeDtypeStruct((S * block_m, N), jnp.float32),
-                     scratch_types=[plgpu.SMEM((TILE_N,), jnp.float32), plgpu.SMEM((TILE_N,), jnp.float32),
+                     scratch_types=[plgpu.SMEM((tiles * TILE_N,), jnp.float32),
+                                    plgpu.SMEM((tiles * TILE_N,), jnp.float32),
                                     plgpu.SMEM((block_m,), jnp.float32), plgpu.Barrier(num_barriers=3)],
-                     grid=(S, N // TILE_N), grid_names=("s", "n"),
+                     grid=(S, N // TILE_N // tiles), grid_names=("s", "n"),
                      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
     return f(slot_ew_S, slot_es_S, slot_rows_S, words_ENW, sexp_ENQ, rowfac_EN, bias_EN, a16_RK, w_R)
 
@@ -385,18 +402,16 @@ def grouped_matmul(words_ENW, sexp_ENQ, x16_RK, slot_ew_S, slot_es_S, slot_rows_
 
         @pl.when(rows_gmem[s] > 0)
         def _():
-            ew, es = ew_gmem[s], es_gmem[s]
+            def store(tile, acc):
+                del tile
+                o_smem[...] = acc
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[s, pl.ds(n * TILE_N, TILE_N)])
+                plgpu.wait_smem_to_gmem(0)
 
-            def acc_scope(acc):
-                _k_loop(acc, w_gmem.at[ew], s_gmem.at[es], x_gmem.at[pl.ds(s * block_m, block_m)],
-                        (TILE_N, TILE_K // 8), (TILE_N, TILE_K // 128), lambda k: (n, k), Kp=Kp, block_m=block_m,
-                        stages=stages)
-                return acc[...]
-
-            o_smem[...] = pl.run_scoped(acc_scope, plgpu.ACC((TILE_N, block_m)))
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[s, pl.ds(n * TILE_N, TILE_N)])
-            plgpu.wait_smem_to_gmem(0)
+            _tiles_loop(store, w_gmem.at[ew_gmem[s]], s_gmem.at[es_gmem[s]], x_gmem.at[pl.ds(s * block_m, block_m)],
+                        (TILE_N, TILE_K // 8), (TILE_N, TILE_K // 128), lambda tile, k: (n, k), tiles=1, Kp=Kp,
+                        block_m=block_m, stages=stages)
 
     f = plgpu.kernel(matmul_body, out_type=jax.ShapeDtypeStruct((S, N, block_m), jnp.float32),
                      scratch_types=[plgpu.SMEM((TILE_N, block_m), jnp.float32)],
@@ -424,17 +439,16 @@ def grouped_matmul_reference(words_ENW, sexp_ENQ, x16_RK, slot_ew_S, slot_es_S, 
 
 
 def gate_up_act_reference(words_ENW, sexp_ENQ, rowfac_EN, bias_EN, x16_RK, tok_fac_R, slot_ew_S, slot_es_S,
-                          slot_rows_S, pos_I, pad_cols, *, n_pad_tiles: int, block_m: int, stages: int,
-                          swiglu_limit: float, swiglu_alpha: float, act_scale: float):
+                          slot_rows_S, *, block_m: int, stages: int, swiglu_limit: float, swiglu_alpha: float,
+                          act_scale: float):
     """`gate_up_act` in jnp (rows of empty slots hold the biases' activation)."""
-    del pad_cols, n_pad_tiles
     I, E, S = words_ENW.shape[1] // 2, bias_EN.shape[0], slot_rows_S.shape[0]
     acc = grouped_matmul_reference(words_ENW, sexp_ENQ, x16_RK, slot_ew_S, slot_es_S, slot_rows_S,
                                    block_m=block_m, stages=stages)                    # [S, 2I, bm]
     h = acc * rowfac_EN[slot_es_S][:, :, None] * tok_fac_R.reshape(S, 1, block_m) + bias_EN[slot_ew_S % E][..., None]
     act = moe_decode._swiglu(h[:, :I], h[:, I:], swiglu_limit, swiglu_alpha) * act_scale
     rows = jnp.swapaxes(act, 1, 2).reshape(S * block_m, I).astype(jnp.float16)
-    return jnp.zeros((S * block_m, _padded(I)), jnp.float16).at[:, pos_I].set(rows)
+    return jnp.zeros((S * block_m, _padded(I)), jnp.float16).at[:, act_positions(I)].set(rows)
 
 
 def down_out_reference(words_ENW, sexp_ENQ, rowfac_EN, bias_EN, a16_RK, w_R, slot_ew_S, slot_es_S, slot_rows_S, *,
@@ -504,11 +518,9 @@ def experts_forward(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_T
     x16, tok_fac = x16_T[row_tok], tok_fac_T[row_tok]
 
     # gate and up, SwiGLU: the activation lands in the down's operand layout, scaled by a fixed power of two
-    pos, pads, n_pad_tiles = act_columns(I)
     a_exp = act_exponent(swiglu_limit)
-    a16 = gate_up(gu_words, gu_sexp, gu_rowfac, gu_bias, x16, tok_fac, ew, es, rows, jnp.asarray(pos),
-                  jnp.asarray(pads), n_pad_tiles=n_pad_tiles, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha,
-                  act_scale=2.0 ** a_exp, **kern)                                     # [S bm, Kp(I)]
+    a16 = gate_up(gu_words, gu_sexp, gu_rowfac, gu_bias, x16, tok_fac, ew, es, rows, swiglu_limit=swiglu_limit,
+                  swiglu_alpha=swiglu_alpha, act_scale=2.0 ** a_exp, **kern)          # [S bm, Kp(I)]
 
     # down, biases and routing weights: token rows [S bm, D]
     y = down(dn_words, dn_sexp, dn_rowfac, dn_bias, a16, jnp.append(w_sorted, 0.0)[row_pair], ew, es, rows,
