@@ -7,21 +7,30 @@ at 8-64 rows per expert.  Here TMA streams the words, each thread decodes the wo
 with one inline-PTX block per f16x2 pair (E2M1 bits placed as an f16 * 2^-14, times the block scale) and
 wgmma takes A from registers, B (the slot's tokens) from shared memory: 3.2e12 weights/s at 8 rows per
 expert on an H200 (tools/probe_mosaic_mxfp4.py, docs/BENCHMARKS.md §2e).  Mosaic's CPU interpreter does
-not run register-operand wgmma, so off-GPU `grouped_matmul_reference` (the same function in jnp) stands in
-and CI tests the glue; tools/check_kernels.py tests the kernel on the GPU.
+not run register-operand wgmma, so off-GPU each kernel's jnp reference (`*_reference`, the same function)
+stands in and CI tests the glue; on the GPU the same tests and tools/check_kernels.py run the kernels.
 
 The matmul reads the same re-encoded words as the other kernels (`KernelExperts`: 8 weights of a row per
 u32, in phase order).  Thread `c` (lane % 4) of a K step of 512 weights decodes words `16c .. 16c + 15` of
 its rows (four 16-byte loads); pair `j`, half `e` of word `16c + b` lands in MMA column `32b + 8j + 2c + e`.
-So the tokens enter in that K order (`mma_perm`), as f16 scaled per row to |x| < 2^14 (products exact in
-the f32 accumulator).  Scales enter as f16 exponent fields relative to their row's largest scale
-(`scale_exponents`, clamped at 0: a block 2^30 or more below its row's largest reads as 0); the per-row and
-per-token factors are applied after the kernel, with the biases, the clamped SwiGLU (between the two
-matmuls) and the routing weights, in XLA.
+So the tokens enter in that K order (`mma_perm`), as f16 scaled per token to |x| < 2^14.  Scales enter as f16
+exponent fields relative to their row's largest scale (`scale_exponents`, stored at load by
+`pallas_kernels.prepare_params`: a block 2^30 or more below its row's largest reads as 0); the row factor
+returns in the epilogue.
+
+Two kernels, their epilogues in registers (`plgpu.inline_mgpu`):
+- `gate_up_act`: one 64-row MMA tile is 32 features' gate rows and their up rows, read so that each thread
+  holds a feature's gate and up values; factors, biases and the clamped SwiGLU run in registers and the f16
+  activation (times a fixed power of two, `act_exponent`) lands straight in the down's operand, in its MMA K
+  order. A CTA makes whole 16-byte runs of that operand (four tiles in one TMA pipeline), so it is staged in
+  shared memory and written by one TMA store; the K padding comes out 0.
+- `down_out`: row factor, bias and routing weight in registers; f32 token rows stored for `combine`.
+XLA is left with the dispatch (`moe_decode.slots`), each token's operand row (once per token, then copied to
+its slots) and the final sum over each token's experts.
 
 Layout: (token, expert) pairs sorted by expert and cut into slots of `block_m` rows (`moe_decode.slots`);
-every slot owns rows `s * block_m ...` of the operand buffers, so outputs never overlap; grid
-`(slots, 64-row tiles)`, an empty slot exits at once.
+every slot owns rows `s * block_m ...` of the operand buffers, so outputs never overlap; an empty slot's CTAs
+exit at once.
 """
 
 from __future__ import annotations
@@ -123,7 +132,7 @@ def act_positions(I: int) -> np.ndarray:
 
 def act_exponent(swiglu_limit: float) -> int:
     """The power of two the activation is stored times: |SwiGLU| <= limit * (limit + 1) (the gate clamped at
-    `limit`, the up at +-`limit`), so the scaled f16 stays below 2^14 like the token operand."""
+    `limit`, the up at +-`limit`), so the scaled f16 stays within 2^14 like the token operand."""
     return 14 - int(np.ceil(np.log2(swiglu_limit * (swiglu_limit + 1))))
 
 
@@ -231,20 +240,16 @@ def _gate_up_epilogue(limit: float, alpha: float, scale: float):
 
 
 def _down_epilogue(act_fac: float):
-    """In-register epilogue of down tile `tile`: (acc * row factor * `act_fac` + bias) * routing weight, f32,
-    stored transposed (`out` `[bm, 64]`: token rows). `rowfac` and `bias` hold the CTA's tiles' rows. Every load
-    comes before the first store."""
+    """In-register epilogue of a down tile: (acc * row factor * `act_fac` + bias) * routing weight, f32, stored
+    transposed (`out` `[bm, 64]`: token rows). Every load comes before the first store."""
     ref = plgpu.RefType()
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, ref, ref, ref, ref))
-    def epilogue(ctx, acc, tile, rowfac, bias, w, out):
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, ref, ref, ref, ref))
+    def epilogue(ctx, acc, rowfac, bias, w, out):
         del ctx
-        idx = ir.IndexType.get()
         cf = arith.constant(ir.F32Type.get(), act_fac)
-        base = arith.muli(arith.index_cast(idx, tile.registers.flat[0]), mu.c(TILE_N, idx))
-        at = lambda r: [arith.addi(base, r)]  # noqa: E731
-        ys = [(r, col, arith.mulf(arith.addf(arith.mulf(arith.mulf(v, memref.load(rowfac, at(r))), cf),
-                                             memref.load(bias, at(r))), memref.load(w, [col])))
+        ys = [(r, col, arith.mulf(arith.addf(arith.mulf(arith.mulf(v, memref.load(rowfac, [r])), cf),
+                                             memref.load(bias, [r])), memref.load(w, [col])))
               for r, col, v in _elements(acc)]
         for r, col, y in ys:
             memref.store(y, out, [col, r])
@@ -346,18 +351,14 @@ def gate_up_act(words_ENW, sexp_ENQ, rowfac_EN, bias_EN, x16_RK, tok_fac_R, slot
     return out.reshape(S * block_m, Kp_out)
 
 
-DOWN_TILES = 3  # 64-row tiles of the down per CTA (D / 64 = 45 in both models)
-
-
 def down_out(words_ENW, sexp_ENQ, rowfac_EN, bias_EN, a16_RK, w_R, slot_ew_S, slot_es_S, slot_rows_S, *,
              act_fac: float, block_m: int, stages: int):
     """f32 `[S * block_m, N]`: slot s's operand rows through expert `slot_ew[s]`'s rows, times the row factor
     and `act_fac`, plus the bias (`[E, N]` f32, by `slot_ew[s] % E`), times each row's routing weight `w_R`.
-    Rows of empty slots are left unwritten. Each CTA takes `DOWN_TILES` consecutive 64-row tiles (or one)."""
+    Rows of empty slots are left unwritten. (Three tiles per CTA measured the same as one.)"""
     N = words_ENW.shape[1]
     E = bias_EN.shape[0]
     S, Kp = slot_rows_S.shape[0], a16_RK.shape[1]
-    tiles = DOWN_TILES if (N // TILE_N) % DOWN_TILES == 0 else 1
     epilogue = _down_epilogue(act_fac)
 
     def down_body(ew_gmem, es_gmem, rows_gmem, w_gmem, s_gmem, rf_gmem, b_gmem, x_gmem, wr_gmem, o_gmem, rf_smem,
@@ -367,24 +368,22 @@ def down_out(words_ENW, sexp_ENQ, rowfac_EN, bias_EN, a16_RK, w_R, slot_ew_S, sl
         @pl.when(rows_gmem[s] > 0)
         def _():
             ew, es = ew_gmem[s], es_gmem[s]
-            rows, toks = pl.ds(n * tiles * TILE_N, tiles * TILE_N), pl.ds(s * block_m, block_m)
+            rows, toks = pl.ds(n * TILE_N, TILE_N), pl.ds(s * block_m, block_m)
             wait = _prefetch(((rf_gmem.at[es, rows], rf_smem), (b_gmem.at[ew % E, rows], b_smem),
                               (wr_gmem.at[toks], wr_smem)), bars)
 
             def tile_epilogue(tile, acc):
-                pl.when(tile == 0)(wait)
-                out = o_gmem.at[toks, pl.ds((n * tiles + tile) * TILE_N, TILE_N)]
-                epilogue(acc, tile, rf_smem, b_smem, wr_smem, out)
+                wait()
+                epilogue(acc, rf_smem, b_smem, wr_smem, o_gmem.at[toks, rows])
 
             _tiles_loop(tile_epilogue, w_gmem.at[ew], s_gmem.at[es], x_gmem.at[toks], (TILE_N, TILE_K // 8),
-                        (TILE_N, TILE_K // 128), lambda tile, k: (n * tiles + tile, k), tiles=tiles, Kp=Kp,
-                        block_m=block_m, stages=stages)
+                        (TILE_N, TILE_K // 128), lambda tile, k: (n, k), tiles=1, Kp=Kp, block_m=block_m,
+                        stages=stages)
 
     f = plgpu.kernel(down_body, out_type=jax.ShapeDtypeStruct((S * block_m, N), jnp.float32),
-                     scratch_types=[plgpu.SMEM((tiles * TILE_N,), jnp.float32),
-                                    plgpu.SMEM((tiles * TILE_N,), jnp.float32),
+                     scratch_types=[plgpu.SMEM((TILE_N,), jnp.float32), plgpu.SMEM((TILE_N,), jnp.float32),
                                     plgpu.SMEM((block_m,), jnp.float32), plgpu.Barrier(num_barriers=3)],
-                     grid=(S, N // TILE_N // tiles), grid_names=("s", "n"),
+                     grid=(S, N // TILE_N), grid_names=("s", "n"),
                      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
     return f(slot_ew_S, slot_es_S, slot_rows_S, words_ENW, sexp_ENQ, rowfac_EN, bias_EN, a16_RK, w_R)
 

@@ -114,3 +114,32 @@ def test_stored_scale_operands_give_the_same_output():
     run = lambda ex: moe_mosaic.experts_forward(x, idx, w, ex, jnp.int32(1), swiglu_limit=LIMIT,  # noqa: E731
                                                 swiglu_alpha=ALPHA, block_m=8)
     np.testing.assert_array_equal(np.asarray(run(stored), np.float32), np.asarray(run(kx), np.float32))
+
+
+@pytest.mark.parametrize("I", [2880, 512, 576])
+def test_act_positions_put_each_feature_where_the_down_reads_it(I):
+    """The gate/up kernel stores stored row q (feature phase_order(I)[q]) at column act_positions(I)[q]; the
+    down's K step t reads column 512t + m as natural feature 512t + mma_perm()[m]. Every feature lands once; the
+    columns left over are the K padding past I."""
+    pos = moe_mosaic.act_positions(I)
+    assert len(set(pos.tolist())) == I and pos.min() >= 0 and pos.max() < -(-I // 512) * 512
+    read_as = pos // 512 * 512 + moe_mosaic.mma_perm()[pos % 512]
+    np.testing.assert_array_equal(read_as, moe_decode.phase_order(I))
+
+
+def test_act_exponent_keeps_the_activation_in_f16_range():
+    """|SwiGLU| <= limit * (limit + 1); times 2^act_exponent, the largest such power, that bound stays within
+    2^14, like the token operand."""
+    for limit in (7.0, 1.0, 30.0, 0.5):
+        bound, a = limit * (limit + 1), moe_mosaic.act_exponent(limit)
+        assert bound * 2.0 ** a <= 2 ** 14 < bound * 2.0 ** (a + 1)
+    g = jnp.linspace(-50, 50, 1001)
+    act = moe_decode._swiglu(g[:, None], g[None, :], 7.0, ALPHA)
+    assert float(jnp.max(jnp.abs(act))) <= 7.0 * 8.0
+
+
+def test_unbounded_swiglu_limit_is_refused():
+    ex = moe_decode.prepare_experts(_experts(np.random.default_rng(0), 4, 512, 512, jnp.bfloat16))
+    with pytest.raises(ValueError, match="swiglu_limit=inf"):
+        moe_mosaic.experts_forward(jnp.zeros((4, 512), jnp.bfloat16), jnp.zeros((4, 2), jnp.int32),
+                                   jnp.ones((4, 2)), ex, swiglu_limit=float("inf"), swiglu_alpha=ALPHA)
