@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import gc
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -191,7 +192,9 @@ def main() -> None:
         except ValueError:
             ap.error(f"--jobs: '{spec}' is not INPUT/OUTPUT[xREQUESTS], e.g. 1024/1024x256")
     jobs.append(("latency", args.latency_config, 1, args.latency_input_len, args.latency_output_len))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    # the GPU machine's copy of the tree can report a stale HEAD: say the commit there with GPTOSS_JAX_COMMIT
+    commit = os.environ.get("GPTOSS_JAX_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"preset": "smoke" if args.smoke else args.preset, "device": jax.devices()[0].device_kind,
               "jax": jax.__version__, "commit": commit or "unknown", "impl": args.impl or pallas_kernels.default_impl(),
               "jobs": []}
