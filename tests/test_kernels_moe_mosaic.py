@@ -1,6 +1,7 @@
 """The Mosaic GPU mid-batch MoE (`pallas_kernels.moe_mosaic`): its dispatch, operand encodings and epilogues
-against `moe_reference`. On CPU `grouped_matmul_reference` stands in for the kernel (Mosaic's interpreter does
-not run register-operand wgmma); on a Hopper GPU the same tests run the kernel (as does tools/check_kernels.py)."""
+against `moe_reference`. On CPU the kernels' jnp references (`gate_up_act_reference`, `down_out_reference`) stand
+in (Mosaic's interpreter does not run register-operand wgmma); on a Hopper GPU the same tests run the kernels (as
+does tools/check_kernels.py)."""
 
 import jax
 import jax.numpy as jnp
