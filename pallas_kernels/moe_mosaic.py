@@ -66,8 +66,9 @@ def available() -> bool:
 
 
 def fits(kexp: KernelExperts) -> bool:
-    """Whether the expert shapes tile: 64-row tiles of the I gate (and up) rows and the D down rows, and K (D or
-    I) at least one K step (TMA fills the last step's words past K with zeros, but no box may exceed a dimension)."""
+    """Whether the expert shapes tile: D in 64-row down tiles, I a multiple of 64 (the gate/up kernel's
+    `[2, 8, I/8, W]` view takes 32-word boxes with 16-byte strides), and K (D or I) at least one K step (TMA fills
+    the last step's words past K with zeros, but no box may exceed a dimension)."""
     D, I = kexp.dn_words.shape[-2], kexp.gu_words.shape[-2]
     return D % TILE_N == 0 and I % TILE_N == 0 and min(D, I) >= TILE_K
 
