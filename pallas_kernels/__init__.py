@@ -15,8 +15,8 @@ import jax.experimental.pallas.fuser  # noqa: F401  (see below)
 import jax.numpy as jnp
 
 from gptoss_jax.params import put_layer
-from pallas_kernels import (attention_reference, flash_attention, linear_decode, moe_decode, moe_mosaic,
-                            moe_prefill, moe_reference, paged_attention)
+from pallas_kernels import (attention_reference, flash_attention, linear_decode, linear_mosaic, moe_decode,
+                            moe_mosaic, moe_prefill, moe_reference, paged_attention)
 
 # `jax.experimental.pallas.fuser` is imported above for its side effect only: the first `pallas_call` would
 # import it lazily and register a config option that is part of every jit's cache key, so every step
@@ -118,11 +118,17 @@ def linear(x_TI, w_LOI, b_O, layer, *, impl: str = "reference"):
 
 
 def linear_many(x_TI, ws_LOI, bs_O, layer, *, impl: str = "reference"):
-    """`linear` of the same x by several weights (q, k, v) -> a tuple. Up to `FUSE_ROWS` rows all weights run
-    in one kernel launch (small ones cost launch latency, not bytes); up to `MAX_ROWS` one launch each; beyond,
+    """`linear` of the same x by several weights (q, k, v) -> a tuple. On Hopper from `linear_mosaic.MIN_ROWS`
+    to 256 rows the Mosaic kernel runs all weights in one launch. Elsewhere the Triton kernel: up to `FUSE_ROWS`
+    rows in one launch (small weights cost launch latency, not bytes), up to `MAX_ROWS` one launch each; beyond,
     XLA's GEMM amortises its copy of the layer slice."""
-    if check_impl(impl) == "pallas" and x_TI.shape[0] <= linear_decode.MAX_ROWS:
-        if x_TI.shape[0] <= linear_decode.FUSE_ROWS:
+    T, I = x_TI.shape
+    if (check_impl(impl) == "pallas" and linear_mosaic.available() and T >= linear_mosaic.MIN_ROWS
+            and linear_mosaic.fits(T, I, ws_LOI[0].dtype)):
+        cfg = linear_mosaic.config(T, I, [w.shape[1] for w in ws_LOI])
+        return linear_mosaic.linear_many(x_TI, tuple(ws_LOI), tuple(bs_O), layer, **cfg)
+    if impl == "pallas" and T <= linear_decode.MAX_ROWS:
+        if T <= linear_decode.FUSE_ROWS:
             return linear_decode.linear_many(x_TI, tuple(ws_LOI), tuple(bs_O), layer)
         return tuple(linear_decode.linear(x_TI, w, b, layer) for w, b in zip(ws_LOI, bs_O))
     return tuple(linear_decode.reference(x_TI, w, b, layer) for w, b in zip(ws_LOI, bs_O))

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import (attention_reference, flash_attention, linear_decode, moe_decode, moe_prefill,
-                            moe_reference, paged_attention)
+from pallas_kernels import (attention_reference, flash_attention, linear_decode, linear_mosaic, moe_decode,
+                            moe_prefill, moe_reference, paged_attention)
 from tools import kernel_cases as kc
 
 LINES = []
@@ -316,6 +316,53 @@ def bench_linear_many(bw, configs, T=1, L=8):
     del ws
 
 
+def bench_linear_mosaic(bw, mm, Ts, splits_opts, L=8):
+    """The attention projections of one layer (q/k/v fused, then o) over L stacked layers, the layer index traced
+    as in the scan: the Mosaic kernel (configurations swept; `linear_mosaic.config`'s marked) vs the Triton kernel
+    (up to its 64 rows) and XLA (layer slice copied, then GEMM; and on separate arrays: no copy)."""
+    for name, Os, K in (("o", (2880,), 4096), ("qkv", (4096, 512, 512), 2880)):
+        ws = tuple((jax.random.normal(jax.random.PRNGKey(O + i), (L, O, K), jnp.float32) * 0.02).astype(jnp.bfloat16)
+                   for i, O in enumerate(Os))
+        bs = tuple(jnp.zeros((O,), jnp.bfloat16) for O in Os)
+        seps = [[w[i] + 0 for i in range(L)] for w in ws]
+        layers = jnp.arange(L, dtype=jnp.int32)
+        nbytes = sum(Os) * K * 2
+        for T in Ts:
+            x = jax.random.normal(jax.random.PRNGKey(T), (T, K), jnp.float32).astype(jnp.bfloat16)
+            flops = 2 * T * sum(Os) * K
+            base = linear_mosaic.config(T, K, Os)
+            cfgs = [base] + [dict(base, splits=s) for s in splits_opts if s != base["splits"] and (K // 64) % s == 0]
+            best = None
+            for cfg in cfgs:
+                run = jax.jit(lambda x, ws, ls, cfg=cfg: [linear_mosaic.linear_many(x, ws, bs, ls[i], **cfg)
+                                                          for i in range(L)])
+                t = timed(f"linear_mosaic {name} T={T} {cfg}", run, x, ws, layers)
+                if t is None:
+                    continue
+                t /= L
+                log(f"  linear_mosaic {name} T={T:3d} {t*1e6:7.1f} us {nbytes/t/1e12:5.2f} TB/s "
+                    f"{flops/t/1e12:6.1f} TFLOP/s cfg={cfg}{' (config)' if cfg is base else ''}")
+                if best is None or t < best[0]:
+                    best = (t, cfg)
+            t_tri = None
+            if T <= linear_decode.MAX_ROWS:
+                t_tri = timeit(jax.jit(lambda x, ws, ls: [linear_decode.linear_many(x, ws, bs, ls[i])
+                                                          if T <= linear_decode.FUSE_ROWS else
+                                                          [linear_decode.linear(x, w, b, ls[i]) for w, b in zip(ws, bs)]
+                                                          for i in range(L)]), x, ws, layers) / L
+            t_stk = timeit(jax.jit(lambda x, ws, ls: [[linear_decode.reference(x, w, b, ls[i]) for w, b in zip(ws, bs)]
+                                                      for i in range(L)]), x, ws, layers) / L
+            t_sep = timeit(jax.jit(lambda x, seps: [[jnp.einsum("ti,oi->to", x, s[i], preferred_element_type=jnp.float32)
+                                                     for s in seps] for i in range(L)]), x, seps) / L
+            tri = f"{t_tri*1e6:6.1f} us" if t_tri else "-"
+            if best:
+                log(f"ROW linear_mosaic {name} [{'+'.join(map(str, Os))} x {K}] T={T:3d} | mosaic {best[0]*1e6:6.1f} us "
+                    f"{nbytes/best[0]/1e12:5.2f} TB/s ({nbytes/best[0]/bw*100:4.1f}% of copy {bw/1e12:.2f}; "
+                    f"{flops/best[0]/mm*100:4.1f}% of matmul) cfg={best[1]} | triton {tri} | XLA stacked {t_stk*1e6:6.1f} us "
+                    f"| XLA separate {t_sep*1e6:6.1f} us")
+        del ws, seps
+
+
 def bench_paged(bw, cases, split_opts):
     for (B, ctx, window, S) in cases:
         q, kp, vp, bt, pos, sinks = kc.paged(jax.random.PRNGKey(B + ctx), B, 64, 8, 64, S, [ctx] * B)
@@ -403,8 +450,8 @@ def main():
     args = ap.parse_args()
     log(f"device: {jax.devices()[0].device_kind}  date {time.strftime('%Y-%m-%d %H:%M')}")
     bw, mm = ceilings()
-    only = set(args.only.split(",")) if args.only else {"linear", "moe_decode", "paged", "flash", "moe_prefill",
-                                                        "ragged"}
+    only = set(args.only.split(",")) if args.only else {"linear", "linear_mosaic", "moe_decode", "paged", "flash",
+                                                        "moe_prefill", "ragged"}
 
     def dec_cfgs(T, k, E):
         base = moe_decode.decode_config(T, k, E, half=True)
@@ -434,6 +481,8 @@ def main():
                  dict(block_n=32, block_k=256, programs=1056, num_warps=4, num_stages=2)]
         bench_linear(bw, (1, 16, 64), lcfgs[:1] if args.quick else lcfgs)
         bench_linear_many(bw, lcfgs[:1] if args.quick else lcfgs)
+    if "linear_mosaic" in only and linear_mosaic.available():
+        bench_linear_mosaic(bw, mm, (1, 2, 8, 32, 64, 128, 256), () if args.quick else (1, 2, 3, 4, 5, 8, 9, 16))
     log(f"[{time.time()-t0:.0f}s]")
     if "moe_decode" in only:
         for model, Ts, L in (("20b", (1, 4, 16, 64), 3), ("120b", (1, 4, 16, 64), 2)):

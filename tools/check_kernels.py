@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import (attention_reference, flash_attention, linear_decode, moe_decode, moe_prefill,
-                            moe_reference, paged_attention)
+from pallas_kernels import (attention_reference, flash_attention, linear_decode, linear_mosaic, moe_decode,
+                            moe_prefill, moe_reference, paged_attention)
 from tools import kernel_cases as kc
 
 TOL = 2e-2
@@ -44,6 +44,31 @@ def check_linear_many(key):
                 e, fin = rel(y, linear_decode.reference(x, w, b, L - 1))
                 rows.append((f"linear_many {name}", f"{model} T={T} O={w.shape[1]} K=2880 fused qkv, layer {L - 1} "
                              f"of {L}", e, fin))
+                print(*rows[-1], flush=True)
+            del ws
+    return rows
+
+
+def check_linear_mosaic(key):
+    """The Mosaic projection kernel (Hopper): fused q/k/v and the o projection at the gpt-oss shapes, the last of
+    24 stacked layers, row counts from 1 to 256 (ragged ones included), plus a weight whose rows end inside a CTA's
+    tile and inside a warpgroup's, with the configuration `linear_mosaic.config` picks and a forced K split."""
+    rows = []
+    cases = [(T, (4096, 512, 512), 2880) for T in (1, 5, 64, 100, 256)]
+    cases += [(T, (2880,), 4096) for T in (1, 64, 256)] + [(37, (200, 64), 640)]
+    for T, Os, K in cases:
+        for cfg in (linear_mosaic.config(T, K, Os), dict(splits=K // linear_mosaic.TILE_K, stages=2)):
+            key, kx, kw, kb = jax.random.split(key, 4)
+            L = 24
+            x = jax.random.normal(kx, (T, K), jnp.float32).astype(jnp.bfloat16)
+            ws = tuple((jax.random.normal(k, (L, O, K), jnp.float32) * 0.02).astype(jnp.bfloat16)
+                       for k, O in zip(jax.random.split(kw, len(Os)), Os))
+            bs = tuple(jax.random.normal(k, (O,), jnp.float32).astype(jnp.bfloat16)
+                       for k, O in zip(jax.random.split(kb, len(Os)), Os))
+            got = linear_mosaic.linear_many(x, ws, bs, jnp.int32(L - 1), **cfg)
+            for y, w, b in zip(got, ws, bs):
+                e, fin = rel(y, linear_decode.reference(x, w, b, L - 1))
+                rows.append(("linear_mosaic", f"T={T} O={w.shape[1]} K={K} of {len(Os)} weights {cfg}", e, fin))
                 print(*rows[-1], flush=True)
             del ws
     return rows
@@ -137,6 +162,8 @@ def main():
         rows.append((name.strip(), f"T={T} O={O} K={K} layer {L - 1} of {L}", e, fin))
         print(*rows[-1], flush=True)
     rows += check_linear_many(key)
+    if linear_mosaic.available():
+        rows += check_linear_mosaic(key)
 
     print(f"\n{'kernel':14s} {'case':70s} {'rel_err':>9s} finite pass")
     ok = True
