@@ -8,6 +8,12 @@ import pytest
 from pallas_kernels import linear_decode, linear_mosaic
 
 
+def _reference(*args):
+    """`linear_decode.reference` in full fp32: on GPUs XLA's default fp32 matmul runs in TF32 (~1e-3)."""
+    with jax.default_matmul_precision("highest"):
+        return linear_decode.reference(*args)
+
+
 @pytest.mark.parametrize("T,K,O,L,dtype,programs", [
     (1, 300, 40, 3, jnp.bfloat16, 528), (5, 256, 64, 2, jnp.float32, 1), (33, 520, 17, 2, jnp.bfloat16, 528),
     (33, 520, 17, 2, jnp.bfloat16, 2), (64, 128, 128, 1, jnp.float32, 528)])
@@ -20,12 +26,12 @@ def test_linear_decode_matches_reference(T, K, O, L, dtype, programs):
     b = jnp.asarray(rng.normal(size=(O,)), dtype)
     for layer in range(L):
         got = linear_decode.linear(x, w, b, jnp.int32(layer), block_k=128, programs=programs)
-        want = linear_decode.reference(x, w, b, layer)
+        want = _reference(x, w, b, layer)
         assert got.shape == (T, O) and got.dtype == jnp.float32
         tol = 1e-5 if dtype == jnp.float32 else 1e-2
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol * np.abs(want).max())
         # a different layer gives a different answer: the index is really used
-        other = linear_decode.reference(x, w, b, (layer + 1) % L)
+        other = _reference(x, w, b, (layer + 1) % L)
         assert L == 1 or not np.allclose(np.asarray(got), np.asarray(other))
 
 
@@ -50,10 +56,10 @@ def test_linear_many_matches_reference_per_weight(T, dtype, programs):
         assert len(got) == len(Os)
         for i, (y, O) in enumerate(zip(got, Os)):
             assert y.shape == (T, O) and y.dtype == jnp.float32
-            want = linear_decode.reference(x_TI, ws_LOI[i], bs_O[i], layer)
+            want = _reference(x_TI, ws_LOI[i], bs_O[i], layer)
             np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=tol, atol=tol * np.abs(want).max())
-            others = [linear_decode.reference(x_TI, ws_LOI[i], bs_O[i], l) for l in range(L) if l != layer]
-            others += [linear_decode.reference(x_TI, ws_LOI[j], bs_O[j], layer) for j in range(len(Os))
+            others = [_reference(x_TI, ws_LOI[i], bs_O[i], l) for l in range(L) if l != layer]
+            others += [_reference(x_TI, ws_LOI[j], bs_O[j], layer) for j in range(len(Os))
                        if j != i and Os[j] == O]
             assert all(not np.allclose(np.asarray(y), np.asarray(o), rtol=tol, atol=tol * np.abs(o).max())
                        for o in others)
@@ -98,10 +104,10 @@ def test_linear_mosaic_matches_reference(T, Os, K, splits):
     for layer in (L - 1, 1):
         got = linear_mosaic.linear_many(x, ws, bs, jnp.int32(layer), **cfg)
         for y, w, b in zip(got, ws, bs):
-            want = np.asarray(linear_decode.reference(x, w, b, layer))
+            want = np.asarray(_reference(x, w, b, layer))
             assert y.shape == want.shape and y.dtype == jnp.float32
             np.testing.assert_allclose(np.asarray(y), want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
-            other = np.asarray(linear_decode.reference(x, w, b, layer - 1))
+            other = np.asarray(_reference(x, w, b, layer - 1))
             assert not np.allclose(np.asarray(y), other, rtol=1e-2, atol=1e-2 * np.abs(other).max())
 
 
