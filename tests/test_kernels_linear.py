@@ -8,6 +8,10 @@ import pytest
 from pallas_kernels import linear_decode, linear_mosaic
 
 
+# Triton's fp32 dot runs in TF32 on GPUs (10-bit mantissa); the CPU interpreter computes in full fp32.
+F32_TOL = 2e-3 if jax.default_backend() == "gpu" else 1e-5
+
+
 def _reference(*args):
     """`linear_decode.reference` in full fp32: on GPUs XLA's default fp32 matmul runs in TF32 (~1e-3)."""
     with jax.default_matmul_precision("highest"):
@@ -28,7 +32,7 @@ def test_linear_decode_matches_reference(T, K, O, L, dtype, programs):
         got = linear_decode.linear(x, w, b, jnp.int32(layer), block_k=128, programs=programs)
         want = _reference(x, w, b, layer)
         assert got.shape == (T, O) and got.dtype == jnp.float32
-        tol = 1e-5 if dtype == jnp.float32 else 1e-2
+        tol = F32_TOL if dtype == jnp.float32 else 1e-2
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol * np.abs(want).max())
         # a different layer gives a different answer: the index is really used
         other = _reference(x, w, b, (layer + 1) % L)
@@ -50,7 +54,7 @@ def test_linear_many_matches_reference_per_weight(T, dtype, programs):
                                                                      programs=programs))
     jaxpr = jax.make_jaxpr(run)(x_TI, ws_LOI, bs_O, jnp.int32(0))
     assert str(jaxpr).count("pallas_call[") == 1  # one launch for all three
-    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    tol = F32_TOL if dtype == jnp.float32 else 1e-2
     for layer in (2, 1):
         got = run(x_TI, ws_LOI, bs_O, jnp.int32(layer))
         assert len(got) == len(Os)
