@@ -39,6 +39,21 @@ def timed(label, f, *args, **kw):
         return None
 
 
+def fastest(label, cfgs, make_run, args, per, line):
+    """Times `make_run(cfg)(*args)` / `per` for each configuration, logging `line(t, cfg)`; -> the fastest
+    `(t, cfg)`, or None when none ran."""
+    best = None
+    for cfg in cfgs:
+        t = timed(f"{label} {cfg}", make_run(cfg), *args)
+        if t is None:
+            continue
+        t /= per
+        log(line(t, cfg))
+        if best is None or t < best[0]:
+            best = (t, cfg)
+    return best
+
+
 def timeit(f, *args, n=10, reps=5):
     out = f(*args)
     jax.block_until_ready(out)
@@ -262,17 +277,11 @@ def bench_linear(bw, Ts, configs, L=8):
         nbytes = O * K * 2
         for T in Ts:
             x = jax.random.normal(jax.random.PRNGKey(T), (T, K), jnp.float32).astype(jnp.bfloat16)
-            best = None
-            for cfg in configs:
-                run = jax.jit(lambda x, w, ls, cfg=cfg: [linear_decode.linear(x, w, b, ls[i], **cfg)
-                                                         for i in range(L)])
-                t = timed(f"linear {name} T={T} {cfg}", run, x, w, layers)
-                if t is None:
-                    continue
-                t /= L
-                log(f"  linear {name} T={T:3d} {t*1e6:7.1f} us {nbytes/t/1e12:5.2f} TB/s cfg={cfg}")
-                if best is None or t < best[0]:
-                    best = (t, cfg)
+            best = fastest(f"linear {name} T={T}", configs,
+                           lambda cfg: jax.jit(lambda x, w, ls: [linear_decode.linear(x, w, b, ls[i], **cfg)
+                                                                 for i in range(L)]),
+                           (x, w, layers), L,
+                           lambda t, cfg: f"  linear {name} T={T:3d} {t*1e6:7.1f} us {nbytes/t/1e12:5.2f} TB/s cfg={cfg}")
             t_stk = timeit(jax.jit(lambda x, w, ls: [linear_decode.reference(x, w, b, ls[i]) for i in range(L)]),
                            x, w, layers) / L
             t_sep = timeit(jax.jit(lambda x, ws: [jnp.einsum("ti,oi->to", x, wi, preferred_element_type=jnp.float32)
@@ -294,20 +303,15 @@ def bench_linear_many(bw, configs, T=1, L=8):
     x = jax.random.normal(jax.random.PRNGKey(T), (T, K), jnp.float32).astype(jnp.bfloat16)
     layers = jnp.arange(L, dtype=jnp.int32)  # traced, as in the layer scan
     nbytes = sum(Os) * K * 2
-    best = {}
-    for cfg in configs:
-        runs = {"fused": jax.jit(lambda x, ws, ls, cfg=cfg: [linear_decode.linear_many(x, ws, bs, ls[i], **cfg)
-                                                             for i in range(L)]),
-                "3 launches": jax.jit(lambda x, ws, ls, cfg=cfg: [linear_decode.linear(x, w, b, ls[i], **cfg)
-                                                                  for i in range(L) for w, b in zip(ws, bs)])}
-        for name, run in runs.items():
-            t = timed(f"linear qkv {name} T={T} {cfg}", run, x, ws, layers)
-            if t is None:
-                continue
-            t /= L
-            log(f"  linear qkv {name:10s} T={T:3d} {t*1e6:7.1f} us {nbytes/t/1e12:5.2f} TB/s cfg={cfg}")
-            if name not in best or t < best[name][0]:
-                best[name] = (t, cfg)
+    makers = {"fused": lambda cfg: jax.jit(lambda x, ws, ls: [linear_decode.linear_many(x, ws, bs, ls[i], **cfg)
+                                                               for i in range(L)]),
+              "3 launches": lambda cfg: jax.jit(lambda x, ws, ls: [linear_decode.linear(x, w, b, ls[i], **cfg)
+                                                                    for i in range(L) for w, b in zip(ws, bs)])}
+    best = {name: fastest(f"linear qkv {name} T={T}", configs, make, (x, ws, layers), L,
+                          lambda t, cfg, name=name: f"  linear qkv {name:10s} T={T:3d} {t*1e6:7.1f} us "
+                                                    f"{nbytes/t/1e12:5.2f} TB/s cfg={cfg}")
+            for name, make in makers.items()}
+    best = {k: v for k, v in best.items() if v}
     if len(best) == 2:
         (tf, cf), (ts, cs) = best["fused"], best["3 launches"]
         log(f"ROW linear_decode qkv fused [({'+'.join(map(str, Os))}) x {K}] T={T:3d} | pallas fused {tf*1e6:6.1f} us "
@@ -332,18 +336,12 @@ def bench_linear_mosaic(bw, mm, Ts, splits_opts, L=8):
             flops = 2 * T * sum(Os) * K
             base = linear_mosaic.config(T, K, Os)
             cfgs = [base] + [dict(base, splits=s) for s in splits_opts if s != base["splits"] and (K // 64) % s == 0]
-            best = None
-            for cfg in cfgs:
-                run = jax.jit(lambda x, ws, ls, cfg=cfg: [linear_mosaic.linear_many(x, ws, bs, ls[i], **cfg)
-                                                          for i in range(L)])
-                t = timed(f"linear_mosaic {name} T={T} {cfg}", run, x, ws, layers)
-                if t is None:
-                    continue
-                t /= L
-                log(f"  linear_mosaic {name} T={T:3d} {t*1e6:7.1f} us {nbytes/t/1e12:5.2f} TB/s "
-                    f"{flops/t/1e12:6.1f} TFLOP/s cfg={cfg}{' (config)' if cfg is base else ''}")
-                if best is None or t < best[0]:
-                    best = (t, cfg)
+            best = fastest(f"linear_mosaic {name} T={T}", cfgs,
+                           lambda cfg: jax.jit(lambda x, ws, ls: [linear_mosaic.linear_many(x, ws, bs, ls[i], **cfg)
+                                                                  for i in range(L)]),
+                           (x, ws, layers), L,
+                           lambda t, cfg: f"  linear_mosaic {name} T={T:3d} {t*1e6:7.1f} us {nbytes/t/1e12:5.2f} TB/s "
+                                          f"{flops/t/1e12:6.1f} TFLOP/s cfg={cfg}{' (config)' if cfg is base else ''}")
             t_tri = None
             if T <= linear_decode.MAX_ROWS:
                 t_tri = timeit(jax.jit(lambda x, ws, ls: [linear_decode.linear_many(x, ws, bs, ls[i])
