@@ -72,14 +72,16 @@ def config(T: int, I: int, Os, num_sms: int | None = None) -> dict:
     return dict(splits=splits, stages=stages)
 
 
+def _epilogue_tokens(T: int) -> int:
+    return min(EPI_TOKENS, padded_tokens(T))
+
+
 def _epilogue_bytes(T: int) -> int:
-    return 2 * min(EPI_TOKENS, padded_tokens(T)) * ROWS * 4
+    """The f32 staging buffer: one `[tokens, 64]` block per compute warpgroup."""
+    return 2 * _epilogue_tokens(T) * ROWS * 4
 
 
-_store_T = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.RefType()))
-
-
-@_store_T
+@plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, plgpu.RefType()))
 def _store_transposed(ctx, acc, wg, out):
     """Accumulator `[64 rows, C tokens]` of warpgroup `wg` (a scalar: it arrives splat) -> `out[wg]` `[C, 64]`."""
     del ctx
@@ -93,7 +95,7 @@ def linear_many(x_TI, ws_LOI, bs_O, layer, *, splits: int, stages: int):
     """`tuple(x @ w[layer].T + b)` in f32 for each weight (all `[L, O_i, I]`, 16-bit) on one launch."""
     T, I = x_TI.shape
     Tn, Os = padded_tokens(T), [w.shape[1] for w in ws_LOI]
-    C = min(EPI_TOKENS, Tn)
+    C = _epilogue_tokens(T)
     nk = I // TILE_K
     steps = nk // splits
     tiles = [-(-O // CTA_ROWS) for O in Os]
