@@ -15,14 +15,24 @@ grid `(slots, feature tiles)`, programs of other expert groups and empty slots e
 gate/up rows, stored in phase order for the GEMV kernels, come out of the dequantization in natural
 order, so the GEMMs read contiguous tiles.  Transient memory: one group of `group` experts in bf16
 (32 experts of 20b/120b: 1.6 GB); larger expert sets (120b: 128) run group by group into one output.
+
+On Hopper, bf16 models whose experts dequantize in one group (20b) take `experts_grouped` instead: the pairs'
+rows gathered in expert order and two grouped GEMMs in jax's own Mosaic GPU ragged dot
+(`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`: TMA, wgmma with one step in flight, a persistent grid).
+On the 20b shapes at 16,384 tokens it ran the gate/up GEMM in 3.31 ms and the down in 1.62 ms (80% of the
+bf16 matmul rate) against 4.92 and 2.64 ms for the Triton GEMMs here (H200, docs/BENCHMARKS.md §4g). Its
+outputs are bf16 (the biases and SwiGLU follow in XLA, in f32), as in transformers' bf16 experts. It computes
+every tile of its row count, so expert groups (each would need its own rows) stay on the Triton GEMMs.
 """
 
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
+from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
 from pallas_kernels import moe_decode, moe_mosaic, moe_reference
 from pallas_kernels.moe_decode import F16_SHIFT, KernelExperts, prepare_experts  # noqa: F401  (re-export)
@@ -202,12 +212,78 @@ def experts_dense(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=
 DENSE_CONFIG = dict(kernel="dense", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, group=32)
 
 
+def grouped_fits(kexp: KernelExperts, pairs: int) -> bool:
+    """`experts_grouped`'s shapes: every expert in one dequantized group, D and I in whole 64-wide K steps (at
+    least 4: the ragged dot pipelines 4), at least one 128-row tile of (token, expert) pairs."""
+    E, _, I, W = kexp.gu_words.shape[-4:]
+    D = 8 * W
+    return E <= DENSE_CONFIG["group"] and I % 64 == D % 64 == 0 and min(D, I) >= 256 and pairs >= 128
+
+
+def grouped_matmul(lhs_PK, w_GNK, sizes_G, *, interpret=False):
+    """`lhs` rows in contiguous groups of `sizes_G` rows times their group's `w.T`, `[P, N]` in lhs's dtype.
+    On the GPU jax's Mosaic GPU ragged dot, in the H200 sweep's best blocks (128 rows, N tiles of 192 where
+    they divide N, 4 stages, N tiles visited in bands of 3-5); else `lax.ragged_dot`."""
+    if interpret:
+        return jax.lax.ragged_dot(lhs_PK, jnp.swapaxes(w_GNK, 1, 2), sizes_G,
+                                  preferred_element_type=jnp.float32).astype(lhs_PK.dtype)
+    P, N = lhs_PK.shape[0], w_GNK.shape[1]
+    bn = next(b for b in (192, 128, 64) if N % b == 0)
+    band = next(b for b in (5, 3, 2, 1) if (N // bn) % b == 0)
+    lhs = jnp.pad(lhs_PK, ((0, -P % 8), (0, 0)))  # its TMA tiles rows by 8; rows past the groups stay unread
+    return ragged_dot_mgpu.ragged_dot(lhs, w_GNK, group_sizes=sizes_G, block_m=128, block_n=bn, block_k=64,
+                                      max_concurrent_steps=4, grid_block_n=band, transpose_rhs=True)[:P]
+
+
+@functools.partial(jax.jit, static_argnames=("swiglu_limit", "swiglu_alpha", "interpret"))
+def experts_grouped(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, *, swiglu_limit,
+                    swiglu_alpha, interpret=None):
+    """`experts_dense`'s contract on the Mosaic GPU grouped GEMMs (`grouped_fits` experts, bf16): the layer's
+    experts dequantized at once, the pairs' rows sorted by expert, gate/up -> bias and SwiGLU -> down -> bias
+    and routing weight, summed per token. `interpret` (default: off the GPU) runs `lax.ragged_dot` instead."""
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    if not grouped_fits(kexp, idx_TK.size):
+        raise ValueError(f"experts_grouped: experts {kexp.gu_words.shape} (words) with {idx_TK.size} pairs do not "
+                         "fit the grouped GEMMs (see grouped_fits)")
+    T, D = x_TD.shape
+    k = idx_TK.shape[1]
+    E, _, I, _ = kexp.gu_words.shape[-4:]
+    P = T * k
+    one = lambda a: a if layer is None else a[layer]  # noqa: E731  (this layer's small per-expert tables)
+    routed = idx_TK if valid_TK is None else jnp.where(valid_TK, idx_TK, E)
+    e_P = routed.reshape(P).astype(jnp.int32)
+    order = jnp.argsort(e_P, stable=True).astype(jnp.int32)
+    e_sorted = jnp.minimum(e_P[order], E - 1)  # skipped pairs (sorted last) ride with the last expert;
+    sizes = jnp.zeros((E,), jnp.int32).at[e_sorted].add(1)  # `combine` zeroes them
+
+    base = jnp.int32(0) if layer is None else layer * E
+    w_gu = dequantize(kexp.gu_words.reshape(-1, D // 8), kexp.gu_scales.reshape(-1, D // 32), base * 2 * I,
+                      E * 2 * I, jnp.bfloat16, perm_I=I, interpret=interpret).reshape(E, 2 * I, D)  # gate, up rows
+    w_dn = dequantize(kexp.dn_words.reshape(-1, I // 8), kexp.dn_scales.reshape(-1, I // 32), base * D, E * D,
+                      jnp.bfloat16, interpret=interpret).reshape(E, D, I)
+    unscale = 2.0 ** F16_SHIFT  # the dequantized weights are x 2^-14
+
+    z = grouped_matmul(x_TD.astype(jnp.bfloat16)[order // k], w_gu, sizes, interpret=interpret)  # [P, 2I]
+    f = np.arange(I)
+    gu_bias = one(kexp.gu_bias)[:, :, (f % 8) * (I // 8) + f // 8].astype(jnp.float32)  # phase -> natural order
+    z = z.astype(jnp.float32) * unscale
+    a = moe_decode._swiglu(z[:, :I] + gu_bias[e_sorted, 0], z[:, I:] + gu_bias[e_sorted, 1], swiglu_limit,
+                           swiglu_alpha).astype(jnp.bfloat16)
+    y = grouped_matmul(a, w_dn, sizes, interpret=interpret).astype(jnp.float32) * unscale
+    y = (y + one(kexp.dn_bias)[e_sorted].astype(jnp.float32)) * w_TK.reshape(P).astype(jnp.float32)[order][:, None]
+    return moe_decode.combine(y, order, valid_TK, T, k, x_TD.dtype)
+
+
 def auto_config(T: int, k: int, E: int, dtype) -> dict:
     """Kernels and block sizes for a (static) token count: dequantize + dense GEMMs once experts average
-    `DENSE_ROWS` routed rows (best of the H200 sweep at 8,192 tokens, 2026-11-22); on Hopper, bf16 models
-    from 2 to `moe_mosaic.MAX_ROWS` (32) rows per expert take the Mosaic GPU kernels; else `moe_decode`'s choice
-    (GEMV, or the fused tensor-core kernels)."""
+    `DENSE_ROWS` routed rows (best of the H200 sweep at 8,192 tokens, 2026-11-22), on Hopper for bf16 models of
+    up to 32 experts by the Mosaic GPU grouped GEMMs; on Hopper, bf16 models from 2 to `moe_mosaic.MAX_ROWS` (32)
+    rows per expert take the Mosaic GPU kernels; else `moe_decode`'s choice (GEMV, or the fused tensor-core
+    kernels)."""
     if T * k >= DENSE_ROWS * E:
+        if dtype != jnp.float32 and E <= DENSE_CONFIG["group"] and moe_mosaic.available():
+            return dict(kernel="grouped")
         return dict(DENSE_CONFIG)
     if dtype != jnp.float32 and 2 * E < T * k <= moe_mosaic.MAX_ROWS * E and moe_mosaic.available():
         return moe_mosaic.config(T, k, E)
@@ -222,8 +298,11 @@ def experts(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, 
         config = auto_config(*idx_TK.shape, kexp.gu_words.shape[-4], x_TD.dtype) | config
         if config["kernel"] == "mosaic" and not moe_mosaic.fits(kexp):
             config = moe_decode.decode_config(*idx_TK.shape, kexp.gu_words.shape[-4], half=True)
-    if config["kernel"] == "mosaic":
-        fn, config = moe_mosaic.experts_forward, {k: v for k, v in config.items() if k != "kernel"}
+        if config["kernel"] == "grouped" and not grouped_fits(kexp, idx_TK.size):
+            config = dict(DENSE_CONFIG)
+    if config["kernel"] in ("mosaic", "grouped"):
+        fn = moe_mosaic.experts_forward if config["kernel"] == "mosaic" else experts_grouped
+        config = {k: v for k, v in config.items() if k != "kernel"}
     else:
         fn = experts_dense if config["kernel"] == "dense" else moe_decode.experts_forward
     return fn(x_TD, idx_TK, w_TK, kexp, layer, valid_TK, swiglu_limit=float(swiglu_limit),

@@ -130,12 +130,58 @@ def test_dense_prefill_matches_reference(T, E, k, D, I, group, bn, dtype, valid)
     assert _rel(out, ref) < (1e-2 if dtype == jnp.bfloat16 else 1e-5)
 
 
+@pytest.mark.parametrize("valid", [False, True])
+def test_grouped_prefill_matches_reference(valid):
+    """The grouped-GEMM path (on Hopper jax's Mosaic GPU ragged dot; elsewhere `lax.ragged_dot` stands in):
+    stacked layers, an empty expert, odd token count, and pairs skipped (expert parallelism)."""
+    T, E, k, D, I = 151, 4, 2, 256, 320
+    rng = np.random.default_rng(T + valid)
+    layers = [_experts(rng, E, D, I, jnp.bfloat16) for _ in range(2)]
+    stacked = moe_decode.prepare_experts(jax.tree.map(lambda *a: jnp.stack(a), *layers))
+    x = jnp.asarray(rng.normal(size=(T, D)), jnp.bfloat16)
+    idx = jnp.asarray(np.stack([1 + rng.permutation(E - 1)[:k] for _ in range(T)]), jnp.int32)  # expert 0 empty
+    w = jnp.asarray(rng.random((T, k)), jnp.float32)
+    mask = jnp.asarray(rng.random((T, k)) < 0.6) if valid else None
+    assert moe_prefill.grouped_fits(stacked, T * k)
+    out = moe_prefill.experts(x, idx, w, stacked, jnp.int32(1), mask, swiglu_limit=LIMIT, swiglu_alpha=ALPHA,
+                              interpret=None if moe_mosaic.available() else True, kernel="grouped")
+    ref = moe_reference.apply_experts(x, idx, w if mask is None else jnp.where(mask, w, 0.0), layers[1],
+                                      swiglu_limit=LIMIT, swiglu_alpha=ALPHA)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    assert _rel(out, ref) < 1e-2
+
+
+def test_grouped_prefill_limits(monkeypatch):
+    rng = np.random.default_rng(0)
+    small = moe_decode.prepare_experts(_experts(rng, 4, 128, 256, jnp.bfloat16))   # D: 2 K steps
+    assert not moe_prefill.grouped_fits(small, 512)
+    big = moe_decode.prepare_experts(_experts(rng, 4, 256, 256, jnp.bfloat16))
+    assert moe_prefill.grouped_fits(big, 128) and not moe_prefill.grouped_fits(big, 127)
+    x, idx, w = jnp.zeros((8, 256), jnp.bfloat16), jnp.zeros((8, 2), jnp.int32), jnp.ones((8, 2), jnp.float32)
+    with pytest.raises(ValueError, match="16 pairs"):
+        moe_prefill.experts_grouped(x, idx, w, big, swiglu_limit=LIMIT, swiglu_alpha=ALPHA)
+    # on Hopper the automatic choice falls back to the Triton GEMMs where the shapes do not fit
+    monkeypatch.setattr(moe_mosaic, "available", lambda: True)
+    assert moe_prefill.auto_config(64, 4, 4, jnp.bfloat16)["kernel"] == "grouped"
+    ran = []
+    real = moe_prefill.experts_dense
+    monkeypatch.setattr(moe_prefill, "experts_dense", lambda *a, **kw: ran.append(kw["kernel"]) or real(*a, **kw))
+    out = moe_prefill.experts(jnp.ones((64, 128), jnp.bfloat16), jnp.zeros((64, 4), jnp.int32),
+                              jnp.full((64, 4), 0.25, jnp.float32), small, swiglu_limit=LIMIT, swiglu_alpha=ALPHA,
+                              interpret=True)
+    assert ran == ["dense"] and np.isfinite(np.asarray(out, np.float32)).all()
+
+
 def test_prefill_regimes():
-    """The regimes per token count; mid-batch bf16 takes the Mosaic kernels where they run (Hopper)."""
+    """The regimes per token count; mid-batch bf16 takes the Mosaic kernels where they run (Hopper), as do
+    prefills of up to 32 experts (the grouped GEMMs)."""
     mid = "mosaic" if moe_mosaic.available() else "mma"
     assert moe_prefill.auto_config(1, 4, 32, jnp.bfloat16)["kernel"] == "gemv16"
     assert moe_prefill.auto_config(256, 4, 32, jnp.bfloat16)["kernel"] == mid  # 32 rows per expert
-    assert moe_prefill.auto_config(8192, 4, 32, jnp.bfloat16)["kernel"] == "dense"
+    assert moe_prefill.auto_config(8192, 4, 32, jnp.bfloat16)["kernel"] == (
+        "grouped" if moe_mosaic.available() else "dense")
+    assert moe_prefill.auto_config(8192, 4, 32, jnp.float32)["kernel"] == "dense"
+    assert moe_prefill.auto_config(32768, 4, 128, jnp.bfloat16)["kernel"] == "dense"  # 120b: 4 expert groups
     assert moe_prefill.auto_config(1024, 4, 128, jnp.bfloat16)["kernel"] == mid  # 32 rows per expert
 
 

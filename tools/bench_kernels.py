@@ -513,7 +513,7 @@ def main():
             for model in args.models.split(","):
                 E = kc.SHAPES[model]["E"]
                 cfgs = [moe_prefill.auto_config(T, 4, E, jnp.bfloat16)] + (
-                    [dense(128, 128, 64, 8, 4), dense(64, 128, 64, 8, 3), mma(128, 64, 128, True, 4)] if T >= 4096
+                    [dict(moe_prefill.DENSE_CONFIG), dense(128, 128, 64, 8, 4), mma(128, 64, 128, True, 4)] if T >= 4096
                     else [mma(64, 32, 256, False, 4), mma(32, 32, 256, False, 4), mma(64, 64, 128, True, 4),
                           mma(128, 64, 128, True, 4), dense(128, 128, 64, 8)])
                 bench_moe_prefill(model, T, mm, cfgs[:1] if args.quick else cfgs, bw, ragged=T >= 4096)

@@ -99,7 +99,9 @@ def main():
                                                                       block_k=512)),
         "moe_decode gemv16 bm2": ("120b", 33, (), functools.partial(moe_decode.moe, kernel="gemv16", block_m=2,
                                                                     block_k=1024, prefetch=False)),
-        "moe_prefill": ("20b", 777, (2, 9), moe_prefill.moe),  # dense (97 rows per expert)
+        "moe_prefill": ("20b", 777, (2, 9), moe_prefill.moe),  # 97 rows per expert: grouped GEMMs on Hopper
+        "moe_prefill  ": ("20b", 4099, (0, 5, 31), moe_prefill.moe),  # grouped, first and last expert empty
+        "moe_prefill dense 20b": ("20b", 777, (2, 9), functools.partial(moe_prefill.moe, **moe_prefill.DENSE_CONFIG)),
         "moe_prefill ": ("120b", 1001, (), moe_prefill.moe),  # 31 rows per expert: Mosaic on Hopper
         "moe_prefill mma": ("120b", 1001, (), functools.partial(moe_prefill.moe, **moe_decode.decode_config(
             1001, 4, 128, half=True))),  # the Triton fused mma kernels at the same size
