@@ -61,13 +61,28 @@ def sample(logits_BV: jax.Array, keys_B: jax.Array, temperature_B: jax.Array, to
     """One token per row. Rows with temperature 0 take the argmax; others sample after the filters.
 
     Each row has its own PRNG key, so a request's draws do not depend on its batch neighbours.
+    With temperature only (no filter in the batch) this is two passes over `[B, V]` and stores no
+    `[B, V]` array: the maximum with the argmax, then the block sums of the draw.
     """
     logits = logits_BV.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    max_B, greedy = _max_argmax(logits)
     # The filters below cost passes over the vocabulary; all-greedy batches skip them.
     return jax.lax.cond(jnp.any(temperature_B > 0),
-                        lambda: _filtered_draw(logits, keys_B, temperature_B, top_k_B, top_p_B, min_p_B, greedy),
+                        lambda: _filtered_draw(logits, max_B, greedy, keys_B, temperature_B, top_k_B, top_p_B,
+                                               min_p_B),
                         lambda: greedy)
+
+
+def _max_argmax(x_BV: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per row, the maximum and its first index (as `jnp.argmax`, NaNs aside) from one variadic
+    reduction: one pass over `[B, V]` where `jnp.max` and `jnp.argmax` take two."""
+    def larger(a, b):
+        (a_val, a_id), (b_val, b_id) = a, b
+        pick_a = (a_val > b_val) | ((a_val == b_val) & (a_id < b_id))
+        return jnp.where(pick_a, a_val, b_val), jnp.where(pick_a, a_id, b_id)
+
+    ids_BV = jax.lax.broadcasted_iota(jnp.int32, x_BV.shape, 1)
+    return jax.lax.reduce((x_BV, ids_BV), (np.float32(-np.inf), np.int32(0)), larger, (1,))
 
 
 # Every filter keeps a prefix of the tokens sorted by logit, so each is a threshold on the logit. The
@@ -84,19 +99,26 @@ DRAW_BLOCK = 1024  # the inverse-CDF draw finds a block of this many tokens, the
 RADIX_BITS = 2
 
 
-def _filtered_draw(logits, keys_B, temperature_B, top_k_B, top_p_B, min_p_B, greedy):
+def _filtered_draw(logits, max_B, greedy, keys_B, temperature_B, top_k_B, top_p_B, min_p_B):
+    """The filtered draw of the rows with temperature > 0. The scaled logits and the weights are
+    recomputed where they are read (the block-sum reduction, the chosen block, the drawn token) rather
+    than stored: each `[B, V]` array written would cost a pass of its own."""
     B, V = logits.shape
-    temp = jnp.maximum(temperature_B, 1e-6)[:, None]
-    scaled = logits / temp
-    top0 = jnp.max(logits, axis=-1) / temp[:, 0]
+    temp_B = jnp.maximum(temperature_B, 1e-6)
+    top0 = max_B / temp_B
     ranked = (temperature_B > 0) & (((top_k_B > 0) & (top_k_B < V)) | (top_p_B < 1))
-    t = jax.lax.cond(jnp.any(ranked), lambda: _rank_threshold(scaled, top_k_B, top_p_B),
-                     lambda: jnp.full((B,), -jnp.inf, scaled.dtype))
+    t = jax.lax.cond(jnp.any(ranked), lambda: _rank_threshold(logits / temp_B[:, None], top_k_B, top_p_B),
+                     lambda: jnp.full((B,), -jnp.inf, jnp.float32))
     t_min_p = jnp.where(min_p_B > 0, top0 + jnp.log(jnp.maximum(min_p_B, 1e-30)), -jnp.inf)
     threshold = jnp.minimum(jnp.maximum(t, t_min_p), top0)  # the most likely token always survives
-    w = jnp.where(scaled >= threshold[:, None], jnp.exp(scaled - top0[:, None]), 0.0)
-    drawn = _inverse_cdf(w, jax.vmap(lambda key: jax.random.uniform(key))(keys_B))
-    drawn = jnp.where(w[jnp.arange(B), drawn] > 0, drawn, greedy)  # u landed on a zero-width edge
+
+    def weight(logits_BX):  # unnormalised probabilities of the tokens the filters keep, 0 elsewhere
+        scaled = logits_BX / temp_B[:, None]
+        return jnp.where(scaled >= threshold[:, None], jnp.exp(scaled - top0[:, None]), 0.0)
+
+    drawn = _inverse_cdf(logits, weight, jax.vmap(lambda key: jax.random.uniform(key))(keys_B))
+    kept = weight(jnp.take_along_axis(logits, drawn[:, None], axis=-1))[:, 0] > 0
+    drawn = jnp.where(kept, drawn, greedy)  # u landed on a zero-width edge
     return jnp.where(temperature_B > 0, drawn, greedy).astype(jnp.int32)
 
 
@@ -183,18 +205,22 @@ def _radix_select(keys_BV: jax.Array, weights_BV: jax.Array | None, target_B: ja
     return prefix
 
 
-def _inverse_cdf(w_BV: jax.Array, u_B: jax.Array) -> jax.Array:
-    """The token where the cumulative weight first exceeds `u * total`, per row. Two levels (block
-    sums, then a cumulative sum inside one block) instead of a cumulative sum over the vocabulary,
-    which XLA runs as many passes over `[B, V]`."""
-    B, V = w_BV.shape
+def _inverse_cdf(logits_BV: jax.Array, weight, u_B: jax.Array) -> jax.Array:
+    """The token where the cumulative `weight(logits)` first exceeds `u * total`, per row. Two levels
+    (block sums, then a cumulative sum inside one block) instead of a cumulative sum over the vocabulary,
+    which XLA runs as many passes over `[B, V]`. `weight` is elementwise: it runs inside the block-sum
+    reduction and again on the chosen block's gathered logits, so the weights are never stored."""
+    B, V = logits_BV.shape
     nb = -(-V // DRAW_BLOCK)
-    w = jnp.pad(w_BV, ((0, 0), (0, nb * DRAW_BLOCK - V))).reshape(B, nb, DRAW_BLOCK)
+    w = jnp.pad(weight(logits_BV), ((0, 0), (0, nb * DRAW_BLOCK - V))).reshape(B, nb, DRAW_BLOCK)
     cum_blocks = jnp.cumsum(jnp.sum(w, axis=-1), axis=-1)  # [B, nb]
     u = u_B * cum_blocks[:, -1]
     j = jnp.minimum(jnp.sum(cum_blocks <= u[:, None], axis=-1), nb - 1)
     before = jnp.where(j > 0, jnp.take_along_axis(cum_blocks, jnp.maximum(j - 1, 0)[:, None], -1)[:, 0], 0.0)
-    inner = jnp.cumsum(jnp.take_along_axis(w, j[:, None, None], axis=1)[:, 0], axis=-1)  # [B, DRAW_BLOCK]
+    ids = j[:, None] * DRAW_BLOCK + jnp.arange(DRAW_BLOCK)  # [B, DRAW_BLOCK]
+    # The last block runs past V: -inf there has weight 0, as the padding has.
+    block = jnp.take_along_axis(logits_BV, ids, axis=-1, mode="fill", fill_value=-jnp.inf)
+    inner = jnp.cumsum(weight(block), axis=-1)  # [B, DRAW_BLOCK]
     i = jnp.minimum(jnp.sum(inner <= (u - before)[:, None], axis=-1), DRAW_BLOCK - 1)
     return jnp.minimum(j * DRAW_BLOCK + i, V - 1)
 

@@ -81,6 +81,18 @@ def test_greedy_rows_beside_filtered_rows():
     assert draws[7] == greedy[7]  # top_k 1 on a sampled row
 
 
+def test_max_argmax_matches_jnp():
+    """The one-pass maximum and argmax: ties to the lowest index, +inf, and rows of -inf only."""
+    rng = np.random.default_rng(5)
+    x = np.round(rng.standard_normal((6, 3000)) * 2).astype(np.float32)  # many ties at the top
+    x[1, 2999] = x[1].max() + 1  # maximum in the last column
+    x[2] = -np.inf
+    x[3, ::5] = np.inf
+    x[4, :] = x[4, 0]
+    got_max, got_id = jax.jit(sampling._max_argmax)(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(got_id), np.argmax(x, axis=-1))
+    np.testing.assert_array_equal(np.asarray(got_max), x.max(axis=-1))
+
 def _reference_threshold(s, top_k, top_p, margin=1e-5):
     """Sort-based top-k / top-p threshold of one row of scaled logits, in float64: `(lo, hi)`, the
     thresholds for `top_p + margin` and `top_p - margin`. They are equal unless an exclusive cumulative
