@@ -144,7 +144,8 @@ def test_kernels_under_a_layout_match_single_device(small_checkpoint, single_dev
             return real(*args, **kwargs)
         monkeypatch.setattr(module, name, wrapped)
 
-    for module, name in ((moe_decode, "experts_forward"), (moe_prefill, "experts_dense")):  # few / many rows
+    for module, name in ((moe_decode, "experts_forward"), (moe_prefill, "experts_dense"),  # few / many rows
+                         (moe_prefill, "experts_grouped")):                                   # (many on Hopper)
         spy(module, name, lambda x, idx, w, kexp, *_: kexp.gu_words.shape[:2])
     spy(linear_decode, "linear_many", lambda x, ws, *_: tuple(w.shape[1] for w in ws))
     for kernel in (paged_attention, flash_attention):
@@ -164,8 +165,8 @@ def test_kernels_under_a_layout_match_single_device(small_checkpoint, single_dev
 
     heads = 4 // model if mode == "low_latency" else 4  # 4 q heads, 2 KV heads: split over 2, whole over 3
     layers = llm.engine.model_config.num_layers
-    moe_shapes = seen.get("pallas_kernels.moe_decode.experts_forward", set()) | seen.get(
-        "pallas_kernels.moe_prefill.experts_dense", set())
+    moe_shapes = set().union(*(seen.get(f"pallas_kernels.{name}", set()) for name in (
+        "moe_decode.experts_forward", "moe_prefill.experts_dense", "moe_prefill.experts_grouped")))
     assert moe_shapes == {(layers, 2)}  # stacked, 2 local experts
     assert seen["pallas_kernels.flash_attention.attention"] == {heads}
     assert seen.get("pallas_kernels.paged_attention.attention") == ({heads} if generate else None)
