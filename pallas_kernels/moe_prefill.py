@@ -265,8 +265,7 @@ def experts_grouped(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_T
     unscale = 2.0 ** F16_SHIFT  # the dequantized weights are x 2^-14
 
     z = grouped_matmul(x_TD.astype(jnp.bfloat16)[order // k], w_gu, sizes, interpret=interpret)  # [P, 2I]
-    f = np.arange(I)
-    gu_bias = one(kexp.gu_bias)[:, :, (f % 8) * (I // 8) + f // 8].astype(jnp.float32)  # phase -> natural order
+    gu_bias = one(kexp.gu_bias)[:, :, np.argsort(moe_decode.phase_order(I))].astype(jnp.float32)  # natural order
     z = z.astype(jnp.float32) * unscale
     a = moe_decode._swiglu(z[:, :I] + gu_bias[e_sorted, 0], z[:, I:] + gu_bias[e_sorted, 1], swiglu_limit,
                            swiglu_alpha).astype(jnp.bfloat16)
