@@ -16,6 +16,7 @@ from flax import struct
 import pallas_kernels
 from pallas_kernels import attention_reference, moe_reference
 from gptoss_jax import rope
+from gptoss_jax.norm import rms_norm
 from gptoss_jax.config import ModelConfig
 from gptoss_jax.params import Params
 
@@ -85,11 +86,6 @@ def _write_targets(table_BM: jax.Array, positions_BT: jax.Array, write_from_B: j
     ok = (positions_BT >= write_from_B[:, None]) & (positions_BT >= 0) & (col < M)
     page = jnp.take_along_axis(table_BM, jnp.clip(col, 0, M - 1), axis=1)
     return jnp.where(ok, page, NULL_PAGE), jnp.maximum(positions_BT, 0) % page_size
-def rms_norm(x: jax.Array, gain: jax.Array, eps: float, dtype) -> jax.Array:
-    """Normalise and apply the gain in fp32, then cast (gpt-oss order; Llama casts first)."""
-    t = x.astype(jnp.float32)
-    t = t * jax.lax.rsqrt(jnp.mean(t * t, axis=-1, keepdims=True) + eps)
-    return (t * gain.astype(jnp.float32)).astype(dtype)
 
 
 def _attention(cfg: ModelConfig, stacked: dict, per_layer: dict, layer, x_BTD, cos, sin, k_all, v_all, idx, table_BM,
@@ -157,27 +153,28 @@ def _attention_block(cfg: ModelConfig, lp, dense_all, layer, x_BTD, cos, sin, k_
     return y, k_all, v_all, (sink[0] if inspect else None)
 
 
-def _moe_block(cfg: ModelConfig, lp, experts_all, layer, x_BTD, dtype, impl, inspect: bool = False, layout=None):
+def _moe_block(cfg: ModelConfig, lp, dense_all, layer, x_BTD, dtype, impl, inspect: bool = False, layout=None):
     """The MoE layer `[B, T, D]`, and with `inspect` its routing (logits, ids, weights) `[B, T, ...]` (else None).
 
-    `experts_all` holds every layer's experts and `layer` says which: the kernels read the routed
-    experts straight out of the stacked arrays, where slicing one layer out first would copy all of its
-    experts (~0.8 GB per 20b layer) every step."""
+    `dense_all` holds every layer's norm, router and experts and `layer` says which: the kernels read the
+    routed experts straight out of the stacked arrays, where slicing one layer out first would copy all of
+    its experts (~0.8 GB per 20b layer) every step."""
     B, T, D = x_BTD.shape
-    t = rms_norm(x_BTD, lp.mlp_norm, cfg.rms_norm_eps, dtype).reshape(B * T, D)
+    x = x_BTD.reshape(B * T, D)
+    kw = dict(top_k=cfg.experts_per_token, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha)
     routing = None
-    if inspect:  # every MoE implementation routes with `moe_reference.route`: the same function, recorded
+    if inspect or layout is not None:
+        t = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps, dtype)
+    if inspect:  # a side computation: `moe_reference.route` is the routing every implementation computes
         idx, w, logits = moe_reference.route(t, lp.router_w, lp.router_b, cfg.experts_per_token)
         routing = tuple(r.reshape(B, T, -1) for r in (logits, idx, w))
     if layout is not None:  # experts split over `model` (padded), tokens as the ranks hold them
         from sharding import expert_parallel
 
-        y = expert_parallel.moe(t, lp.router_w, lp.router_b, experts_all, layer, top_k=cfg.experts_per_token,
-                                swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha, layout=layout,
-                                impl=impl)
-        return y.reshape(B, T, D), routing
-    y = pallas_kernels.moe(t, lp.router_w, lp.router_b, experts_all, layer=layer, top_k=cfg.experts_per_token,
-                           swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha, impl=impl)
+        y = expert_parallel.moe(t, lp.router_w, lp.router_b, dense_all.experts, layer, layout=layout, impl=impl, **kw)
+    else:
+        y = pallas_kernels.moe_block(x, dense_all.mlp_norm, dense_all.router_w, dense_all.router_b, dense_all.experts,
+                                     layer, eps=cfg.rms_norm_eps, dtype=dtype, impl=impl, **kw)
     return y.reshape(B, T, D), routing
 
 
@@ -228,7 +225,7 @@ def forward(params: Params, cache: PagedKVCache, tokens_BT: jax.Array, positions
                                                    f_page, f_slot, positions_BT, FULL_WINDOW, impl, on, layout)
             x = pin(x + a)
         with jax.named_scope("moe"):
-            y, routing = _moe_block(cfg, lp, experts_all, n, x, dtype, impl, on, layout)
+            y, routing = _moe_block(cfg, lp, dense_all, n, x, dtype, impl, on, layout)
             x = pin(x + y)
         record = (*routing, sink, x if inspect.hidden_states else None) if on else None
         return x, (ks, vs, kf, vf), record
@@ -243,7 +240,7 @@ def forward(params: Params, cache: PagedKVCache, tokens_BT: jax.Array, positions
     pairs = cfg.num_layers // 2
     caches = (cache.k_sliding, cache.v_sliding, cache.k_full, cache.v_full)
     # The big per-layer weights are indexed inside the blocks (no copy), the rest is sliced by the scan.
-    experts_all, dense_all = params.layers.experts, params.layers
+    dense_all = params.layers
     scanned = params.layers.replace(experts=None, q_w=None, k_w=None, v_w=None, o_w=None)
     records = []  # with `inspect`: per-layer records, stacked on a leading layer axis
     with jax.named_scope("layers"):

@@ -10,6 +10,10 @@ separate runs:
 
     XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true python tools/profile_decode.py --label dsf
     python tools/profile_decode.py --prefill 8x1024,2x1024
+
+`--hlo-dump DIR` names each kernel's source: run with `XLA_FLAGS=--xla_dump_to=DIR` (plus
+`--xla_dump_hlo_module_re=decode`) and the optimized HLO there gives each XLA fusion's shape and the JAX
+operation (named scope included) it came from.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -71,6 +76,37 @@ def summarize_trace(trace_dir: str, top: int = 60) -> dict:
     return out
 
 
+def _short(op_name: str) -> str:
+    """An op_name without the jit/scan nesting above the innermost scan body."""
+    return op_name.split("body/eval_jaxpr/")[-1]
+
+
+def kernel_sources(dump_dir: str) -> dict:
+    """Kernel name -> "shape: op, op, ..." from the dumped optimized HLO: the instruction of that name and, for
+    a fusion, the JAX operations (`op_name` from the innermost scan body down, named scopes included) it fused."""
+    inst_re = re.compile(r"^\s*(?:ROOT )?%?([\w.-]+) = (\S+) ")
+    comps, insts, comp = collections.defaultdict(list), {}, None
+    for path in glob.glob(f"{dump_dir}/*after_optimizations.txt"):
+        for line in Path(path).read_text().splitlines():
+            head = re.match(r"^%?([\w.-]+) .*\{$", line)
+            if head and not line.startswith(" "):
+                comp = head.group(1)
+                continue
+            m = inst_re.match(line)
+            if not m:
+                continue
+            op = re.search(r'op_name="([^"]*)"', line)
+            if op:
+                comps[comp].append(_short(op.group(1)))
+            calls = re.search(r"calls=%?([\w.-]+)", line)
+            insts.setdefault(m.group(1).replace(".", "_"), (m.group(2)[:40], calls.group(1) if calls else None, op.group(1) if op else ""))
+    out = {}
+    for name, (shape, calls, op) in insts.items():
+        ops = list(dict.fromkeys(comps.get(calls, []))) if calls else [_short(op)]
+        out[name] = f"{shape}: {', '.join(ops)[:200]}"
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="gpt-oss-20b", help="preset name or a HF config.json path")
@@ -84,6 +120,7 @@ def main() -> None:
     ap.add_argument("--prefill", default="", help="comma-separated ROWSxTOKENS prefill calls to trace instead")
     ap.add_argument("--label", default="baseline")
     ap.add_argument("--out", default="profile.json")
+    ap.add_argument("--hlo-dump", default="", help="XLA dump directory: name each kernel's HLO source")
     args = ap.parse_args()
     cfg = (config.from_hf_dict(json.loads(Path(args.preset).read_text()), args.preset)
            if args.preset.endswith(".json") else config.preset(args.preset))
@@ -101,6 +138,14 @@ def main() -> None:
                                    f"top_p={args.top_p}", "token", dict(batch=B, context=args.context, steps=args.steps,
                                                                        temperature=args.temperature, top_p=args.top_p),
                                    args))
+    if args.hlo_dump:
+        sources = kernel_sources(args.hlo_dump)
+        for r in results:
+            for t in r["threads"].values():
+                for row in t["top"]:
+                    row["source"] = sources.get(row["name"], "")
+                    print(f"  {row['name'][:40]:40s} {row['us'] / r.get('steps', 1):7.1f} us  "
+                          f"{row['source']}")
     Path(args.out).write_text(json.dumps(results, indent=1))
 
 
