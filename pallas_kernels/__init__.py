@@ -1,7 +1,7 @@
 """The hot operations of gpt-oss, each with a pure-JAX reference beside its Pallas kernels.
 
-`attention`, `moe`, `linear`, `linear_many` (several weights of one input) and (for expert parallelism,
-where routing and dispatch happen outside) `experts` are the only entry points the model calls; `impl`
+`attention`, `moe_block` (norm + `moe`), `linear`, `linear_many` (several weights of one input) and (for expert
+parallelism, where routing and dispatch happen outside) `experts` are the only entry points the model calls; `impl`
 picks the implementation: `"pallas"` (the kernels; the default on GPUs) or `"reference"` (pure JAX; the
 default elsewhere, since the Pallas-Triton kernels only lower for GPUs and would run interpreted). The
 kernels read the experts in their own relayout of the same bytes, made tensor by tensor as the checkpoint
@@ -14,9 +14,10 @@ import jax
 import jax.experimental.pallas.fuser  # noqa: F401  (see below)
 import jax.numpy as jnp
 
+from gptoss_jax.norm import rms_norm
 from gptoss_jax.params import put_layer
 from pallas_kernels import (attention_reference, flash_attention, linear_decode, linear_mosaic, moe_decode,
-                            moe_mosaic, moe_prefill, moe_reference, paged_attention)
+                            moe_mosaic, moe_prefill, moe_reference, moe_route, paged_attention)
 
 # `jax.experimental.pallas.fuser` is imported above for its side effect only: the first `pallas_call` would
 # import it lazily and register a config option that is part of every jit's cache key, so every step
@@ -157,3 +158,15 @@ def moe(x_TD, router_w_ED, router_b_E, experts, *, top_k, swiglu_limit, swiglu_a
     if layer is not None:
         experts = jax.tree.map(lambda a: a[layer], experts)
     return moe_reference.moe(x_TD, router_w_ED, router_b_E, experts, **kw)
+
+
+def moe_block(x_TD, norm_LD, router_w_LED, router_b_LE, experts_all, layer, *, eps, dtype, top_k, swiglu_limit,
+              swiglu_alpha, impl: str = "reference"):
+    """The MoE layer on the fp32 residual stream `x_TD`: `rms_norm` with layer `layer`'s gain, then `moe`, all
+    weights stacked over layers. For a few decode tokens of a bf16 model the kernels start from
+    `moe_route`'s fused front end (norm, routing and the GEMV operand in one launch)."""
+    kw = dict(top_k=top_k, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
+    if check_impl(impl) == "pallas" and moe_route.applies(x_TD.shape[0], top_k, router_w_LED.shape[1], dtype):
+        return moe_route.moe(x_TD, norm_LD, router_w_LED, router_b_LE, experts_all, layer, eps=eps, dtype=dtype, **kw)
+    t = rms_norm(x_TD, norm_LD[layer], eps, dtype)
+    return moe(t, router_w_LED[layer], router_b_LE[layer], experts_all, layer=layer, impl=impl, **kw)

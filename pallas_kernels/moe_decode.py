@@ -265,17 +265,46 @@ def activation_shift(limit: float) -> int:
     return 14 - math.ceil(math.log2(max(limit, 1.0) * (limit + 1.0)))
 
 
-def _gate_up_gemv_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, tok_ref, xs_ref, x_ref, wq_ref, ws_ref,
-                         bias_ref, a_ref, *, bm, bn, nb, G, I, f16, limit, alpha, a_shift, prefetch, interpret):
+def _routed_pair(logits_ref, layer_ref, s, k: int, E: int):
+    """Pair `s` = token s // k and its (s % k)-th best expert, routed in-kernel from the token's logits
+    (`moe_route`): the expert's row in the flat `[L * E]` expert axis and its softmax weight over the k best.
+    Repeated argmax takes ties in lower-id order, as `lax.top_k` does."""
+    ids = jnp.arange(1 << (E - 1).bit_length())
+    logits = plt.load(logits_ref.at[s // k, pl.ds(0, ids.shape[0])], mask=ids < E, other=-jnp.inf)
+    top, j = jnp.max(logits), s % k
+    chosen, value, total = jnp.int32(0), top, jnp.float32(0.0)
+    for i in range(k):
+        best, v = jnp.argmax(logits).astype(jnp.int32), jnp.max(logits)
+        chosen, value = jnp.where(i == j, best, chosen), jnp.where(i == j, v, value)
+        total = total + jnp.exp(v - top)
+        logits = jnp.where(ids == best, -jnp.inf, logits)
+    return layer_ref[0] * E + chosen, jnp.exp(value - top) / total
+
+
+def _slot_program(slot_refs, route, bm: int, body):
+    """Run `body(e, r0, rows, tok, weight)` for this program's slot (`tok(r)`, `weight(r)`: row r's token and
+    routing weight). From `dispatch`'s slot arrays, `slot_refs` = (expert, start, rows, per-pair operand: the
+    token for gate/up, the weight for down, so both callables read it); with `route` = (k, E) and `slot_refs` =
+    (logits, layer), one pair per program (bm = 1), routed in-kernel."""
     s = pl.program_id(0)
-    n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
+    if route is not None:
+        e, w = _routed_pair(*slot_refs, s, *route)
+        return body(e, s, 1, lambda r: s // route[0], lambda r: w)
+    slot_e_ref, slot_start_ref, slot_rows_ref, pair_ref = slot_refs
     rows = slot_rows_ref[s]
 
     @pl.when(rows > 0)
     def _():
-        e = slot_e_ref[s]
         r0 = slot_start_ref[s]
-        toks = [tok_ref[r0 + r] for r in range(bm)]
+        body(slot_e_ref[s], r0, rows, lambda r: pair_ref[r0 + r], lambda r: pair_ref[r0 + r])
+
+
+def _gate_up_gemv_kernel(*refs, route, bm, bn, nb, G, I, f16, limit, alpha, a_shift, prefetch, interpret):
+    slot_refs, (xs_ref, x_ref, wq_ref, ws_ref, bias_ref, a_ref) = refs[:-6], refs[-6:]
+    n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
+
+    def program(e, r0, rows, tok, _):
+        toks = [tok(r) for r in range(bm)]
 
         def load(i):
             b0 = i * nb
@@ -311,17 +340,14 @@ def _gate_up_gemv_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, tok_ref, xs_
             plt.store(a_ref.at[r0 + r, cols], (act * 2.0 ** a_shift).astype(a_ref.dtype),
                       mask=jnp.full((bn,), r < rows))
 
+    _slot_program(slot_refs, route, bm, program)
 
-def _down_gemv_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, w_ref, a_ref, wq_ref, ws_ref, bias_ref,
-                      y_ref, *, bm, bn, nb, G, f16, out_scale, prefetch, interpret):
-    s = pl.program_id(0)
+
+def _down_gemv_kernel(*refs, route, bm, bn, nb, G, f16, out_scale, prefetch, interpret):
+    slot_refs, (a_ref, wq_ref, ws_ref, bias_ref, y_ref) = refs[:-5], refs[-5:]
     n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
-    rows = slot_rows_ref[s]
 
-    @pl.when(rows > 0)
-    def _():
-        e = slot_e_ref[s]
-        r0 = slot_start_ref[s]
+    def program(e, r0, rows, _, weight):
 
         def load(i):
             b0 = i * nb
@@ -340,30 +366,28 @@ def _down_gemv_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, w_ref, a_ref, w
         acc = _gemv_steps(load, pl.cdiv(G, nb), compute, [jnp.zeros((bn, nb), jnp.float32)] * bm, prefetch)
         b = bias_ref[e, pl.ds(n0, bn)].astype(jnp.float32)
         for r in range(bm):
-            y = (jnp.sum(acc[r], axis=1) * out_scale + b) * w_ref[r0 + r]
+            y = (jnp.sum(acc[r], axis=1) * out_scale + b) * weight(r)
             plt.store(y_ref.at[r0 + r, pl.ds(n0, bn)], y, mask=jnp.full((bn,), r < rows))
 
+    _slot_program(slot_refs, route, bm, program)
 
-def _run_gemv(call, x_TD, tok_p, w_p, slot_e, slot_start, slot_rows, kexp: KernelExperts, *, R, f16, swiglu_limit,
+
+def _run_gemv(call, x, xs, gate_slots, down_slots, S: int, kexp: KernelExperts, *, route, R, f16, swiglu_limit,
               swiglu_alpha, block_m, block_n, block_k, block_n_down, prefetch, interpret):
-    """The two GEMV kernels on dispatched pairs; returns y [R = P + block_m, D] f32 in sorted order."""
-    T, D = x_TD.shape
+    """The two GEMV kernels over S slots (`_slot_program`: `gate_slots` / `down_slots` are their slot operands)
+    and the activation operand (`x` words, per-token factors `xs`: `half_pairs` for f16, f32 phases and 2^14
+    otherwise); returns y [R, D] f32 in slot order."""
     E, _, I, _ = kexp.gu_words.shape
-    S, bm = slot_e.shape[0], block_m
+    D = kexp.dn_words.shape[1]
+    bm = block_m
     bn, bn2, nb = _pick_bn(I // 2, block_n), _pick_bn(D, block_n_down), block_k // 32
-    if f16:
-        x, xs = half_pairs(x_TD)
-        a_shift, a_dtype = activation_shift(swiglu_limit), jnp.float16
-    else:
-        x = to_phases(x_TD.astype(jnp.float32)).reshape(T, 8, D // 32, 4)
-        xs, a_shift, a_dtype = jnp.full((T,), 2.0 ** F16_SHIFT, jnp.float32), 0, jnp.float32
-    kern = dict(bm=bm, f16=f16, prefetch=prefetch, interpret=interpret)
+    a_shift, a_dtype = (activation_shift(swiglu_limit), jnp.float16) if f16 else (0, jnp.float32)
+    kern = dict(route=route, bm=bm, f16=f16, prefetch=prefetch, interpret=interpret)
     a = call(functools.partial(_gate_up_gemv_kernel, bn=bn, nb=nb, G=D // 32, I=I, limit=swiglu_limit,
                                alpha=swiglu_alpha, a_shift=a_shift, **kern),
              grid=(S, I // bn), out_shape=jax.ShapeDtypeStruct((R, I), a_dtype),
              name="mxfp4_gate_up_swiglu_gemv16" if f16 else "mxfp4_gate_up_swiglu_gemv",
-             )(slot_e, slot_start, slot_rows, tok_p, xs, x, kexp.gu_words.reshape(E, 2, I, D // 32, 4),
-               kexp.gu_scales, kexp.gu_bias)
+             )(*gate_slots, xs, x, kexp.gu_words.reshape(E, 2, I, D // 32, 4), kexp.gu_scales, kexp.gu_bias)
     if f16:
         a = jax.lax.bitcast_convert_type(a.reshape(R, I // 2, 2), jnp.uint32).reshape(R, 4, I // 32, 4)
     else:
@@ -372,8 +396,26 @@ def _run_gemv(call, x_TD, tok_p, w_p, slot_e, slot_start, slot_rows, kexp: Kerne
                                   out_scale=2.0 ** (F16_SHIFT - a_shift), **kern),
                 grid=(S, D // bn2), out_shape=jax.ShapeDtypeStruct((R, D), jnp.float32),
                 name="mxfp4_down_gemv16" if f16 else "mxfp4_down_gemv",
-                )(slot_e, slot_start, slot_rows, w_p, a, kexp.dn_words.reshape(E, D, I // 32, 4),
-                  kexp.dn_scales, kexp.dn_bias)
+                )(*down_slots, a, kexp.dn_words.reshape(E, D, I // 32, 4), kexp.dn_scales, kexp.dn_bias)
+
+
+def run_routed(words, xs, logits_TE, layer, kexp_flat: KernelExperts, *, top_k: int, swiglu_limit, swiglu_alpha,
+               block_n, block_k, block_n_down, num_warps, num_stages, prefetch, interpret=None, **_):
+    """The `gemv16` kernels routing in-kernel (`_routed_pair`): one program row per (token, k-th best expert)
+    pair, read from the router logits `[T, E]` of layer `layer` (traced) of the flat `[L * E]` experts;
+    `words`, `xs`: `half_pairs` of the normed tokens. Returns y `[T * k, D]` f32, pairs in token order.
+    Takes `decode_config`'s gemv16 settings (`**_`: its kernel and block_m)."""
+    T, E = logits_TE.shape
+    P = T * top_k
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    call = functools.partial(pl.pallas_call, compiler_params=plt.CompilerParams(num_warps=num_warps,
+                                                                                num_stages=num_stages),
+                             interpret=interpret)
+    slots = (logits_TE, jnp.asarray(layer, jnp.int32).reshape(1))
+    return _run_gemv(call, words, xs, slots, slots, P, kexp_flat, route=(top_k, E), R=P, f16=True,
+                     swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha, block_m=1, block_n=block_n,
+                     block_k=block_k, block_n_down=block_n_down, prefetch=prefetch, interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -520,12 +562,13 @@ _STATIC = ("swiglu_limit", "swiglu_alpha", "kernel", "block_m", "block_n", "bloc
 
 def run_kernels(x_TD, tok_sorted, w_sorted, slot_e, slot_start, slot_rows, kexp: KernelExperts, *,
                 swiglu_limit, swiglu_alpha, kernel, block_m, block_n, block_k, block_n_down, num_warps,
-                num_stages, swap=False, prefetch=True, interpret=None):
+                num_stages, swap=False, prefetch=True, interpret=None, operand=None):
     """The two Pallas kernels on dispatched pairs; returns y [P + block_m, D] f32 in sorted order.
 
-    block_k counts weights along K (gemv: block_k / 32 blocks per step; mma: block_k / 8 words)."""
-    T, D = x_TD.shape
+    block_k counts weights along K (gemv: block_k / 32 blocks per step; mma: block_k / 8 words). `operand`:
+    the `gemv16` kernels' `half_pairs(x_TD)` already made (by `moe_route`), in place of `x_TD`."""
     E, _, I, _ = kexp.gu_words.shape
+    D = kexp.dn_words.shape[1]
     P = tok_sorted.shape[0]
     bm = block_m
     bn = _pick_bn(I, block_n)
@@ -541,17 +584,22 @@ def run_kernels(x_TD, tok_sorted, w_sorted, slot_e, slot_start, slot_rows, kexp:
     call = functools.partial(pl.pallas_call, compiler_params=params, interpret=interpret)
 
     if kernel in ("gemv", "gemv16"):
-        return _run_gemv(call, x_TD, tok_p, w_p, slot_e, slot_start, slot_rows, kexp, R=P + bm, f16=kernel == "gemv16",
-                         swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha, block_m=bm, block_n=block_n,
-                         block_k=block_k, block_n_down=block_n_down, prefetch=prefetch, interpret=interpret)
+        if operand is None:
+            operand = half_pairs(x_TD) if kernel == "gemv16" else (
+                to_phases(x_TD.astype(jnp.float32)).reshape(-1, 8, D // 32, 4),
+                jnp.full(x_TD.shape[:1], 2.0 ** F16_SHIFT, jnp.float32))
+        return _run_gemv(call, *operand, (slot_e, slot_start, slot_rows, tok_p), (slot_e, slot_start, slot_rows, w_p),
+                         S, kexp, route=None, R=P + bm, f16=kernel == "gemv16", swiglu_limit=swiglu_limit,
+                         swiglu_alpha=swiglu_alpha, block_m=bm, block_n=block_n, block_k=block_k,
+                         block_n_down=block_n_down, prefetch=prefetch, interpret=interpret)
 
     kw = block_k // 8
     # Tensor-core operands in bf16; fp32 models (the exactness mode) keep fp32 operands throughout.
-    operand = jnp.float32 if x_TD.dtype == jnp.float32 else jnp.bfloat16
-    x8 = to_phases(x_TD.astype(operand))
+    op_dtype = jnp.float32 if x_TD.dtype == jnp.float32 else jnp.bfloat16
+    x8 = to_phases(x_TD.astype(op_dtype))
     a = call(functools.partial(_gate_up_mma_kernel, bm=bm, bn=bn, kw=kw, W=D // 8, limit=swiglu_limit,
                                alpha=swiglu_alpha, swap=swap),
-             grid=(S, I // bn), out_shape=jax.ShapeDtypeStruct((P + bm, I), operand),
+             grid=(S, I // bn), out_shape=jax.ShapeDtypeStruct((P + bm, I), op_dtype),
              name="mxfp4_gate_up_swiglu",
              )(slot_e, slot_start, slot_rows, tok_p, x8, kexp.gu_words, kexp.gu_scales, kexp.gu_bias)
     return call(functools.partial(_down_mma_kernel, bm=bm, bn=bn2, kw=kw, W=I // 8, swap=swap),

@@ -1,0 +1,140 @@
+"""The decode MoE's front end in one Pallas-Triton kernel: RMSNorm, router logits, and the half-precision
+activation words that `moe_decode`'s `gemv16` expert kernels read.
+
+Why: at a few tokens per step each of these steps moves kilobytes, yet as XLA fusions they were nine launches
+per layer (norm reduction, router dot, bias, top-k sort, softmax, the layer's expert offset, frexp, f16
+packing, index iotas) of 1-2.4 us each: ~13 us of a 20b layer's ~110 us at batch 1 on an H200
+(docs/BENCHMARKS.md §7b). Here they are one launch plus XLA's top-k and softmax on `[T, E]` logits.
+
+Backend: Pallas-Triton, like the `gemv16` kernels that consume its output: per-element bit work (the exponent
+of the row's largest value, f16 pairs packed into words), small reductions and gathers; and CPU interpret
+mode runs this exact kernel in CI.
+
+Grid (token, group of `EXPERTS_PER_PROGRAM` experts). A program loads its token's whole row and gain, its
+experts' router rows and biases at once (none of these addresses depends on a loaded value, so the program
+waits for one memory round trip: a first version that looped over the row in one program per token spent
+~14 us a layer in that loop's latency), then:
+- t = bf16((x * r) * gain) with r the RMS factor, as `rms_norm` rounds it; its f32 dot with the experts' rows;
+- e, the frexp exponent of the row's largest |t| (from its f32 bits), and its share of the words: t at
+  phase positions 8m + j and 8m + j + 4 (j < 4), re-read at those positions from L1/L2, times 2^(14 - e),
+  packed as f16 pairs, exactly `moe_decode.half_pairs`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from gptoss_jax.norm import rms_norm
+from pallas_kernels import moe_decode
+
+# Tokens per step up to which `applies`. H200, docs/BENCHMARKS.md §7b: the step is 12-14% faster at 1 token and
+# 8-9% at 4; at 16, where each of the ~10^4 GEMV programs routes its pair, it is 0-4% slower.
+MAX_TOKENS = 4
+
+
+def applies(T: int, k: int, E: int, dtype) -> bool:
+    """Whether the fused front end serves this step: bf16 models in the `gemv16` regime (`decode_config`),
+    at most `MAX_TOKENS` tokens."""
+    return dtype != jnp.float32 and T <= MAX_TOKENS and T * k <= 2 * E
+
+
+def reference(x_TD, gain_LD, router_w_LED, router_b_LE, layer, *, eps: float, dtype):
+    """What the kernel computes, with the model's own functions: the router logits `[T, E]` f32 (bias
+    included) and `moe_decode.half_pairs` of the normed rows (words `[T, 4, D/32, 4]` u32, factors `[T]` f32)."""
+    t = rms_norm(x_TD, gain_LD[layer], eps, dtype)
+    logits = jnp.einsum("td,ed->te", t, router_w_LED[layer], preferred_element_type=jnp.float32)
+    return (logits + router_b_LE[layer].astype(jnp.float32), *moe_decode.half_pairs(t))
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _kernel(layer_ref, x_ref, g_ref, rw_ref, rb_ref, logits_ref, words_ref, xs_ref, *, D, E, eb, mb, eps, dtype):
+    f32 = jnp.float32
+    t, s = pl.program_id(0), pl.program_id(1)
+    layer = layer_ref[0]
+    cols = jnp.arange(_pow2(D))
+    ok = cols < D
+    # every load below depends on no loaded value: one memory round trip for the whole program
+    x = plt.load(x_ref.at[t, pl.ds(0, _pow2(D))], mask=ok, other=0.0)
+    g = plt.load(g_ref.at[layer, pl.ds(0, _pow2(D))], mask=ok, other=0.0)
+    e_ids = s * eb + jnp.arange(eb)
+    w = plt.load(rw_ref.at[layer, pl.ds(s * eb, eb), pl.ds(0, _pow2(D))], mask=(e_ids < E)[:, None] & ok[None, :],
+                 other=0)
+    bias = plt.load(rb_ref.at[layer, pl.ds(s * eb, eb)], mask=e_ids < E, other=0)
+
+    r = jax.lax.rsqrt(jnp.sum(x * x) / D + eps)
+
+    def normed(xv, gv):  # rms_norm's rounding: (x * r) * gain in f32, then the model dtype
+        return ((xv * r) * gv.astype(f32)).astype(dtype).astype(f32)
+
+    tv = normed(x, g)
+    logits = jnp.sum(w.astype(f32) * tv[None, :], axis=1) + bias.astype(f32)
+    plt.store(logits_ref.at[t, pl.ds(s * eb, eb)], logits, mask=e_ids < E)
+
+    # frexp(amax) exponent e (amax < 2^e) from the f32 bits; 0 for an all-zero row, as jnp.frexp
+    amax = jnp.max(jnp.abs(tv))
+    bits = jax.lax.bitcast_convert_type(amax, jnp.int32)
+    e = jnp.where(amax > 0, jnp.maximum(((bits >> 23) & 255) - 126, -99), 0)
+    scale = jax.lax.bitcast_convert_type((141 - e) << 23, f32)  # 2^(14 - e)
+
+    @pl.when(s == 0)
+    def _():
+        xs_ref[t] = jax.lax.bitcast_convert_type((e + 127) << 23, f32)  # 2^e
+
+    # this program's words m: phases j and j + 4 of t[8m + ...] re-read at gathered positions (L1/L2)
+    jj, m = jnp.arange(4)[:, None], s * mb + jnp.arange(mb)[None, :]
+    in_row = jnp.broadcast_to(m < D // 8, (4, mb))
+
+    def half(offset):
+        d = 8 * m + jj + offset
+        tv = normed(plt.load(x_ref.at[t, d], mask=in_row, other=0.0), plt.load(g_ref.at[layer, d], mask=in_row, other=0.0))
+        return jax.lax.bitcast_convert_type((tv * scale).astype(jnp.float16), jnp.uint16).astype(jnp.uint32)
+
+    plt.store(words_ref.at[t, pl.ds(0, 4), pl.ds(s * mb, mb)], half(0) | (half(4) << 16), mask=in_row)
+
+
+EXPERTS_PER_PROGRAM = 4
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "dtype", "interpret"))
+def front(x_TD, gain_LD, router_w_LED, router_b_LE, layer, *, eps: float, dtype, interpret=None):
+    """`reference`'s outputs from one launch: grid (tokens, expert groups); each program norms its token's row
+    (all of it: the norm and the row's largest value need it), dots it with `EXPERTS_PER_PROGRAM` router rows
+    and packs its share of the words. `layer` may be traced."""
+    T, D = x_TD.shape
+    E = router_w_LED.shape[1]
+    groups = pl.cdiv(E, EXPERTS_PER_PROGRAM)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    logits, words, xs = pl.pallas_call(
+        functools.partial(_kernel, D=D, E=E, eb=EXPERTS_PER_PROGRAM, mb=_pow2(pl.cdiv(D // 8, groups)),
+                          eps=float(eps), dtype=jnp.dtype(dtype)),
+        grid=(T, groups), name="moe_route",
+        out_shape=(jax.ShapeDtypeStruct((T, E), jnp.float32), jax.ShapeDtypeStruct((T, 4, D // 8), jnp.uint32),
+                   jax.ShapeDtypeStruct((T,), jnp.float32)),
+        compiler_params=plt.CompilerParams(num_warps=8, num_stages=1), interpret=interpret,
+    )(jnp.asarray(layer, jnp.int32).reshape(1), x_TD.astype(jnp.float32), gain_LD, router_w_LED, router_b_LE)
+    return logits, words.reshape(T, 4, D // 32, 4), xs
+
+
+def moe(x_TD, gain_LD, router_w_LED, router_b_LE, kexp_all: moe_decode.KernelExperts, layer, *, top_k: int,
+        eps: float, dtype, swiglu_limit, swiglu_alpha, interpret=None):
+    """The decode MoE block on the fp32 residual stream `x_TD`: this kernel, then the two `gemv16` kernels on the
+    layer-stacked experts, each program routing its (token, expert) pair from the logits (top-k and softmax
+    in-kernel), then the sum over each token's experts.
+    Returns `[T, D]` in `dtype`, as `pallas_kernels.moe` on `rms_norm(x)` does."""
+    T, E = x_TD.shape[0], router_w_LED.shape[1]
+    logits, words, xs = front(x_TD, gain_LD, router_w_LED, router_b_LE, layer, eps=eps, dtype=dtype,
+                              interpret=interpret)
+    kexp = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), kexp_all)  # one flat expert axis: a free view
+    y = moe_decode.run_routed(words, xs, logits, layer, kexp, top_k=top_k, swiglu_limit=float(swiglu_limit),
+                              swiglu_alpha=float(swiglu_alpha), interpret=interpret,
+                              **moe_decode.decode_config(T, top_k, E, half=True))
+    return moe_decode.combine(y, None, None, T, top_k, dtype)

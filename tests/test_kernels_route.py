@@ -1,0 +1,104 @@
+"""The fused decode MoE front end (`moe_route`, CPU interpret mode) against its reference on fresh random inputs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels
+from gptoss_jax.params import Experts
+from pallas_kernels import moe_decode, moe_route
+
+EPS = 1e-5
+
+
+def _inputs(rng, T, E, D, L):
+    scale = np.geomspace(1e-2, 1e4, T)[:, None]  # rows whose largest |t| spans many f16 exponents
+    x = rng.normal(size=(T, D)) * scale
+    if T >= 3:
+        x[1] = 0.0  # an all-zero row: t = +-0, logits = bias, factor 1
+    gain = rng.normal(size=(L, D))
+    router = rng.normal(size=(L, E, D)) * 0.05
+    bias = rng.normal(size=(L, E))
+    return (jnp.asarray(x, jnp.float32), jnp.asarray(gain, jnp.float32), jnp.asarray(router, jnp.bfloat16),
+            jnp.asarray(bias, jnp.bfloat16))
+
+
+@pytest.mark.parametrize("T, E, D, L", [(1, 32, 2880, 3), (5, 12, 96, 2), (16, 128, 256, 2), (3, 3, 64, 1)])
+def test_front_kernel_matches_reference(T, E, D, L):
+    """Activation words and factors bit-exact; logits to f32 summation order."""
+    x, gain, router, bias = _inputs(np.random.default_rng(T * E), T, E, D, L)
+    layer = jnp.int32(L - 1)
+    logits, words, xs = (np.asarray(a) for a in moe_route.front(x, gain, router, bias, layer, eps=EPS,
+                                                                 dtype=jnp.bfloat16))
+    ref = moe_route.reference(x, gain, router, bias, layer, eps=EPS, dtype=jnp.bfloat16)
+    np.testing.assert_allclose(logits, np.asarray(ref[0]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(words, np.asarray(ref[1]))
+    np.testing.assert_array_equal(xs, np.asarray(ref[2]))
+    if T >= 3:
+        assert (words[1] & 0x7FFF7FFF == 0).all() and xs[1] == 1.0  # halves of +-0
+        np.testing.assert_array_equal(logits[1], np.asarray(bias[L - 1], np.float32))
+
+
+def _experts(rng, L, E, D, I):
+    u8 = lambda *s: jnp.asarray(rng.integers(0, 256, s, dtype=np.uint8))
+    sc = lambda *s: jnp.asarray(rng.integers(117, 129, s, dtype=np.uint8))
+    return Experts(gate_up_blocks=u8(L, E, 2 * I, D // 32, 16), gate_up_scales=sc(L, E, 2 * I, D // 32),
+                   gate_up_bias=jnp.asarray(rng.normal(size=(L, E, 2 * I)), jnp.bfloat16),
+                   down_blocks=u8(L, E, D, I // 32, 16), down_scales=sc(L, E, D, I // 32),
+                   down_bias=jnp.asarray(rng.normal(size=(L, E, D)), jnp.bfloat16))
+
+
+def test_moe_block_takes_the_fused_front_end_and_matches_reference(monkeypatch):
+    """`pallas_kernels.moe_block` at decode sizes of a bf16 model: the fused front end runs (spied), and the
+    layer's output matches the reference's norm + route + experts on the same stacked weights."""
+    rng = np.random.default_rng(7)
+    T, E, k, D, I, L = 3, 8, 2, 64, 64, 2
+    x, gain, router, bias = _inputs(rng, T, E, D, L)
+    x = x / jnp.max(jnp.abs(x), axis=1, keepdims=True).clip(1e-6)  # residual-stream magnitudes
+    ex = _experts(rng, L, E, D, I)
+    calls = []
+    spy = moe_route.front
+    monkeypatch.setattr(moe_route, "front", lambda *a, **kw: calls.append(1) or spy(*a, **kw))
+    kw = dict(eps=EPS, dtype=jnp.bfloat16, top_k=k, swiglu_limit=7.0, swiglu_alpha=1.702)
+    for layer in range(L):
+        got = pallas_kernels.moe_block(x, gain, router, bias, moe_decode.prepare_experts(ex), jnp.int32(layer),
+                                       impl="pallas", **kw)
+        ref = pallas_kernels.moe_block(x, gain, router, bias, ex, jnp.int32(layer), impl="reference", **kw)
+        assert got.dtype == ref.dtype == jnp.bfloat16
+        a, b = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2
+    assert len(calls) == L
+
+
+def test_fused_front_end_regime():
+    """bf16 models, up to `MAX_TOKENS` (4) tokens, and only while experts average <= 2 routed rows (the
+    `gemv16` regime)."""
+    assert moe_route.applies(1, 4, 32, jnp.bfloat16) and moe_route.applies(4, 4, 32, jnp.bfloat16)
+    assert not moe_route.applies(5, 4, 128, jnp.bfloat16)
+    assert not moe_route.applies(1, 4, 32, jnp.float32)
+    assert not moe_route.applies(4, 4, 4, jnp.bfloat16)
+
+
+def test_in_kernel_routing_matches_dispatched_pairs():
+    """The `gemv16` kernels routing each pair from the logits give what they give on `lax.top_k`'s pairs,
+    ties included (experts 2 and 5 share a logit: the lower id is the better, as in `lax.top_k`)."""
+    rng = np.random.default_rng(9)
+    T, E, k, D, I, L = 4, 8, 3, 64, 64, 2
+    logits = rng.normal(size=(T, E)).astype(np.float32)
+    logits[:, 5] = logits[:, 2] = logits.max(axis=1) + 1.0
+    logits = jnp.asarray(logits)
+    kexp = moe_decode.prepare_experts(_experts(rng, L, E, D, I))
+    flat = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), kexp)
+    x = jnp.asarray(rng.normal(size=(T, D)), jnp.bfloat16)
+    cfg = moe_decode.decode_config(T, k, E, half=True)
+    kw = dict(swiglu_limit=7.0, swiglu_alpha=1.702)
+    vals, idx = jax.lax.top_k(logits, k)
+    assert (np.asarray(idx)[:, :2] == [2, 5]).all()
+    want = moe_decode.experts_forward(x, idx, jax.nn.softmax(vals, axis=-1), kexp, jnp.int32(1), **kw, **cfg)
+    words, xs = moe_decode.half_pairs(x)
+    y = moe_decode.run_routed(words, xs, logits, jnp.int32(1), flat, top_k=k, **kw, **cfg)
+    got = moe_decode.combine(y, None, None, T, k, jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
+    assert np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32)).max() <= 2 ** -7 * np.abs(
+        np.asarray(want, np.float32)).max()
