@@ -562,11 +562,10 @@ _STATIC = ("swiglu_limit", "swiglu_alpha", "kernel", "block_m", "block_n", "bloc
 
 def run_kernels(x_TD, tok_sorted, w_sorted, slot_e, slot_start, slot_rows, kexp: KernelExperts, *,
                 swiglu_limit, swiglu_alpha, kernel, block_m, block_n, block_k, block_n_down, num_warps,
-                num_stages, swap=False, prefetch=True, interpret=None, operand=None):
+                num_stages, swap=False, prefetch=True, interpret=None):
     """The two Pallas kernels on dispatched pairs; returns y [P + block_m, D] f32 in sorted order.
 
-    block_k counts weights along K (gemv: block_k / 32 blocks per step; mma: block_k / 8 words). `operand`:
-    the `gemv16` kernels' `half_pairs(x_TD)` already made (by `moe_route`), in place of `x_TD`."""
+    block_k counts weights along K (gemv: block_k / 32 blocks per step; mma: block_k / 8 words)."""
     E, _, I, _ = kexp.gu_words.shape
     D = kexp.dn_words.shape[1]
     P = tok_sorted.shape[0]
@@ -584,10 +583,9 @@ def run_kernels(x_TD, tok_sorted, w_sorted, slot_e, slot_start, slot_rows, kexp:
     call = functools.partial(pl.pallas_call, compiler_params=params, interpret=interpret)
 
     if kernel in ("gemv", "gemv16"):
-        if operand is None:
-            operand = half_pairs(x_TD) if kernel == "gemv16" else (
-                to_phases(x_TD.astype(jnp.float32)).reshape(-1, 8, D // 32, 4),
-                jnp.full(x_TD.shape[:1], 2.0 ** F16_SHIFT, jnp.float32))
+        operand = half_pairs(x_TD) if kernel == "gemv16" else (
+            to_phases(x_TD.astype(jnp.float32)).reshape(-1, 8, D // 32, 4),
+            jnp.full(x_TD.shape[:1], 2.0 ** F16_SHIFT, jnp.float32))
         return _run_gemv(call, *operand, (slot_e, slot_start, slot_rows, tok_p), (slot_e, slot_start, slot_rows, w_p),
                          S, kexp, route=None, R=P + bm, f16=kernel == "gemv16", swiglu_limit=swiglu_limit,
                          swiglu_alpha=swiglu_alpha, block_m=bm, block_n=block_n, block_k=block_k,

@@ -4,7 +4,8 @@ activation words that `moe_decode`'s `gemv16` expert kernels read.
 Why: at a few tokens per step each of these steps moves kilobytes, yet as XLA fusions they were nine launches
 per layer (norm reduction, router dot, bias, top-k sort, softmax, the layer's expert offset, frexp, f16
 packing, index iotas) of 1-2.4 us each: ~13 us of a 20b layer's ~110 us at batch 1 on an H200
-(docs/BENCHMARKS.md §7b). Here they are one launch plus XLA's top-k and softmax on `[T, E]` logits.
+(docs/BENCHMARKS.md §7b). Here they are one launch; top-k and softmax run in the `gemv16` kernels, which
+route their own pairs from the `[T, E]` logits (`moe_decode._routed_pair`).
 
 Backend: Pallas-Triton, like the `gemv16` kernels that consume its output: per-element bit work (the exponent
 of the row's largest value, f16 pairs packed into words), small reductions and gathers; and CPU interpret
