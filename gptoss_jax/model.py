@@ -90,11 +90,12 @@ def _write_targets(table_BM: jax.Array, positions_BT: jax.Array, write_from_B: j
 
 def _attention(cfg: ModelConfig, stacked: dict, per_layer: dict, layer, x_BTD, cos, sin, k_all, v_all, idx, table_BM,
                write_page_BT, write_slot_BT, positions_BT, *, window: int, impl: str, inspect: bool,
-               heads_axis: str | None):
+               heads_axis: str | None, fuse: bool):
     """One attention layer: project, write the new K/V into layer `idx` of the pool, attend through the table.
     Also returns the sink mass `[B, T, N]` when `inspect`. Runs on whatever heads and rows it is given: all
     of them on one device, a device's shard under a layout (`sharding.tensor_parallel`), where `heads_axis`
-    names the mesh axis the heads are split over, whose partial output projections are summed here.
+    names the mesh axis the heads are split over, whose partial output projections are summed here. `fuse`
+    (decode on one device with the kernels) takes `pallas_kernels.attention_new_token`.
 
     `stacked` holds every layer's projection weights (`q_w`, ...) and `layer` says which, as for the
     experts: the decode kernel reads them in place instead of the scan copying each layer's ~53 MB out
@@ -108,19 +109,26 @@ def _attention(cfg: ModelConfig, stacked: dict, per_layer: dict, layer, x_BTD, c
         return y.reshape(B, T, -1)
 
     t = rms_norm(x_BTD, per_layer["attn_norm"], cfg.rms_norm_eps, dtype)
-    # q, k and v in one kernel launch for decode rows: k and v alone cost a launch's latency, not their bytes
-    q, k, v = (y.astype(dtype).reshape(B, T, -1, H) for y in pallas_kernels.linear_many(
-        t.reshape(B * T, -1), [stacked[f"{n}_w"] for n in "qkv"], [per_layer[f"{n}_b"] for n in "qkv"], layer,
-        impl=impl))
-    q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-    k_all = k_all.at[idx, write_page_BT, write_slot_BT].set(k)
-    v_all = v_all.at[idx, write_page_BT, write_slot_BT].set(v)
+    ws, bs = [stacked[f"{n}_w"] for n in "qkv"], [per_layer[f"{n}_b"] for n in "qkv"]
     # All layers' pools as one flat pool, with this layer's pages found by offsetting the table: a
     # reshape is free, while slicing layer `idx` out would copy its whole pool into the kernel call.
     pool_k, pool_v = (a.reshape(-1, *a.shape[2:]) for a in (k_all, v_all))
-    table_BM = table_BM + idx * k_all.shape[1]
+    page_offset = idx * k_all.shape[1]
     sinks = per_layer["sinks"]
-    o = pallas_kernels.attention(q, pool_k, pool_v, table_BM, positions_BT, sinks, window, impl=impl)
+    if fuse:  # decode with kernels: the projections' epilogue, RoPE and the cache write ride in the attention kernel
+        o, pool_k, pool_v = pallas_kernels.attention_new_token(
+            t.reshape(B, -1), ws, bs, layer, cos[:, 0], sin[:, 0], pool_k, pool_v, table_BM, page_offset,
+            positions_BT[:, 0], write_page_BT[:, 0], write_slot_BT[:, 0], sinks, window, null_page=NULL_PAGE)
+    else:
+        # q, k and v in one kernel launch for decode rows: k and v alone cost a launch's latency, not their bytes
+        q, k, v = (y.astype(dtype).reshape(B, T, -1, H)
+                   for y in pallas_kernels.linear_many(t.reshape(B * T, -1), ws, bs, layer, impl=impl))
+        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        pool_k = pool_k.at[page_offset + write_page_BT, write_slot_BT].set(k)
+        pool_v = pool_v.at[page_offset + write_page_BT, write_slot_BT].set(v)
+        o = pallas_kernels.attention(q, pool_k, pool_v, table_BM + page_offset, positions_BT, sinks, window,
+                                     impl=impl)
+    k_all, v_all = pool_k.reshape(k_all.shape), pool_v.reshape(v_all.shape)
     o = o.reshape(B, T, -1)
     if heads_axis is None:
         y = proj(o, "o", per_layer["o_b"])
@@ -130,7 +138,7 @@ def _attention(cfg: ModelConfig, stacked: dict, per_layer: dict, layer, x_BTD, c
     if not inspect:
         return y, k_all, v_all
     # A side computation for the record: the output stays the serving implementation's.
-    _, sink = attention_reference.attention(q, pool_k, pool_v, table_BM, positions_BT, sinks, window,
+    _, sink = attention_reference.attention(q, pool_k, pool_v, table_BM + page_offset, positions_BT, sinks, window,
                                             return_sink_mass=True)
     return y, k_all, v_all, sink
 
@@ -145,7 +153,9 @@ def _attention_block(cfg: ModelConfig, lp, dense_all, layer, x_BTD, cos, sin, k_
     stacked = {n: getattr(dense_all, n) for n in tensor_parallel.STACKED}
     per_layer = {n: getattr(lp, n) for n in tensor_parallel.PER_LAYER}
     heads_axis = tensor_parallel.heads_axis(layout, cfg.num_kv_heads) if layout is not None else None
-    block = functools.partial(_attention, cfg, window=window, impl=impl, inspect=inspect, heads_axis=heads_axis)
+    fuse = layout is None and not inspect and pallas_kernels.fuses_new_token(*x_BTD.shape[:2], impl)
+    block = functools.partial(_attention, cfg, window=window, impl=impl, inspect=inspect, heads_axis=heads_axis,
+                              fuse=fuse)
     if layout is not None:
         block = tensor_parallel.attention(layout, block, cfg.num_kv_heads, inspect)
     y, k_all, v_all, *sink = block(stacked, per_layer, layer, x_BTD, cos, sin, k_all, v_all, idx, table_BM,

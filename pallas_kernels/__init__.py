@@ -1,6 +1,7 @@
 """The hot operations of gpt-oss, each with a pure-JAX reference beside its Pallas kernels.
 
-`attention`, `moe_block` (norm + `moe`), `linear`, `linear_many` (several weights of one input) and (for expert
+`attention`, `attention_new_token` (decode: q/k/v projections, RoPE, cache write and attention), `moe_block` (norm +
+`moe`), `linear`, `linear_many` (several weights of one input) and (for expert
 parallelism, where routing and dispatch happen outside) `experts` are the only entry points the model calls; `impl`
 picks the implementation: `"pallas"` (the kernels; the default on GPUs) or `"reference"` (pure JAX; the
 default elsewhere, since the Pallas-Triton kernels only lower for GPUs and would run interpreted). The
@@ -113,26 +114,50 @@ def attention(q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sin
     return kernel.attention(*args)
 
 
+def fuses_new_token(B: int, T: int, impl: str) -> bool:
+    """Whether decode (T = 1) takes `attention_new_token`: with the kernels, up to `paged_attention.NEW_TOKEN_ROWS`."""
+    return check_impl(impl) == "pallas" and T == 1 and B <= paged_attention.NEW_TOKEN_ROWS
+
+
+def attention_new_token(t_BI, ws_LOI, bs_O, layer, cos_BF, sin_BF, k_pages_PSKH, v_pages_PSKH, block_tables_BM,
+                        page_offset, q_pos_B, write_page_B, write_slot_B, sinks_N, window: int, *, null_page: int):
+    """Decode with the kernels, one token per row: the q, k and v projections of the normed `t_BI` (weights
+    stacked over layers, `linear_partials`), then `paged_attention.attention_new_token` (their sums, biases and
+    RoPE, the cache write and the attention in one launch) -> (`[B, 1, N, H]`, k pages, v pages)."""
+    parts = linear_partials(t_BI, ws_LOI, layer, impl="pallas")
+    return paged_attention.attention_new_token(parts, tuple(bs_O), cos_BF, sin_BF, k_pages_PSKH, v_pages_PSKH,
+                                               block_tables_BM, page_offset, q_pos_B, write_page_B, write_slot_B,
+                                               sinks_N, window, null_page=null_page)
+
+
 def linear(x_TI, w_LOI, b_O, layer, *, impl: str = "reference"):
     """`x @ w[layer].T + b` in fp32, for a weight stacked over layers: `linear_many` of one weight."""
     return linear_many(x_TI, (w_LOI,), (b_O,), layer, impl=impl)[0]
 
 
 def linear_many(x_TI, ws_LOI, bs_O, layer, *, impl: str = "reference"):
-    """`linear` of the same x by several weights (q, k, v) -> a tuple. On Hopper from `linear_mosaic.MIN_ROWS`
-    to 256 rows the Mosaic kernel runs all weights in one launch. Elsewhere the Triton kernel: up to `FUSE_ROWS`
-    rows in one launch (small weights cost launch latency, not bytes), up to `MAX_ROWS` one launch each; beyond,
-    XLA's GEMM amortises its copy of the layer slice."""
+    """`linear` of the same x by several weights (q, k, v) -> a tuple: `linear_partials` summed with the biases."""
+    parts = linear_partials(x_TI, ws_LOI, layer, impl=impl)
+    return tuple(jnp.sum(y, axis=0) + b.astype(jnp.float32) for y, b in zip(parts, bs_O))
+
+
+def linear_partials(x_TI, ws_LOI, layer, *, impl: str = "reference"):
+    """`x @ w[layer].T` for each weight, as fp32 partial sums `[splits, T, O]` whose sum (plus the bias) the
+    consumer fuses. On Hopper from `linear_mosaic.MIN_ROWS` to 256 rows the Mosaic kernel runs all weights in
+    one launch (one split: it accumulates in place). Elsewhere the Triton kernel: up to `FUSE_ROWS` rows in one
+    launch (small weights cost launch latency, not bytes), up to `MAX_ROWS` one launch each; beyond, XLA's GEMM
+    amortises its copy of the layer slice."""
     T, I = x_TI.shape
     if (check_impl(impl) == "pallas" and linear_mosaic.available() and T >= linear_mosaic.MIN_ROWS
             and linear_mosaic.fits(T, I, ws_LOI[0].dtype)):
         cfg = linear_mosaic.config(T, I, [w.shape[1] for w in ws_LOI])
-        return linear_mosaic.linear_many(x_TI, tuple(ws_LOI), tuple(bs_O), layer, **cfg)
+        zeros = tuple(jnp.zeros(w.shape[1], jnp.float32) for w in ws_LOI)
+        return tuple(y[None] for y in linear_mosaic.linear_many(x_TI, tuple(ws_LOI), zeros, layer, **cfg))
     if impl == "pallas" and T <= linear_decode.MAX_ROWS:
         if T <= linear_decode.FUSE_ROWS:
-            return linear_decode.linear_many(x_TI, tuple(ws_LOI), tuple(bs_O), layer)
-        return tuple(linear_decode.linear(x_TI, w, b, layer) for w, b in zip(ws_LOI, bs_O))
-    return tuple(linear_decode.reference(x_TI, w, b, layer) for w, b in zip(ws_LOI, bs_O))
+            return linear_decode.partial_sums(x_TI, tuple(ws_LOI), layer)
+        return tuple(linear_decode.partial_sums(x_TI, (w,), layer)[0] for w in ws_LOI)
+    return tuple(linear_decode.reference(x_TI, w, jnp.zeros(w.shape[1], jnp.float32), layer)[None] for w in ws_LOI)
 
 
 def experts(x_TD, idx_TK, w_TK, experts_all, layer, valid_TK=None, *, swiglu_limit, swiglu_alpha,

@@ -86,12 +86,11 @@ def split_k(O: int, K: int, block_n: int, block_k: int, programs: int) -> tuple[
 
 @functools.partial(jax.jit, static_argnames=("block_n", "block_k", "programs", "num_warps", "num_stages",
                                              "interpret"))
-def linear_many(x_TI, ws_LOI, bs_O, layer, *, block_n=32, block_k=256, programs=528, num_warps=4, num_stages=3,
-                interpret=None):
-    """`reference(x_TI, w_LOI, b_O, layer)` for each weight of `ws_LOI` (same I and dtype) with its bias
-    from `bs_O`, in one launch, for T <= MAX_ROWS rows -> tuple of fp32 `[T, O]`. K is split over
-    programs (`split_k`, counting all weights' tiles); the partial sums and the biases are added by
-    the consumers' XLA fusions."""
+def partial_sums(x_TI, ws_LOI, layer, *, block_n=32, block_k=256, programs=528, num_warps=4, num_stages=3,
+                 interpret=None):
+    """`x_TI @ w[layer].T` for each weight of `ws_LOI` (same I and dtype), in one launch, for T <= MAX_ROWS
+    rows, as fp32 partial sums `[splits, T, O]` over the K splits (`split_k`, counting all weights' tiles):
+    summing them is left to the consumer, which fuses it with the bias and whatever comes next."""
     T, K = x_TI.shape
     Os = tuple(w.shape[1] for w in ws_LOI)
     assert T <= MAX_ROWS, T
@@ -104,13 +103,20 @@ def linear_many(x_TI, ws_LOI, bs_O, layer, *, block_n=32, block_k=256, programs=
     # Triton gives every weight's branch its own pipeline buffers: keep their sum within shared memory.
     stage_bytes = len(Os) * (rows + block_n) * block_k * jnp.dtype(ws_LOI[0].dtype).itemsize
     num_stages = max(1, min(num_stages, SMEM_BYTES // stage_bytes))
-    ys = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_kernel, rows=rows, bn=block_n, bk=block_k, per=per, K=K, Os=Os),
         grid=(tiles, splits),
         out_shape=tuple(jax.ShapeDtypeStruct((splits, T, O), jnp.float32) for O in Os),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="decode_linear" if len(Os) == 1 else f"decode_linear_x{len(Os)}",
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), x_TI.astype(ws_LOI[0].dtype), *ws_LOI)
+
+
+def linear_many(x_TI, ws_LOI, bs_O, layer, **config):
+    """`reference(x_TI, w_LOI, b_O, layer)` for each weight of `ws_LOI` with its bias from `bs_O`, in one
+    launch -> tuple of fp32 `[T, O]`: `partial_sums` (`config` as there), summed with the bias by the
+    consumers' XLA fusions."""
+    ys = partial_sums(x_TI, tuple(ws_LOI), layer, **config)
     return tuple(jnp.sum(y, axis=0) + b.astype(jnp.float32) for y, b in zip(ys, bs_O))
 
 

@@ -29,32 +29,28 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 NEG = -1e30
+NEW_TOKEN_ROWS = 256  # `attention_new_token` up to this many rows (one token each)
 
 
-def _kernel(bt_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, page_size,
-            pages_per_block, num_splits, max_pages, scale):
-    b = pl.program_id(0)
-    kh = pl.program_id(1)
-    sp = pl.program_id(2)
+def _attend(q, m, l, acc, lo, hi, b, kh, sp, bt_ref, k_ref, v_ref, *, page_size, pages_per_block, num_splits,
+            max_pages, scale, page_offset=0):
+    """Online softmax of the `[gp, H]` queries of KV head `kh` over split `sp`'s share of the key blocks
+    covering positions `[lo, hi)` of row `b`, continuing from `(m, l, acc)`. Pages are the table's entries
+    plus `page_offset` (a layer's first page in a pool of all layers)."""
     bkv = page_size * pages_per_block
-    lo = lo_ref[b]
-    hi = hi_ref[b]
     blk_lo = lo // bkv
     blk_hi = (hi + bkv - 1) // bkv
     nblk = jnp.maximum(blk_hi - blk_lo, 0)
     per = (nblk + num_splits - 1) // num_splits
     first = blk_lo + sp * per
     last = jnp.minimum(first + per, blk_hi)
-
-    gp, H = q_ref.shape[2], q_ref.shape[3]
-    q = q_ref[b, kh, :, :]  # [gp, H]
-    hcols = jnp.arange(H)[None, :]
+    hcols = jnp.arange(q.shape[1])[None, :]
 
     def body(blk, carry):
         m, l, acc = carry
         cols = blk * pages_per_block + jnp.arange(pages_per_block)
         pages = plt.load(bt_ref.at[b, pl.ds(blk * pages_per_block, pages_per_block)],
-                         mask=cols < max_pages, other=0)
+                         mask=cols < max_pages, other=0) + page_offset
         pos = blk * bkv + jnp.arange(bkv)
         ok = (pos >= lo) & (pos < hi)
         rows = (pages[:, None] * page_size + jnp.arange(page_size)[None, :]).reshape(bkv)
@@ -71,10 +67,15 @@ def _kernel(bt_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
         acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return m_new, l, acc
 
-    m0 = jnp.full((gp,), NEG, jnp.float32)
-    l0 = jnp.zeros((gp,), jnp.float32)
-    a0 = jnp.zeros((gp, H), jnp.float32)
-    m, l, acc = jax.lax.fori_loop(first, jnp.maximum(last, first), body, (m0, l0, a0))
+    return jax.lax.fori_loop(first, jnp.maximum(last, first), body, (m, l, acc))
+
+
+def _kernel(bt_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, **config):
+    b, kh, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    gp, H = q_ref.shape[2], q_ref.shape[3]
+    m, l, acc = _attend(q_ref[b, kh, :, :], jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32),
+                        jnp.zeros((gp, H), jnp.float32), lo_ref[b], hi_ref[b], b, kh, sp, bt_ref, k_ref, v_ref,
+                        **config)
     o_ref[b, kh, sp, :, :] = acc
     m_ref[b, kh, sp, :] = m
     l_ref[b, kh, sp, :] = l
@@ -84,6 +85,123 @@ def default_splits(B: int, K: int, max_pages: int, page_size: int, block_kv: int
     max_blocks = max(1, (max_pages * page_size) // block_kv)
     want = max(1, 1024 // (B * K))  # ~8 programs per SM on 132 SMs
     return int(max(1, min(want, max_blocks // 2, 32)))
+
+
+def _new_token_kernel(bt_ref, pos_ref, wpage_ref, wslot_ref, off_ref, qp_ref, kp_ref, vp_ref, qb_ref, kb_ref,
+                      vb_ref, cos_ref, sin_ref, k_ref, v_ref, o_ref, m_ref, l_ref, k_out, v_out, *, window, null_page,
+                      G, **config):
+    """`_kernel` for a row's new token, from its q/k/v projections' split-K partial sums: sums them with the
+    bias, rotates q and k (RoPE), writes k and v into the cache (split 0), and attends to the cached keys
+    plus the new one, which split 0 takes from registers (its slot is being written, so no split reads it).
+    A row whose write goes to the null page (padding, a prefix-cached position) reads its key from the cache."""
+    b, kh, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    gp, H = o_ref.shape[3], o_ref.shape[4]
+    dtype, half, S = k_ref.dtype, H // 2, config["page_size"]
+    p, page = pos_ref[b], wpage_ref[b]
+    fresh = (page != null_page) & (p >= 0)
+    here = fresh & (sp == 0)
+    h = jnp.arange(H)
+    first_half = h < half
+    partner = jnp.where(first_half, h + half, h - half)
+    c, sn = (plt.load(r.at[b, h % half]) for r in (cos_ref, sin_ref))
+
+    def project(parts_ref, bias_ref, cols, mask):  # the consumer half of `linear_decode.linear_many`
+        y = plt.load(parts_ref.at[0, b, cols], mask=mask, other=0)
+        for i in range(1, parts_ref.shape[0]):
+            y = y + plt.load(parts_ref.at[i, b, cols], mask=mask, other=0)
+        return (y + plt.load(bias_ref.at[cols], mask=mask, other=0).astype(jnp.float32)).astype(dtype)
+
+    def rope(x, x_partner):  # `rope.apply`: first half pairs with second half
+        return jnp.where(first_half, x * c - x_partner * sn, x * c + x_partner * sn)
+
+    g = jnp.arange(gp)[:, None]
+    g_ok = jnp.broadcast_to(g < G, (gp, H))
+    q = rope(*(project(qp_ref, qb_ref, (kh * G + g) * H + cols[None, :], g_ok) for cols in (h, partner)))
+    all_h = jnp.full((H,), True)
+    k_new = rope(*(project(kp_ref, kb_ref, kh * H + cols, all_h) for cols in (h, partner)))
+    v_new = project(vp_ref, vb_ref, kh * H + h, all_h)
+
+    @pl.when(here)
+    def _():
+        row = (off_ref[0] + page) * S + wslot_ref[b]
+        k_out[row, kh, :] = k_new
+        v_out[row, kh, :] = v_new
+
+    s_new = jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32)[None, :], axis=1) * config["scale"]
+    m = jnp.where(here, s_new, NEG)
+    l = jnp.zeros((gp,), jnp.float32) + here.astype(jnp.float32)
+    acc = jnp.where(here, jnp.broadcast_to(v_new.astype(jnp.float32)[None, :], (gp, H)), 0.0)
+    hi = jnp.where(p >= 0, p + 1, 0)
+    lo = jnp.maximum(hi - window, 0)
+    m, l, acc = _attend(q, m, l, acc, lo, hi - fresh.astype(jnp.int32), b, kh, sp, bt_ref, k_ref, v_ref,
+                        page_offset=off_ref[0], **config)
+    o_ref[b, kh, sp, :, :] = acc
+    m_ref[b, kh, sp, :] = m
+    l_ref[b, kh, sp, :] = l
+
+
+def _geometry(B, N, P, S, K, M, block_kv, num_splits):
+    """(G, gp, pages per block, splits) of a launch."""
+    G = N // K
+    gp = max(16, 1 << (G - 1).bit_length())
+    ppb = max(1, block_kv // S)
+    return G, gp, ppb, num_splits or default_splits(B, K, M, S, ppb * S)
+
+
+def _combine(o, m, l, sinks_N, G, dtype):
+    """Merge the splits' `(acc, max, sum)` `[B, K, splits, gp, ...]` and add the sink to the denominator:
+    out = sum_s e^(m_s - M) acc_s / (sum_s e^(m_s - M) l_s + e^(sink - M)) -> `[B, 1, N, H]`."""
+    B, K, _, _, H = o.shape
+    o, m, l = o[:, :, :, :G], m[:, :, :, :G], l[:, :, :, :G]
+    sink = sinks_N.astype(jnp.float32).reshape(1, K, 1, G)
+    mx = jnp.maximum(jnp.max(m, axis=2, keepdims=True), sink)  # [B, K, 1, G]
+    w = jnp.exp(m - mx)  # [B, K, ns, G]
+    num = jnp.sum(w[..., None] * o, axis=2)  # [B, K, G, H]
+    den = jnp.sum(w * l, axis=2) + jnp.exp(sink[:, :, 0] - mx[:, :, 0])  # [B, K, G]
+    return (num / den[..., None]).reshape(B, 1, K * G, H).astype(dtype)
+
+
+def _partials_shapes(B, K, ns, gp, H):
+    return (jax.ShapeDtypeStruct((B, K, ns, gp, H), jnp.float32), jax.ShapeDtypeStruct((B, K, ns, gp), jnp.float32),
+            jax.ShapeDtypeStruct((B, K, ns, gp), jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=("window", "null_page", "block_kv", "num_splits", "num_warps",
+                                             "num_stages", "interpret"))
+def attention_new_token(qkv_parts, qkv_bias, cos_BF, sin_BF, k_pages_PSKH, v_pages_PSKH, block_tables_BM,
+                        page_offset, q_pos_B, write_page_B, write_slot_B, sinks_N, window, *, null_page=0,
+                        block_kv=64, num_splits=None, num_warps=4, num_stages=3, interpret=None):
+    """One new token per row, from the split-K partial sums of its q, k and v projections
+    (`linear_decode.partial_sums`, each `[splits, B, heads * H]`) and their biases to its attention output
+    `[B, 1, N, H]`, writing its rotated k and v into the pools: the projections' epilogue (sum, bias, cast,
+    RoPE with `cos_BF`/`sin_BF` `[B, H/2]`), the cache write and the attention in one launch, where XLA
+    spends a dozen small kernels a layer on them. The pools (`[P, S, K, H]`, updated in place when
+    donated) may hold several layers: the table's pages are offset by `page_offset`, as is
+    `write_page_B` (`null_page` = no write); `write_slot_B` is the slot in the page.
+
+    The same function as projecting, `rope.apply`, writing both pools and `attention`."""
+    q_parts, k_parts, v_parts = qkv_parts
+    B = q_parts.shape[1]
+    P, S, K, H = k_pages_PSKH.shape
+    N = q_parts.shape[2] // H
+    M = block_tables_BM.shape[1]
+    G, gp, ppb, ns = _geometry(B, N, P, S, K, M, block_kv, num_splits)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
+    flat = [a.reshape(P * S, K, H) for a in (k_pages_PSKH, v_pages_PSKH)]
+    o, m, l, k_flat, v_flat = pl.pallas_call(
+        functools.partial(_new_token_kernel, window=min(int(window), 2**31 - 1), null_page=null_page, G=G,
+                          page_size=S, pages_per_block=ppb, num_splits=ns, max_pages=M, scale=H ** -0.5),
+        grid=(B, K, ns),
+        out_shape=(*_partials_shapes(B, K, ns, gp, H), *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in flat)),
+        input_output_aliases={13: 3, 14: 4},
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret, name="paged_decode_attention_new_token",
+    )(i32(block_tables_BM), i32(q_pos_B), i32(write_page_B), i32(write_slot_B), i32(page_offset).reshape(1),
+      q_parts, k_parts, v_parts, *qkv_bias, cos_BF, sin_BF, *flat)
+    out = _combine(o, m, l, sinks_N, G, k_pages_PSKH.dtype)
+    return out, k_flat.reshape(k_pages_PSKH.shape), v_flat.reshape(v_pages_PSKH.shape)
 
 
 @functools.partial(jax.jit, static_argnames=("window", "block_kv", "num_splits", "num_warps",
@@ -96,11 +214,7 @@ def attention(q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sin
         raise ValueError("paged_attention.attention is the decode kernel (T = 1)")
     P, S, K, _ = k_pages_PSKH.shape
     M = block_tables_BM.shape[1]
-    G = N // K
-    gp = max(16, 1 << (G - 1).bit_length())
-    ppb = max(1, block_kv // S)
-    bkv = ppb * S
-    ns = num_splits or default_splits(B, K, M, S, bkv)
+    G, gp, ppb, ns = _geometry(B, N, P, S, K, M, block_kv, num_splits)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
 
@@ -116,18 +230,8 @@ def attention(q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sin
         functools.partial(_kernel, page_size=S, pages_per_block=ppb, num_splits=ns, max_pages=M,
                           scale=H ** -0.5),
         grid=(B, K, ns),
-        out_shape=(jax.ShapeDtypeStruct((B, K, ns, gp, H), jnp.float32),
-                   jax.ShapeDtypeStruct((B, K, ns, gp), jnp.float32),
-                   jax.ShapeDtypeStruct((B, K, ns, gp), jnp.float32)),
+        out_shape=_partials_shapes(B, K, ns, gp, H),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="paged_decode_attention",
     )(block_tables_BM.astype(jnp.int32), lo, hi, q, k_flat, v_flat)
-
-    o, m, l = o[:, :, :, :G], m[:, :, :, :G], l[:, :, :, :G]
-    sink = sinks_N.astype(jnp.float32).reshape(1, K, 1, G)
-    mx = jnp.maximum(jnp.max(m, axis=2, keepdims=True), sink[:, :, :, :])  # [B, K, 1, G]
-    w = jnp.exp(m - mx)  # [B, K, ns, G]
-    num = jnp.sum(w[..., None] * o, axis=2)  # [B, K, G, H]
-    den = jnp.sum(w * l, axis=2) + jnp.exp(sink[:, :, 0] - mx[:, :, 0])  # [B, K, G]
-    out = num / den[..., None]
-    return out.reshape(B, 1, N, H).astype(q_BTNH.dtype)
+    return _combine(o, m, l, sinks_N, G, q_BTNH.dtype)

@@ -1,9 +1,14 @@
 """The Pallas paged decode and prefill attention kernels (CPU interpret mode) against the pure-JAX reference."""
 
+import json
+from pathlib import Path
+
 import numpy as np
 import jax.numpy as jnp
 import pytest
 
+from gptoss_jax import config, model, rope
+from gptoss_jax.random_weights import random_params
 from pallas_kernels import attention_reference, flash_attention, paged_attention
 
 FULL = 2**31 - 1
@@ -75,3 +80,85 @@ def test_prefill_flash_matches_reference(window, S, chunks, T, sink_scale, block
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
     pad = np.asarray(pos) < 0
     assert np.abs(out[pad]).max(initial=0.0) == 0.0
+
+
+def _new_token_reference(parts, biases, cos, sin, kp, vp, bt, off, pos, wpage, wslot, sinks, window):
+    """What the model does without the fused kernel: sum the partials with the bias, cast, RoPE, write the
+    pools at (page + off, slot), attend through the offset table."""
+    B, (P, S, K, H) = pos.shape[0], kp.shape
+    q, k, v = ((jnp.sum(y, 0) + b.astype(jnp.float32)).astype(kp.dtype).reshape(B, 1, -1, H)
+               for y, b in zip(parts, biases))
+    q, k = (rope.apply(a, cos[:, None], sin[:, None]) for a in (q, k))
+    kp, vp = kp.at[wpage + off, wslot].set(k[:, 0]), vp.at[wpage + off, wslot].set(v[:, 0])
+    return attention_reference.attention(q, kp, vp, bt + off, pos[:, None], sinks, window), kp, vp
+
+
+@pytest.mark.parametrize("window,S,splits,sink_scale", [(FULL, 8, 1, 1.0), (FULL, 8, 3, 1.0), (16, 4, 2, 30.0)])
+def test_new_token_attention_matches_reference(window, S, splits, sink_scale):
+    """Rows: fresh tokens at position 0, inside and past the window, a long context; a padding row; a row
+    whose position is prefix-cached (null-page write: its key comes from the cache). Layer 1 of a 2-layer pool."""
+    rng = np.random.default_rng(S * 10 + splits)
+    N, K, H, parts_n = 8, 2, 16, 3
+    pos = np.array([0, 5, 17, 61, -1, 40], np.int32)
+    B, M = len(pos), 64 // S + 1
+    P = B * M + 1  # pages per layer; page 0 is the null page
+    kp = jnp.asarray(rng.normal(size=(2 * P, S, K, H)), jnp.bfloat16)
+    vp = jnp.asarray(rng.normal(size=(2 * P, S, K, H)), jnp.bfloat16)
+    bt = rng.permutation(np.arange(1, P))[:B * M].reshape(B, M).astype(np.int32)
+    wpage = np.where(pos >= 0, bt[np.arange(B), np.maximum(pos, 0) // S], 0)
+    wpage[5] = 0  # prefix-cached: not written, read from the cache
+    wslot = np.maximum(pos, 0) % S
+    parts = tuple(jnp.asarray(rng.normal(size=(parts_n, B, n * H)), jnp.float32) for n in (N, K, K))
+    biases = tuple(jnp.asarray(rng.normal(size=(n * H,)), jnp.bfloat16) for n in (N, K, K))
+    angle = rng.uniform(0, 6.3, size=(B, H // 2))
+    cos, sin = (jnp.asarray(f(angle) * 1.3, jnp.bfloat16) for f in (np.cos, np.sin))
+    sinks = jnp.asarray(rng.normal(size=(N,)) * sink_scale, jnp.float32)
+    args = (jnp.asarray(bt), P, jnp.asarray(pos), jnp.asarray(wpage), jnp.asarray(wslot), sinks, window)
+    ref, ref_k, ref_v = _new_token_reference(parts, biases, cos, sin, kp, vp, *args)
+    out, got_k, got_v = paged_attention.attention_new_token(parts, biases, cos, sin, kp, vp, *args, block_kv=8,
+                                                            num_splits=splits, interpret=True)
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(out).all()
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
+    assert np.abs(out[4]).max() == 0.0  # the padding row
+    # Written where the reference writes, except the null page (the kernel skips those writes).
+    keep = np.ones(2 * P, bool)
+    keep[P] = False
+    for got, want, before in ((got_k, ref_k, kp), (got_v, ref_v, vp)):
+        got, want = np.asarray(got, np.float32)[keep], np.asarray(want, np.float32)[keep]
+        assert (want != np.asarray(before, np.float32)[keep]).any(axis=(1, 2, 3)).sum() == 4  # the fresh rows
+        np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
+
+
+def test_decode_step_takes_the_new_token_kernel_and_matches_reference(monkeypatch):
+    """A bf16 decode step of the tiny model with the kernels: each layer runs `attention_new_token` (spied), and
+    the hidden states and every written cache slot match the reference path's from the same cache."""
+    cfg = config.from_hf_dict(json.loads((Path(__file__).parent / "tiny_config.json").read_text()))
+    ref_params = random_params(cfg, seed=3)
+    kern_params = random_params(cfg, seed=3, impl="pallas")
+    S, B, ctx = 4, 2, 11  # row 1 is padding
+    cache = model.PagedKVCache.zeros(cfg, 9, 9, S, jnp.bfloat16)
+    table = jnp.asarray([[1, 2, 3, 4, 5], [6, 7, 8, 0, 0]], jnp.int32)
+    tables = model.PageTables(table, table, jnp.zeros((B,), jnp.int32))
+    rng = np.random.default_rng(0)
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, size=(B, ctx)), jnp.int32)
+    pos = jnp.asarray(np.stack([np.arange(ctx), np.full(ctx, -1)]), jnp.int32)
+    _, cache = model.forward(ref_params, cache, prompt, pos, tables, cfg)
+    step = (jnp.asarray([[7], [0]], jnp.int32), jnp.asarray([[ctx], [-1]], jnp.int32), tables)
+    calls = []
+    spy = paged_attention.attention_new_token
+    monkeypatch.setattr(paged_attention, "attention_new_token", lambda *a, **kw: calls.append(1) or spy(*a, **kw))
+    want, want_cache = model.forward(ref_params, cache, *step, cfg, impl="reference")
+    assert not calls
+    got, got_cache = model.forward(kern_params, cache, *step, cfg, impl="pallas")
+    assert len(calls) == cfg.num_layers
+    a, b = np.asarray(got[0], np.float64), np.asarray(want[0], np.float64)
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2
+    for name in ("k_sliding", "v_sliding", "k_full", "v_full"):
+        new, old = np.asarray(getattr(got_cache, name), np.float32), np.asarray(getattr(cache, name), np.float32)
+        ref = np.asarray(getattr(want_cache, name), np.float32)
+        slot = (slice(None), ctx // S + 1, ctx % S)  # page table[0][ctx // S], every layer
+        assert (new[slot] != old[slot]).all(axis=-1).any()
+        np.testing.assert_allclose(new[slot], ref[slot], rtol=2e-2, atol=2e-2)
+        new[slot], ref[slot] = 0, 0
+        np.testing.assert_array_equal(new[:, 1:], ref[:, 1:])  # nothing else written (page 0 is the null page)
