@@ -85,7 +85,7 @@ def test_prefill_flash_matches_reference(window, S, chunks, T, sink_scale, block
 def _new_token_reference(parts, biases, cos, sin, kp, vp, bt, off, pos, wpage, wslot, sinks, window):
     """What the model does without the fused kernel: sum the partials with the bias, cast, RoPE, write the
     pools at (page + off, slot), attend through the offset table."""
-    B, (P, S, K, H) = pos.shape[0], kp.shape
+    B, H = pos.shape[0], kp.shape[-1]
     q, k, v = ((jnp.sum(y, 0) + b.astype(jnp.float32)).astype(kp.dtype).reshape(B, 1, -1, H)
                for y, b in zip(parts, biases))
     q, k = (rope.apply(a, cos[:, None], sin[:, None]) for a in (q, k))

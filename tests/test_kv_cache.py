@@ -9,7 +9,7 @@ from gptoss_jax.kv_cache import KVCacheManager, OutOfPages, PagePool, SequencePa
 
 def test_pool_refcounts_and_lru_eviction():
     pool = PagePool(4, enable_prefix_caching=True)  # pages 1..3
-    a, b, c = pool.allocate(), pool.allocate(), pool.allocate()
+    a, b, _ = pool.allocate(), pool.allocate(), pool.allocate()
     with pytest.raises(OutOfPages):
         pool.allocate()
     pool.register(a, 111)

@@ -2,7 +2,6 @@ import subprocess
 import sys
 import json
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
