@@ -99,7 +99,8 @@ def _attention(cfg: ModelConfig, stacked: dict, per_layer: dict, layer, x_BTD, c
 
     `stacked` holds every layer's projection weights (`q_w`, ...) and `layer` says which, as for the
     experts: the decode kernel reads them in place instead of the scan copying each layer's ~53 MB out
-    first; `per_layer` holds this layer's norm gain, biases and sinks."""
+    first; `per_layer` holds this layer's norm gain, biases and sinks (with `fuse`, `stacked` also holds all
+    layers' q/k/v biases, which the kernel indexes in place of the scan slicing them)."""
     B, T, _ = x_BTD.shape
     H = cfg.head_dim
     dtype = k_all.dtype
@@ -117,7 +118,7 @@ def _attention(cfg: ModelConfig, stacked: dict, per_layer: dict, layer, x_BTD, c
     sinks = per_layer["sinks"]
     if fuse:  # decode with kernels: the projections' epilogue, RoPE and the cache write ride in the attention kernel
         o, pool_k, pool_v = pallas_kernels.attention_new_token(
-            t.reshape(B, -1), ws, bs, layer, cos[:, 0], sin[:, 0], pool_k, pool_v, table_BM, page_offset,
+            t.reshape(B, -1), ws, [stacked[f"{n}_b"] for n in "qkv"], layer, cos[:, 0], sin[:, 0], pool_k, pool_v, table_BM, page_offset,
             positions_BT[:, 0], write_page_BT[:, 0], write_slot_BT[:, 0], sinks, window, null_page=NULL_PAGE)
     else:
         # q, k and v in one kernel launch for decode rows: k and v alone cost a launch's latency, not their bytes
@@ -154,6 +155,8 @@ def _attention_block(cfg: ModelConfig, lp, dense_all, layer, x_BTD, cos, sin, k_
     per_layer = {n: getattr(lp, n) for n in tensor_parallel.PER_LAYER}
     heads_axis = tensor_parallel.heads_axis(layout, cfg.num_kv_heads) if layout is not None else None
     fuse = layout is None and not inspect and pallas_kernels.fuses_new_token(*x_BTD.shape[:2], impl)
+    if fuse:
+        stacked.update({f"{n}_b": getattr(dense_all, f"{n}_b") for n in "qkv"})
     block = functools.partial(_attention, cfg, window=window, impl=impl, inspect=inspect, heads_axis=heads_axis,
                               fuse=fuse)
     if layout is not None:

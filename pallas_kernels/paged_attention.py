@@ -30,6 +30,7 @@ from jax.experimental.pallas import triton as plt
 
 NEG = -1e30
 NEW_TOKEN_ROWS = 256  # `attention_new_token` up to this many rows (one token each)
+MAX_SPLITS = 32  # sequence splits per (row, KV head), at most
 
 
 def _attend(q, m, l, acc, lo, hi, b, kh, sp, bt_ref, k_ref, v_ref, *, page_size, pages_per_block, num_splits,
@@ -84,20 +85,21 @@ def _kernel(bt_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, **
 def default_splits(B: int, K: int, max_pages: int, page_size: int, block_kv: int) -> int:
     max_blocks = max(1, (max_pages * page_size) // block_kv)
     want = max(1, 1024 // (B * K))  # ~8 programs per SM on 132 SMs
-    return int(max(1, min(want, max_blocks // 2, 32)))
+    return int(max(1, min(want, max_blocks // 2, MAX_SPLITS)))
 
 
-def _new_token_kernel(bt_ref, pos_ref, wpage_ref, wslot_ref, off_ref, qp_ref, kp_ref, vp_ref, qb_ref, kb_ref,
+def _new_token_kernel(bt_ref, pos_ref, wpage_ref, wslot_ref, at_ref, qp_ref, kp_ref, vp_ref, qb_ref, kb_ref,
                       vb_ref, cos_ref, sin_ref, k_ref, v_ref, o_ref, m_ref, l_ref, k_out, v_out, *, window, null_page,
                       G, **config):
     """`_kernel` for a row's new token, from its q/k/v projections' split-K partial sums: sums them with the
-    bias, rotates q and k (RoPE), writes k and v into the cache (split 0), and attends to the cached keys
+    bias (row `at_ref[1]` of the stacked biases), rotates q and k (RoPE), writes k and v into the cache (split 0), and attends to the cached keys
     plus the new one, which split 0 takes from registers (its slot is being written, so no split reads it).
     A row whose write goes to the null page (padding, a prefix-cached position) reads its key from the cache."""
     b, kh, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     gp, H = o_ref.shape[3], o_ref.shape[4]
     dtype, half, S = k_ref.dtype, H // 2, config["page_size"]
     p, page = pos_ref[b], wpage_ref[b]
+    page_offset, layer = at_ref[0], at_ref[1]
     fresh = (page != null_page) & (p >= 0)
     here = fresh & (sp == 0)
     h = jnp.arange(H)
@@ -109,7 +111,7 @@ def _new_token_kernel(bt_ref, pos_ref, wpage_ref, wslot_ref, off_ref, qp_ref, kp
         y = plt.load(parts_ref.at[0, b, cols], mask=mask, other=0)
         for i in range(1, parts_ref.shape[0]):
             y = y + plt.load(parts_ref.at[i, b, cols], mask=mask, other=0)
-        return (y + plt.load(bias_ref.at[cols], mask=mask, other=0).astype(jnp.float32)).astype(dtype)
+        return (y + plt.load(bias_ref.at[layer, cols], mask=mask, other=0).astype(jnp.float32)).astype(dtype)
 
     def rope(x, x_partner):  # `rope.apply`: first half pairs with second half
         return jnp.where(first_half, x * c - x_partner * sn, x * c + x_partner * sn)
@@ -123,7 +125,7 @@ def _new_token_kernel(bt_ref, pos_ref, wpage_ref, wslot_ref, off_ref, qp_ref, kp
 
     @pl.when(here)
     def _():
-        row = (off_ref[0] + page) * S + wslot_ref[b]
+        row = (page_offset + page) * S + wslot_ref[b]
         k_out[row, kh, :] = k_new
         v_out[row, kh, :] = v_new
 
@@ -134,7 +136,7 @@ def _new_token_kernel(bt_ref, pos_ref, wpage_ref, wslot_ref, off_ref, qp_ref, kp
     hi = jnp.where(p >= 0, p + 1, 0)
     lo = jnp.maximum(hi - window, 0)
     m, l, acc = _attend(q, m, l, acc, lo, hi - fresh.astype(jnp.int32), b, kh, sp, bt_ref, k_ref, v_ref,
-                        page_offset=off_ref[0], **config)
+                        page_offset=page_offset, **config)
     o_ref[b, kh, sp, :, :] = acc
     m_ref[b, kh, sp, :] = m
     l_ref[b, kh, sp, :] = l
@@ -168,11 +170,12 @@ def _partials_shapes(B, K, ns, gp, H):
 
 @functools.partial(jax.jit, static_argnames=("window", "null_page", "block_kv", "num_splits", "num_warps",
                                              "num_stages", "interpret"))
-def attention_new_token(qkv_parts, qkv_bias, cos_BF, sin_BF, k_pages_PSKH, v_pages_PSKH, block_tables_BM,
+def attention_new_token(qkv_parts, qkv_bias_LO, layer, cos_BF, sin_BF, k_pages_PSKH, v_pages_PSKH, block_tables_BM,
                         page_offset, q_pos_B, write_page_B, write_slot_B, sinks_N, window, *, null_page=0,
                         block_kv=64, num_splits=None, num_warps=4, num_stages=3, interpret=None):
     """One new token per row, from the split-K partial sums of its q, k and v projections
-    (`linear_decode.partial_sums`, each `[splits, B, heads * H]`) and their biases to its attention output
+    (`linear_decode.partial_sums`, each `[splits, B, heads * H]`) and their biases (layer `layer` of
+    `qkv_bias_LO`, stacked over layers: no per-layer slice) to its attention output
     `[B, 1, N, H]`, writing its rotated k and v into the pools: the projections' epilogue (sum, bias, cast,
     RoPE with `cos_BF`/`sin_BF` `[B, H/2]`), the cache write and the attention in one launch, where XLA
     spends a dozen small kernels a layer on them. The pools (`[P, S, K, H]`, updated in place when
@@ -198,8 +201,8 @@ def attention_new_token(qkv_parts, qkv_bias, cos_BF, sin_BF, k_pages_PSKH, v_pag
         input_output_aliases={13: 3, 14: 4},
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="paged_decode_attention_new_token",
-    )(i32(block_tables_BM), i32(q_pos_B), i32(write_page_B), i32(write_slot_B), i32(page_offset).reshape(1),
-      q_parts, k_parts, v_parts, *qkv_bias, cos_BF, sin_BF, *flat)
+    )(i32(block_tables_BM), i32(q_pos_B), i32(write_page_B), i32(write_slot_B), i32(jnp.stack([page_offset, layer])),
+      q_parts, k_parts, v_parts, *qkv_bias_LO, cos_BF, sin_BF, *flat)
     out = _combine(o, m, l, sinks_N, G, k_pages_PSKH.dtype)
     return out, k_flat.reshape(k_pages_PSKH.shape), v_flat.reshape(v_pages_PSKH.shape)
 

@@ -82,12 +82,12 @@ def test_prefill_flash_matches_reference(window, S, chunks, T, sink_scale, block
     assert np.abs(out[pad]).max(initial=0.0) == 0.0
 
 
-def _new_token_reference(parts, biases, cos, sin, kp, vp, bt, off, pos, wpage, wslot, sinks, window):
+def _new_token_reference(parts, biases, layer, cos, sin, kp, vp, bt, off, pos, wpage, wslot, sinks, window):
     """What the model does without the fused kernel: sum the partials with the bias, cast, RoPE, write the
     pools at (page + off, slot), attend through the offset table."""
     B, H = pos.shape[0], kp.shape[-1]
     q, k, v = ((jnp.sum(y, 0) + b.astype(jnp.float32)).astype(kp.dtype).reshape(B, 1, -1, H)
-               for y, b in zip(parts, biases))
+               for y, b in zip(parts, (b[layer] for b in biases)))
     q, k = (rope.apply(a, cos[:, None], sin[:, None]) for a in (q, k))
     kp, vp = kp.at[wpage + off, wslot].set(k[:, 0]), vp.at[wpage + off, wslot].set(v[:, 0])
     return attention_reference.attention(q, kp, vp, bt + off, pos[:, None], sinks, window), kp, vp
@@ -109,13 +109,13 @@ def test_new_token_attention_matches_reference(window, S, splits, sink_scale):
     wpage[5] = 0  # prefix-cached: not written, read from the cache
     wslot = np.maximum(pos, 0) % S
     parts = tuple(jnp.asarray(rng.normal(size=(parts_n, B, n * H)), jnp.float32) for n in (N, K, K))
-    biases = tuple(jnp.asarray(rng.normal(size=(n * H,)), jnp.bfloat16) for n in (N, K, K))
+    biases = tuple(jnp.asarray(rng.normal(size=(3, n * H)), jnp.bfloat16) for n in (N, K, K))  # 3 layers
     angle = rng.uniform(0, 6.3, size=(B, H // 2))
     cos, sin = (jnp.asarray(f(angle) * 1.3, jnp.bfloat16) for f in (np.cos, np.sin))
     sinks = jnp.asarray(rng.normal(size=(N,)) * sink_scale, jnp.float32)
     args = (jnp.asarray(bt), P, jnp.asarray(pos), jnp.asarray(wpage), jnp.asarray(wslot), sinks, window)
-    ref, ref_k, ref_v = _new_token_reference(parts, biases, cos, sin, kp, vp, *args)
-    out, got_k, got_v = paged_attention.attention_new_token(parts, biases, cos, sin, kp, vp, *args, block_kv=8,
+    ref, ref_k, ref_v = _new_token_reference(parts, biases, 2, cos, sin, kp, vp, *args)
+    out, got_k, got_v = paged_attention.attention_new_token(parts, biases, 2, cos, sin, kp, vp, *args, block_kv=8,
                                                             num_splits=splits, interpret=True)
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     assert np.isfinite(out).all()
