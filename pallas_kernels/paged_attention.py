@@ -28,6 +28,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from gptoss_jax import rope
+from pallas_kernels import attention_reference
+
 NEG = -1e30
 NEW_TOKEN_ROWS = 256  # `attention_new_token` up to this many rows (one token each)
 MAX_SPLITS = 32  # sequence splits per (row, KV head), at most
@@ -142,6 +145,21 @@ def _new_token_kernel(bt_ref, pos_ref, wpage_ref, wslot_ref, at_ref, qp_ref, kp_
     l_ref[b, kh, sp, :] = l
 
 
+def new_token_reference(qkv_parts, qkv_bias_LO, layer, cos_BF, sin_BF, k_pages_PSKH, v_pages_PSKH, block_tables_BM,
+                        page_offset, q_pos_B, write_page_B, write_slot_B, sinks_N, window):
+    """`attention_new_token` as the model computes it without the kernel: sums, bias, cast, `rope.apply`, both
+    pools written at (page + offset, slot) (null-page writes included), `attention_reference` through the
+    offset table."""
+    B, H, dtype = q_pos_B.shape[0], k_pages_PSKH.shape[-1], k_pages_PSKH.dtype
+    q, k, v = ((jnp.sum(y, 0) + b[layer].astype(jnp.float32)).astype(dtype).reshape(B, 1, -1, H)
+               for y, b in zip(qkv_parts, qkv_bias_LO))
+    q, k = (rope.apply(a, cos_BF[:, None], sin_BF[:, None]) for a in (q, k))
+    page = write_page_B + page_offset
+    kp, vp = k_pages_PSKH.at[page, write_slot_B].set(k[:, 0]), v_pages_PSKH.at[page, write_slot_B].set(v[:, 0])
+    out = attention_reference.attention(q, kp, vp, block_tables_BM + page_offset, q_pos_B[:, None], sinks_N, window)
+    return out, kp, vp
+
+
 def _geometry(B, N, P, S, K, M, block_kv, num_splits):
     """(G, gp, pages per block, splits) of a launch."""
     G = N // K
@@ -182,7 +200,7 @@ def attention_new_token(qkv_parts, qkv_bias_LO, layer, cos_BF, sin_BF, k_pages_P
     donated) may hold several layers: the table's pages are offset by `page_offset`, as is
     `write_page_B` (`null_page` = no write); `write_slot_B` is the slot in the page.
 
-    The same function as projecting, `rope.apply`, writing both pools and `attention`."""
+    The same function as `new_token_reference`, except that null-page writes are skipped."""
     q_parts, k_parts, v_parts = qkv_parts
     B = q_parts.shape[1]
     P, S, K, H = k_pages_PSKH.shape

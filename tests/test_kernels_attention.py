@@ -7,7 +7,7 @@ import numpy as np
 import jax.numpy as jnp
 import pytest
 
-from gptoss_jax import config, model, rope
+from gptoss_jax import config, model
 from gptoss_jax.random_weights import random_params
 from pallas_kernels import attention_reference, flash_attention, paged_attention
 
@@ -82,17 +82,6 @@ def test_prefill_flash_matches_reference(window, S, chunks, T, sink_scale, block
     assert np.abs(out[pad]).max(initial=0.0) == 0.0
 
 
-def _new_token_reference(parts, biases, layer, cos, sin, kp, vp, bt, off, pos, wpage, wslot, sinks, window):
-    """What the model does without the fused kernel: sum the partials with the bias, cast, RoPE, write the
-    pools at (page + off, slot), attend through the offset table."""
-    B, H = pos.shape[0], kp.shape[-1]
-    q, k, v = ((jnp.sum(y, 0) + b.astype(jnp.float32)).astype(kp.dtype).reshape(B, 1, -1, H)
-               for y, b in zip(parts, (b[layer] for b in biases)))
-    q, k = (rope.apply(a, cos[:, None], sin[:, None]) for a in (q, k))
-    kp, vp = kp.at[wpage + off, wslot].set(k[:, 0]), vp.at[wpage + off, wslot].set(v[:, 0])
-    return attention_reference.attention(q, kp, vp, bt + off, pos[:, None], sinks, window), kp, vp
-
-
 @pytest.mark.parametrize("window,S,splits,sink_scale", [(FULL, 8, 1, 1.0), (FULL, 8, 3, 1.0), (16, 4, 2, 30.0)])
 def test_new_token_attention_matches_reference(window, S, splits, sink_scale):
     """Rows: fresh tokens at position 0, inside and past the window, a long context; a padding row; a row
@@ -114,7 +103,7 @@ def test_new_token_attention_matches_reference(window, S, splits, sink_scale):
     cos, sin = (jnp.asarray(f(angle) * 1.3, jnp.bfloat16) for f in (np.cos, np.sin))
     sinks = jnp.asarray(rng.normal(size=(N,)) * sink_scale, jnp.float32)
     args = (jnp.asarray(bt), P, jnp.asarray(pos), jnp.asarray(wpage), jnp.asarray(wslot), sinks, window)
-    ref, ref_k, ref_v = _new_token_reference(parts, biases, 2, cos, sin, kp, vp, *args)
+    ref, ref_k, ref_v = paged_attention.new_token_reference(parts, biases, 2, cos, sin, kp, vp, *args)
     out, got_k, got_v = paged_attention.attention_new_token(parts, biases, 2, cos, sin, kp, vp, *args, block_kv=8,
                                                             num_splits=splits, interpret=True)
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)

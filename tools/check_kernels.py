@@ -49,6 +49,20 @@ def check_linear_many(key):
     return rows
 
 
+def new_token_case(key, B, bt, pos_B, S, N=64, K=8, H=64, L=24):
+    """Split-K partial sums (3 splits), layer-stacked biases, RoPE factors and write targets for
+    `attention_new_token` at the gpt-oss attention shapes, layer L - 1."""
+    ks = jax.random.split(key, 7)
+    parts = tuple(jax.random.normal(k, (3, B, n * H), jnp.float32) for k, n in zip(ks[:3], (N, K, K)))
+    biases = tuple(jax.random.normal(k, (L, n * H), jnp.float32).astype(jnp.bfloat16)
+                   for k, n in zip(ks[3:6], (N, K, K)))
+    angle = jax.random.uniform(ks[6], (B, H // 2), jnp.float32, 0, 6.3)
+    col = jnp.maximum(pos_B, 0) // S
+    page = jnp.where(pos_B >= 0, jnp.take_along_axis(bt, col[:, None], 1)[:, 0], 0)
+    return (parts, biases, jnp.int32(L - 1), jnp.cos(angle).astype(jnp.bfloat16), jnp.sin(angle).astype(jnp.bfloat16),
+            page, jnp.maximum(pos_B, 0) % S)
+
+
 def check_linear_mosaic(key):
     """The Mosaic projection kernel (Hopper): fused q/k/v and the o projection at the gpt-oss shapes, the last of
     24 stacked layers, row counts from 1 to 256 (ragged ones included), plus a weight whose rows end inside a CTA's
@@ -136,6 +150,23 @@ def main():
         e, fin = rel(out, ref)
         rows.append((name.strip(), f"B={B} page={S} ctx={ctxs} win={'full' if window > 2**30 else window} "
                      f"sinks*{sink_scale} splits={splits}", e, fin))
+        print(*rows[-1], flush=True)
+
+    for name, (B, S, ctxs, window, sink_scale) in {
+        "paged_decode_new_token": (1, 16, [1000], 2**31 - 1, 1.0),
+        "paged_decode_new_token ": (6, 16, [1, 129, 300, 8191, 0, 17], 128, 20.0),
+    }.items():
+        key, k1, k2 = jax.random.split(key, 3)
+        _, kp, vp, bt, pos, sinks = kc.paged(k1, B, 64, 8, 64, S, ctxs, sink_scale)
+        args = new_token_case(k2, B, bt, pos[:, 0], S)
+        ref, ref_k, _ = paged_attention.new_token_reference(*args[:3], *args[3:5], kp, vp, bt, 0, pos[:, 0], *args[5:],
+                                                            sinks, window)
+        out, got_k, _ = paged_attention.attention_new_token(*args[:3], *args[3:5], kp, vp, bt, 0, pos[:, 0], *args[5:],
+                                                            sinks, window)
+        e, fin = rel(out, ref)
+        ek, _ = rel(got_k[1:], ref_k[1:])  # page 0, the null page, is where the reference writes padding rows
+        rows.append((name.strip(), f"B={B} ctx={ctxs} win={'full' if window > 2**30 else window} "
+                     f"sinks*{sink_scale} k-cache err {ek:.1e}", max(e, ek), fin))
         print(*rows[-1], flush=True)
 
     for name, (chunks, T, window, sink_scale, cfg) in {
