@@ -110,18 +110,20 @@ def _attention(cfg: ModelConfig, stacked: dict, per_layer: dict, layer, x_BTD, c
         return y.reshape(B, T, -1)
 
     t = rms_norm(x_BTD, per_layer["attn_norm"], cfg.rms_norm_eps, dtype)
-    ws, bs = [stacked[f"{n}_w"] for n in "qkv"], [per_layer[f"{n}_b"] for n in "qkv"]
+    ws = [stacked[f"{n}_w"] for n in "qkv"]
     # All layers' pools as one flat pool, with this layer's pages found by offsetting the table: a
     # reshape is free, while slicing layer `idx` out would copy its whole pool into the kernel call.
     pool_k, pool_v = (a.reshape(-1, *a.shape[2:]) for a in (k_all, v_all))
     page_offset = idx * k_all.shape[1]
     sinks = per_layer["sinks"]
     if fuse:  # decode with kernels: the projections' epilogue, RoPE and the cache write ride in the attention kernel
+        bs_LO = [stacked[f"{n}_b"] for n in "qkv"]
         o, pool_k, pool_v = pallas_kernels.attention_new_token(
-            t.reshape(B, -1), ws, [stacked[f"{n}_b"] for n in "qkv"], layer, cos[:, 0], sin[:, 0], pool_k, pool_v, table_BM, page_offset,
+            t.reshape(B, -1), ws, bs_LO, layer, cos[:, 0], sin[:, 0], pool_k, pool_v, table_BM, page_offset,
             positions_BT[:, 0], write_page_BT[:, 0], write_slot_BT[:, 0], sinks, window, null_page=NULL_PAGE)
     else:
         # q, k and v in one kernel launch for decode rows: k and v alone cost a launch's latency, not their bytes
+        bs = [per_layer[f"{n}_b"] for n in "qkv"]
         q, k, v = (y.astype(dtype).reshape(B, T, -1, H)
                    for y in pallas_kernels.linear_many(t.reshape(B * T, -1), ws, bs, layer, impl=impl))
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)

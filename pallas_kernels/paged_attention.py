@@ -95,8 +95,9 @@ def _new_token_kernel(bt_ref, pos_ref, wpage_ref, wslot_ref, at_ref, qp_ref, kp_
                       vb_ref, cos_ref, sin_ref, k_ref, v_ref, o_ref, m_ref, l_ref, k_out, v_out, *, window, null_page,
                       G, **config):
     """`_kernel` for a row's new token, from its q/k/v projections' split-K partial sums: sums them with the
-    bias (row `at_ref[1]` of the stacked biases), rotates q and k (RoPE), writes k and v into the cache (split 0), and attends to the cached keys
-    plus the new one, which split 0 takes from registers (its slot is being written, so no split reads it).
+    bias (row `at_ref[1]` of the stacked biases), rotates q and k (RoPE), writes k and v into the cache
+    (split 0), and attends to the cached keys plus the new one, which split 0 takes from registers (its slot
+    is being written, so no split reads it).
     A row whose write goes to the null page (padding, a prefix-cached position) reads its key from the cache."""
     b, kh, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     gp, H = o_ref.shape[3], o_ref.shape[4]
