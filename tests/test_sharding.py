@@ -147,7 +147,7 @@ def test_kernels_under_a_layout_match_single_device(small_checkpoint, single_dev
     for module, name in ((moe_decode, "experts_forward"), (moe_prefill, "experts_dense"),  # few / many rows
                          (moe_prefill, "experts_grouped")):                                   # (many on Hopper)
         spy(module, name, lambda x, idx, w, kexp, *_: kexp.gu_words.shape[:2])
-    spy(linear_decode, "linear_many", lambda x, ws, *_: tuple(w.shape[1] for w in ws))
+    spy(linear_decode, "partial_sums", lambda x, ws, *_: tuple(w.shape[1] for w in ws))
     for kernel in (paged_attention, flash_attention):
         spy(kernel, "attention", lambda q, *_: q.shape[2])
 
@@ -173,7 +173,7 @@ def test_kernels_under_a_layout_match_single_device(small_checkpoint, single_dev
     # <= 64 rows take the projection kernel on the local shard (q and o local; k, v: 2 KV heads of 16 over the
     # split); up to 16 rows (decode) q, k and v share one launch, the 64-row prefill chunks launch each
     q, kv = 16 * heads, 16 * heads // 2
-    assert seen["pallas_kernels.linear_decode.linear_many"] == {(q,), (kv,), (64,)} | ({(q, kv, kv)} if generate
+    assert seen["pallas_kernels.linear_decode.partial_sums"] == {(q,), (kv,), (64,)} | ({(q, kv, kv)} if generate
                                                                                        else set())
 
 
