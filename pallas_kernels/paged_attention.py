@@ -117,14 +117,14 @@ def _new_token_kernel(bt_ref, pos_ref, wpage_ref, wslot_ref, at_ref, qp_ref, kp_
             y = y + plt.load(parts_ref.at[i, b, cols], mask=mask, other=0)
         return (y + plt.load(bias_ref.at[layer, cols], mask=mask, other=0).astype(jnp.float32)).astype(dtype)
 
-    def rope(x, x_partner):  # `rope.apply`: first half pairs with second half
+    def rotate(x, x_partner):  # `rope.apply`: first half pairs with second half
         return jnp.where(first_half, x * c - x_partner * sn, x * c + x_partner * sn)
 
     g = jnp.arange(gp)[:, None]
     g_ok = jnp.broadcast_to(g < G, (gp, H))
-    q = rope(*(project(qp_ref, qb_ref, (kh * G + g) * H + cols[None, :], g_ok) for cols in (h, partner)))
+    q = rotate(*(project(qp_ref, qb_ref, (kh * G + g) * H + cols[None, :], g_ok) for cols in (h, partner)))
     all_h = jnp.full((H,), True)
-    k_new = rope(*(project(kp_ref, kb_ref, kh * H + cols, all_h) for cols in (h, partner)))
+    k_new = rotate(*(project(kp_ref, kb_ref, kh * H + cols, all_h) for cols in (h, partner)))
     v_new = project(vp_ref, vb_ref, kh * H + h, all_h)
 
     @pl.when(here)
@@ -161,7 +161,7 @@ def new_token_reference(qkv_parts, qkv_bias_LO, layer, cos_BF, sin_BF, k_pages_P
     return out, kp, vp
 
 
-def _geometry(B, N, P, S, K, M, block_kv, num_splits):
+def _geometry(B, N, S, K, M, block_kv, num_splits):
     """(G, gp, pages per block, splits) of a launch."""
     G = N // K
     gp = max(16, 1 << (G - 1).bit_length())
@@ -207,7 +207,7 @@ def attention_new_token(qkv_parts, qkv_bias_LO, layer, cos_BF, sin_BF, k_pages_P
     P, S, K, H = k_pages_PSKH.shape
     N = q_parts.shape[2] // H
     M = block_tables_BM.shape[1]
-    G, gp, ppb, ns = _geometry(B, N, P, S, K, M, block_kv, num_splits)
+    G, gp, ppb, ns = _geometry(B, N, S, K, M, block_kv, num_splits)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
@@ -236,7 +236,7 @@ def attention(q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sin
         raise ValueError("paged_attention.attention is the decode kernel (T = 1)")
     P, S, K, _ = k_pages_PSKH.shape
     M = block_tables_BM.shape[1]
-    G, gp, ppb, ns = _geometry(B, N, P, S, K, M, block_kv, num_splits)
+    G, gp, ppb, ns = _geometry(B, N, S, K, M, block_kv, num_splits)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
 
