@@ -281,14 +281,24 @@ def _routed_pair(logits_ref, layer_ref, s, k: int, E: int):
     return layer_ref[0] * E + chosen, jnp.exp(value - top) / total
 
 
-def _slot_program(slot_refs, route, bm: int, body):
+def _slot_program(slot_refs, route, bm: int, body, routed_out=()):
     """Run `body(e, r0, rows, tok, weight)` for this program's slot (`tok(r)`, `weight(r)`: row r's token and
     routing weight). From `dispatch`'s slot arrays, `slot_refs` = (expert, start, rows, per-pair operand: the
     token for gate/up, the weight for down, so both callables read it); with `route` = (k, E) and `slot_refs` =
-    (logits, layer), one pair per program (bm = 1), routed in-kernel."""
+    (logits, layer), one pair per program (bm = 1), routed in-kernel, the program of feature tile 0 storing the
+    pair's expert and weight in `routed_out`; with `route` = "pairs", `slot_refs` = those two arrays."""
     s = pl.program_id(0)
+    if route == "pairs":
+        w = slot_refs[1][s]
+        return body(slot_refs[0][s], s, 1, lambda r: s, lambda r: w)
     if route is not None:
         e, w = _routed_pair(*slot_refs, s, *route)
+
+        @pl.when(pl.program_id(1) == 0)
+        def _():
+            routed_out[0][s] = e
+            routed_out[1][s] = w
+
         return body(e, s, 1, lambda r: s // route[0], lambda r: w)
     slot_e_ref, slot_start_ref, slot_rows_ref, pair_ref = slot_refs
     rows = slot_rows_ref[s]
@@ -300,7 +310,9 @@ def _slot_program(slot_refs, route, bm: int, body):
 
 
 def _gate_up_gemv_kernel(*refs, route, bm, bn, nb, G, I, f16, limit, alpha, a_shift, prefetch, interpret):
-    slot_refs, (xs_ref, x_ref, wq_ref, ws_ref, bias_ref, a_ref) = refs[:-6], refs[-6:]
+    n_out = 1 if route is None else 3  # routed: the pairs' experts and weights too, for the down kernel
+    ins, (a_ref, *routed_out) = refs[:-n_out], refs[-n_out:]
+    slot_refs, (xs_ref, x_ref, wq_ref, ws_ref, bias_ref) = ins[:-5], ins[-5:]
     n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
 
     def program(e, r0, rows, tok, _):
@@ -340,7 +352,7 @@ def _gate_up_gemv_kernel(*refs, route, bm, bn, nb, G, I, f16, limit, alpha, a_sh
             plt.store(a_ref.at[r0 + r, cols], (act * 2.0 ** a_shift).astype(a_ref.dtype),
                       mask=jnp.full((bn,), r < rows))
 
-    _slot_program(slot_refs, route, bm, program)
+    _slot_program(slot_refs, route, bm, program, routed_out)
 
 
 def _down_gemv_kernel(*refs, route, bm, bn, nb, G, f16, out_scale, prefetch, interpret):
@@ -373,37 +385,42 @@ def _down_gemv_kernel(*refs, route, bm, bn, nb, G, f16, out_scale, prefetch, int
 
 
 def _run_gemv(call, x, xs, gate_slots, down_slots, S: int, kexp: KernelExperts, *, route, R, f16, swiglu_limit,
-              swiglu_alpha, block_m, block_n, block_k, block_n_down, prefetch, interpret):
-    """The two GEMV kernels over S slots (`_slot_program`: `gate_slots` / `down_slots` are their slot operands)
-    and the activation operand (`x` words, per-token factors `xs`: `half_pairs` for f16, f32 phases and 2^14
-    otherwise); returns y [R, D] f32 in slot order."""
+              swiglu_alpha, block_m, block_n, block_k, block_n_down, prefetch, prefetch_down, interpret):
+    """The two GEMV kernels over S slots (`_slot_program`: `gate_slots` / `down_slots` are their slot operands;
+    routed, the down kernel reads the pairs the gate/up kernel routed) and the activation operand (`x` words,
+    per-token factors `xs`: `half_pairs` for f16, f32 phases and 2^14 otherwise); returns y [R, D] f32 in slot
+    order."""
     E, _, I, _ = kexp.gu_words.shape
     D = kexp.dn_words.shape[1]
     bm = block_m
     bn, bn2, nb = _pick_bn(I // 2, block_n), _pick_bn(D, block_n_down), block_k // 32
     a_shift, a_dtype = (activation_shift(swiglu_limit), jnp.float16) if f16 else (0, jnp.float32)
-    kern = dict(route=route, bm=bm, f16=f16, prefetch=prefetch, interpret=interpret)
-    a = call(functools.partial(_gate_up_gemv_kernel, bn=bn, nb=nb, G=D // 32, I=I, limit=swiglu_limit,
-                               alpha=swiglu_alpha, a_shift=a_shift, **kern),
-             grid=(S, I // bn), out_shape=jax.ShapeDtypeStruct((R, I), a_dtype),
-             name="mxfp4_gate_up_swiglu_gemv16" if f16 else "mxfp4_gate_up_swiglu_gemv",
-             )(*gate_slots, xs, x, kexp.gu_words.reshape(E, 2, I, D // 32, 4), kexp.gu_scales, kexp.gu_bias)
+    kern = dict(bm=bm, f16=f16, interpret=interpret)
+    out_shape = [jax.ShapeDtypeStruct((R, I), a_dtype)]
+    if route is not None:
+        out_shape += [jax.ShapeDtypeStruct((S,), jnp.int32), jax.ShapeDtypeStruct((S,), jnp.float32)]
+    a, *pairs = call(functools.partial(_gate_up_gemv_kernel, bn=bn, nb=nb, G=D // 32, I=I, limit=swiglu_limit,
+                                       alpha=swiglu_alpha, a_shift=a_shift, route=route, prefetch=prefetch, **kern),
+                     grid=(S, I // bn), out_shape=out_shape,
+                     name="mxfp4_gate_up_swiglu_gemv16" if f16 else "mxfp4_gate_up_swiglu_gemv",
+                     )(*gate_slots, xs, x, kexp.gu_words.reshape(E, 2, I, D // 32, 4), kexp.gu_scales, kexp.gu_bias)
     if f16:
         a = jax.lax.bitcast_convert_type(a.reshape(R, I // 2, 2), jnp.uint32).reshape(R, 4, I // 32, 4)
     else:
         a = a.reshape(R, 8, I // 32, 4)
-    return call(functools.partial(_down_gemv_kernel, bn=bn2, nb=nb, G=I // 32,
-                                  out_scale=2.0 ** (F16_SHIFT - a_shift), **kern),
+    return call(functools.partial(_down_gemv_kernel, bn=bn2, nb=nb, G=I // 32, out_scale=2.0 ** (F16_SHIFT - a_shift),
+                                  route=None if route is None else "pairs", prefetch=prefetch_down, **kern),
                 grid=(S, D // bn2), out_shape=jax.ShapeDtypeStruct((R, D), jnp.float32),
                 name="mxfp4_down_gemv16" if f16 else "mxfp4_down_gemv",
-                )(*down_slots, a, kexp.dn_words.reshape(E, D, I // 32, 4), kexp.dn_scales, kexp.dn_bias)
+                )(*(pairs or down_slots), a, kexp.dn_words.reshape(E, D, I // 32, 4), kexp.dn_scales, kexp.dn_bias)
 
 
 def run_routed(words, xs, logits_TE, layer, kexp_flat: KernelExperts, *, top_k: int, swiglu_limit, swiglu_alpha,
-               block_n, block_k, block_n_down, num_warps, num_stages, prefetch, interpret=None, **_):
+               block_n, block_k, block_n_down, num_warps, num_stages, prefetch, prefetch_down, interpret=None, **_):
     """The `gemv16` kernels routing in-kernel (`_routed_pair`): one program row per (token, k-th best expert)
-    pair, read from the router logits `[T, E]` of layer `layer` (traced) of the flat `[L * E]` experts;
-    `words`, `xs`: `half_pairs` of the normed tokens. Returns y `[T * k, D]` f32, pairs in token order.
+    pair, read from the router logits `[T, E]` of layer `layer` (traced) of the flat `[L * E]` experts by the
+    gate/up kernel, which hands each pair's expert and weight to the down kernel; `words`, `xs`: `half_pairs` of
+    the normed tokens. Returns y `[T * k, D]` f32, pairs in token order.
     Takes `decode_config`'s gemv16 settings (`**_`: its kernel and block_m)."""
     T, E = logits_TE.shape
     P = T * top_k
@@ -413,9 +430,10 @@ def run_routed(words, xs, logits_TE, layer, kexp_flat: KernelExperts, *, top_k: 
                                                                                 num_stages=num_stages),
                              interpret=interpret)
     slots = (logits_TE, jnp.asarray(layer, jnp.int32).reshape(1))
-    return _run_gemv(call, words, xs, slots, slots, P, kexp_flat, route=(top_k, E), R=P, f16=True,
+    return _run_gemv(call, words, xs, slots, None, P, kexp_flat, route=(top_k, E), R=P, f16=True,
                      swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha, block_m=1, block_n=block_n,
-                     block_k=block_k, block_n_down=block_n_down, prefetch=prefetch, interpret=interpret)
+                     block_k=block_k, block_n_down=block_n_down, prefetch=prefetch, prefetch_down=prefetch_down,
+                     interpret=interpret)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -557,12 +575,12 @@ def dispatch(idx_TK: jax.Array, w_TK: jax.Array, num_experts: int, block_m: int)
 
 
 _STATIC = ("swiglu_limit", "swiglu_alpha", "kernel", "block_m", "block_n", "block_k", "block_n_down",
-           "num_warps", "num_stages", "swap", "prefetch", "interpret")
+           "num_warps", "num_stages", "swap", "prefetch", "prefetch_down", "interpret")
 
 
 def run_kernels(x_TD, tok_sorted, w_sorted, slot_e, slot_start, slot_rows, kexp: KernelExperts, *,
                 swiglu_limit, swiglu_alpha, kernel, block_m, block_n, block_k, block_n_down, num_warps,
-                num_stages, swap=False, prefetch=True, interpret=None):
+                num_stages, swap=False, prefetch=True, prefetch_down=True, interpret=None):
     """The two Pallas kernels on dispatched pairs; returns y [P + block_m, D] f32 in sorted order.
 
     block_k counts weights along K (gemv: block_k / 32 blocks per step; mma: block_k / 8 words)."""
@@ -589,7 +607,8 @@ def run_kernels(x_TD, tok_sorted, w_sorted, slot_e, slot_start, slot_rows, kexp:
         return _run_gemv(call, *operand, (slot_e, slot_start, slot_rows, tok_p), (slot_e, slot_start, slot_rows, w_p),
                          S, kexp, route=None, R=P + bm, f16=kernel == "gemv16", swiglu_limit=swiglu_limit,
                          swiglu_alpha=swiglu_alpha, block_m=bm, block_n=block_n, block_k=block_k,
-                         block_n_down=block_n_down, prefetch=prefetch, interpret=interpret)
+                         block_n_down=block_n_down, prefetch=prefetch, prefetch_down=prefetch_down,
+                         interpret=interpret)
 
     kw = block_k // 8
     # Tensor-core operands in bf16; fp32 models (the exactness mode) keep fp32 operands throughout.
@@ -610,7 +629,7 @@ def run_kernels(x_TD, tok_sorted, w_sorted, slot_e, slot_start, slot_rows, kexp:
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def experts_forward(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, *, swiglu_limit,
                     swiglu_alpha, kernel="gemv", block_m=1, block_n=16, block_k=256, block_n_down=16, num_warps=4,
-                    num_stages=1, swap=False, prefetch=True, interpret=None):
+                    num_stages=1, swap=False, prefetch=True, prefetch_down=True, interpret=None):
     """The expert math for given routing: sum_k w[t,k] * expert_{idx[t,k]}(x[t]) -> [T, D].
 
     With `layer` (traced), `kexp` carries a leading layer axis: it is viewed as one flat expert axis
@@ -628,7 +647,7 @@ def experts_forward(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_T
                     swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha, kernel=kernel,
                     block_m=block_m, block_n=block_n, block_k=block_k, block_n_down=block_n_down,
                     num_warps=num_warps, num_stages=num_stages, swap=swap, prefetch=prefetch,
-                    interpret=interpret)
+                    prefetch_down=prefetch_down, interpret=interpret)
     return combine(y, order, valid_TK, T, k, x_TD.dtype)
 
 
@@ -660,14 +679,15 @@ def decode_config(T: int, k: int, E: int, half: bool = False) -> dict:
     """Kernel and block sizes below the dense regime (`moe_prefill.DENSE_ROWS`), best of the H200 sweeps
     (docs/kernels.md).  bf16 models (`half`): the half-precision GEMV, one pair per slot, while experts
     average <= 2 routed rows; fp32 models: the f32 GEMV while they average <= 1.  Register double
-    buffering pays only for a single token.  Beyond that, tensor cores amortise the decode over the rows
-    of a slot."""
+    buffering pays only for a single token, and in the half-precision GEMV only in the down kernel (the
+    gate/up kernel's doubled tiles cost more occupancy than they hide latency: docs/BENCHMARKS.md §7d).
+    Beyond that, tensor cores amortise the decode over the rows of a slot."""
     if half and T * k <= 2 * E:
         return dict(kernel="gemv16", block_m=1, block_n=16, block_k=512 if T == 1 else 1024, block_n_down=16,
-                    num_warps=4, num_stages=1, prefetch=T == 1)
+                    num_warps=4, num_stages=1, prefetch=False, prefetch_down=T == 1)
     if not half and T * k <= E:
         return dict(kernel="gemv", block_m=1, block_n=16, block_k=512, block_n_down=16, num_warps=4,
-                    num_stages=1, prefetch=T == 1)
+                    num_stages=1, prefetch=T == 1, prefetch_down=T == 1)
     bm = 16
     while bm < 64 and bm < 2 * T * k / E:
         bm *= 2

@@ -4,8 +4,8 @@ activation words that `moe_decode`'s `gemv16` expert kernels read.
 Why: at a few tokens per step each of these steps moves kilobytes, yet as XLA fusions they were nine launches
 per layer (norm reduction, router dot, bias, top-k sort, softmax, the layer's expert offset, frexp, f16
 packing, index iotas) of 1-2.4 us each: ~13 us of a 20b layer's ~110 us at batch 1 on an H200
-(docs/BENCHMARKS.md §7b). Here they are one launch; top-k and softmax run in the `gemv16` kernels, which
-route their own pairs from the `[T, E]` logits (`moe_decode._routed_pair`).
+(docs/BENCHMARKS.md §7b). Here they are one launch; top-k and softmax run in the `gemv16` gate/up kernel, which
+routes each pair from the `[T, E]` logits (`moe_decode._routed_pair`) and hands it to the down kernel.
 
 Backend: Pallas-Triton, like the `gemv16` kernels that consume its output: per-element bit work (the exponent
 of the row's largest value, f16 pairs packed into words), small reductions and gathers; and CPU interpret
@@ -128,8 +128,8 @@ def front(x_TD, gain_LD, router_w_LED, router_b_LE, layer, *, eps: float, dtype,
 def moe(x_TD, gain_LD, router_w_LED, router_b_LE, kexp_all: moe_decode.KernelExperts, layer, *, top_k: int,
         eps: float, dtype, swiglu_limit, swiglu_alpha, interpret=None):
     """The decode MoE block on the fp32 residual stream `x_TD`: this kernel, then the two `gemv16` kernels on the
-    layer-stacked experts, each program routing its (token, expert) pair from the logits (top-k and softmax
-    in-kernel), then the sum over each token's experts.
+    layer-stacked experts, the gate/up programs routing their (token, expert) pairs from the logits (top-k and
+    softmax in-kernel), then the sum over each token's experts.
     Returns `[T, D]` in `dtype`, as `pallas_kernels.moe` on `rms_norm(x)` does."""
     T, E = x_TD.shape[0], router_w_LED.shape[1]
     logits, words, xs = front(x_TD, gain_LD, router_w_LED, router_b_LE, layer, eps=eps, dtype=dtype,
