@@ -87,20 +87,19 @@ def run_variant(model: str, T: int, L: int, kx, name: str, cfg_over: dict, attrs
         setattr(m, a, v)
     jax.clear_caches()
     try:
-        stacked = lambda kx: jax.tree.map(lambda a: a.reshape(L, E, *a.shape[1:]), kx)
-
         @jax.jit
         def step(x, logits, kx):
             out = []
             for i in range(L):  # one layer after another, as the decode step's scan runs them
                 if path == "slots":  # routing in XLA, the kernels read slot arrays
                     w, idx = jax.lax.top_k(logits[i], k)
-                    out.append(moe_decode.experts_forward(x[i], idx, jax.nn.softmax(w, axis=-1), stacked(kx), jnp.int32(i),
-                                                          swiglu_limit=LIMIT, swiglu_alpha=ALPHA, **cfg))
-                    continue
-                words, xs = moe_decode.half_pairs(x[i])
-                out.append(moe_decode.run_routed(words, xs, logits[i], jnp.int32(i), kx, top_k=k,
-                                                 swiglu_limit=LIMIT, swiglu_alpha=ALPHA, **cfg))
+                    per_layer = jax.tree.map(lambda a: a.reshape(L, E, *a.shape[1:]), kx)
+                    out.append(moe_decode.experts_forward(x[i], idx, jax.nn.softmax(w, axis=-1), per_layer,
+                                                          jnp.int32(i), swiglu_limit=LIMIT, swiglu_alpha=ALPHA, **cfg))
+                else:
+                    words, xs = moe_decode.half_pairs(x[i])
+                    out.append(moe_decode.run_routed(words, xs, logits[i], jnp.int32(i), kx, top_k=k,
+                                                     swiglu_limit=LIMIT, swiglu_alpha=ALPHA, **cfg))
             return out
         jax.block_until_ready(step(x, logits, kx))
         for _ in range(reps):
@@ -157,9 +156,10 @@ def main() -> None:
                 rows.append(r)
                 if args.no_trace:
                     continue
-                print(f"{model:4s} T={T:2d} {name:14s} gate_up {r['gate_up_us']:6.1f} us {r['gate_up_TBps']:5.2f} TB/s "
-                      f"({r['gate_up_TBps'] / bw * 1e14:4.1f}%)  down {r['down_us']:6.1f} us {r['down_TBps']:5.2f} TB/s "
-                      f"({r['down_TBps'] / bw * 1e14:4.1f}%)", flush=True)
+                pct = lambda TBps: TBps * 1e12 / bw * 100  # noqa: E731
+                print(f"{model:4s} T={T:2d} {name:14s} gate_up {r['gate_up_us']:6.1f} us {r['gate_up_TBps']:5.2f} "
+                      f"TB/s ({pct(r['gate_up_TBps']):4.1f}%)  down {r['down_us']:6.1f} us {r['down_TBps']:5.2f} TB/s "
+                      f"({pct(r['down_TBps']):4.1f}%)", flush=True)
         del kx
     Path(args.out).write_text(json.dumps(dict(device=jax.devices()[0].device_kind, copy_TBps=bw / 1e12, rows=rows),
                                          indent=1))
