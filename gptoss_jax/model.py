@@ -1,9 +1,10 @@
 """The gpt-oss transformer as pure functions over `Params` (see docs/model.md for the math).
 
 Pre-norm residual blocks, each attention (GQA, q/k/v/o biases, YaRN RoPE, learned sinks, sliding
-window on even layers) followed by a top-k MXFP4 mixture of experts. Layers run as one `lax.scan`
-over (sliding, full) pairs, so each attention reads its own page pool with a static window; the
-paged KV cache rides in the scan carry so XLA updates it in place (docs/engine.md, "Cache layout").
+window on even layers) followed by a top-k MXFP4 mixture of experts. Layers run as (sliding, full)
+pairs, so each attention reads its own page pool with a static window: one `lax.scan` over the pairs
+for prefill, the pairs unrolled for decode; the paged KV cache rides in the carry so XLA updates it in
+place (docs/engine.md, "Cache layout").
 """
 
 import dataclasses
@@ -100,7 +101,7 @@ def _attention(cfg: ModelConfig, stacked: dict, per_layer: dict, layer, x_BTD, c
     `stacked` holds every layer's projection weights (`q_w`, ...) and `layer` says which, as for the
     experts: the decode kernel reads them in place instead of the scan copying each layer's ~53 MB out
     first; `per_layer` holds this layer's norm gain, biases and sinks (with `fuse`, `stacked` also holds all
-    layers' q/k/v biases, which the kernel indexes in place of the scan slicing them)."""
+    layers' q/k/v biases and sinks, which the kernel indexes in place of slicing them per layer)."""
     B, T, _ = x_BTD.shape
     H = cfg.head_dim
     dtype = k_all.dtype
@@ -116,11 +117,12 @@ def _attention(cfg: ModelConfig, stacked: dict, per_layer: dict, layer, x_BTD, c
     pool_k, pool_v = (a.reshape(-1, *a.shape[2:]) for a in (k_all, v_all))
     page_offset = idx * k_all.shape[1]
     sinks = per_layer["sinks"]
-    if fuse:  # decode with kernels: the projections' epilogue, RoPE and the cache write ride in the attention kernel
+    if fuse:  # decode with kernels: the projections' epilogue, RoPE, the cache write and the merge ride in the kernel
         bs_LO = [stacked[f"{n}_b"] for n in "qkv"]
         o, pool_k, pool_v = pallas_kernels.attention_new_token(
             t.reshape(B, -1), ws, bs_LO, layer, cos[:, 0], sin[:, 0], pool_k, pool_v, table_BM, page_offset,
-            positions_BT[:, 0], write_page_BT[:, 0], write_slot_BT[:, 0], sinks, window, null_page=NULL_PAGE)
+            positions_BT[:, 0], write_page_BT[:, 0], write_slot_BT[:, 0], stacked["sinks"], window,
+            null_page=NULL_PAGE)
     else:
         # q, k and v in one kernel launch for decode rows: k and v alone cost a launch's latency, not their bytes
         bs = [per_layer[f"{n}_b"] for n in "qkv"]
@@ -158,7 +160,7 @@ def _attention_block(cfg: ModelConfig, lp, dense_all, layer, x_BTD, cos, sin, k_
     heads_axis = tensor_parallel.heads_axis(layout, cfg.num_kv_heads) if layout is not None else None
     fuse = layout is None and not inspect and pallas_kernels.fuses_new_token(*x_BTD.shape[:2], impl)
     if fuse:
-        stacked.update({f"{n}_b": getattr(dense_all, f"{n}_b") for n in "qkv"})
+        stacked.update({n: getattr(dense_all, n) for n in ("q_b", "k_b", "v_b", "sinks")})
     block = functools.partial(_attention, cfg, window=window, impl=impl, inspect=inspect, heads_axis=heads_axis,
                               fuse=fuse)
     if layout is not None:
@@ -261,7 +263,18 @@ def forward(params: Params, cache: PagedKVCache, tokens_BT: jax.Array, positions
     with jax.named_scope("layers"):
         if pairs:
             stacked = jax.tree.map(lambda a: a[:2 * pairs].reshape(pairs, 2, *a.shape[1:]), scanned)
-            (x, caches), ys = jax.lax.scan(pair, (x, caches), (stacked, jnp.arange(pairs)))
+            if tokens_BT.shape[1] == 1:
+                # Decode unrolls the pairs, so every layer index and page offset is a constant: in the scan they are
+                # loop values, and their arithmetic, the per-layer slices and the loop's own counter cost ~5 small
+                # kernels a pair on the step's critical path (20b batch 1: 4.5% of the step, docs/BENCHMARKS.md
+                # §7e). Prefill keeps the scan: there the kernels are long, and one compiled layer is cheaper.
+                rs = []
+                for i in range(pairs):
+                    (x, caches), r = pair((x, caches), (jax.tree.map(lambda a: a[i], stacked), i))
+                    rs.append(r)
+                ys = jax.tree.map(lambda *a: jnp.stack(a), *rs) if on else None
+            else:
+                (x, caches), ys = jax.lax.scan(pair, (x, caches), (stacked, jnp.arange(pairs)))
             if on:  # [pairs] of (sliding, full) -> [2 * pairs] in layer order
                 records.append(jax.tree.map(lambda a, b: jnp.stack([a, b], 1).reshape(2 * pairs, *a.shape[1:]), *ys))
         if cfg.num_layers % 2:  # an odd layer count ends on a sliding layer

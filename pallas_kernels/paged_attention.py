@@ -15,8 +15,9 @@ page slice is read once for all its `G = N // K` query heads (the G queries are 
 `[max(0, p - window + 1), p]` is cut into `block_kv`-key blocks; split `s` takes an equal share of
 those blocks, so a sliding layer touches at most `ceil(window / block_kv) + 1` blocks whatever the
 context, and a full layer spreads a long context over `splits` programs.  Each program keeps an
-online softmax in fp32 and writes (acc, max, sum); a tiny JAX epilogue merges the splits and adds
-the sink to the denominator: out = sum_s e^(m_s - M) acc_s / (sum_s e^(m_s - M) l_s + e^(sink - M)).
+online softmax in fp32 and writes (acc, max, sum); the splits are merged with the sink added to the
+denominator, out = sum_s e^(m_s - M) acc_s / (sum_s e^(m_s - M) l_s + e^(sink - M)), by a tiny JAX
+epilogue (`attention`) or, in `attention_new_token` (the serving decode), by the last split to finish.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from pallas_kernels import attention_reference
 NEG = -1e30
 NEW_TOKEN_ROWS = 256  # `attention_new_token` up to this many rows (one token each)
 MAX_SPLITS = 32  # sequence splits per (row, KV head), at most
+# Launch settings (module constants, so `tools/ab_decode.py` sweeps them in the step): keys per block, Triton
+# pipeline stages, and the programs `default_splits` aims at (~8 per SM on 132 SMs).
+BLOCK_KV, NUM_STAGES, SPLIT_PROGRAMS = 64, 3, 1024
 
 
 def _attend(q, m, l, acc, lo, hi, b, kh, sp, bt_ref, k_ref, v_ref, *, page_size, pages_per_block, num_splits,
@@ -87,17 +91,18 @@ def _kernel(bt_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, **
 
 def default_splits(B: int, K: int, max_pages: int, page_size: int, block_kv: int) -> int:
     max_blocks = max(1, (max_pages * page_size) // block_kv)
-    want = max(1, 1024 // (B * K))  # ~8 programs per SM on 132 SMs
+    want = max(1, SPLIT_PROGRAMS // (B * K))
     return int(max(1, min(want, max_blocks // 2, MAX_SPLITS)))
 
 
 def _new_token_kernel(bt_ref, pos_ref, wpage_ref, wslot_ref, at_ref, qp_ref, kp_ref, vp_ref, qb_ref, kb_ref,
-                      vb_ref, cos_ref, sin_ref, k_ref, v_ref, o_ref, m_ref, l_ref, k_out, v_out, *, window, null_page,
-                      G, **config):
+                      vb_ref, sinks_ref, cos_ref, sin_ref, k_ref, v_ref, _, o_ref, m_ref, l_ref, out_ref, k_out, v_out,
+                      done_ref, *, window, null_page, G, interpret, **config):
     """`_kernel` for a row's new token, from its q/k/v projections' split-K partial sums: sums them with the
     bias (row `at_ref[1]` of the stacked biases), rotates q and k (RoPE), writes k and v into the cache
     (split 0), and attends to the cached keys plus the new one, which split 0 takes from registers (its slot
-    is being written, so no split reads it).
+    is being written, so no split reads it); the last split of the (row, KV head) to finish merges them all
+    (`_merge_splits`).
     A row whose write goes to the null page (padding, a prefix-cached position) reads its key from the cache."""
     b, kh, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     gp, H = o_ref.shape[3], o_ref.shape[4]
@@ -144,10 +149,46 @@ def _new_token_kernel(bt_ref, pos_ref, wpage_ref, wslot_ref, at_ref, qp_ref, kp_
     o_ref[b, kh, sp, :, :] = acc
     m_ref[b, kh, sp, :] = m
     l_ref[b, kh, sp, :] = l
+    _merge_splits(o_ref, m_ref, l_ref, sinks_ref, layer, out_ref, done_ref, b, kh, G, config["num_splits"], interpret)
+
+
+def _merge_splits(o_ref, m_ref, l_ref, sinks_ref, layer, out_ref, done_ref, b, kh, G: int, ns: int, interpret: bool):
+    """Called by every split of (row `b`, KV head `kh`) once its partials are stored: the last one to arrive
+    (counted in `done_ref[b, kh]`, which it resets to 0 for the next launch) reads all of them back and writes
+    `_combine`'s output for the head's G query heads, with row `layer` of the stacked sinks. In the decode step
+    this replaces two XLA kernels a layer on the critical path (20b batch 1: 2.2% of the step,
+    docs/BENCHMARKS.md §7e). The count is an acquire-release atomic at GPU scope after a block barrier, so every
+    thread's partials of every split are visible to the last one (and no L1 line of them is stale: no program
+    reads a partial before the count says all are stored). The partials' split axis is padded to a power of
+    two, so that whole tiles of it load in bounds."""
+    if not interpret:  # (the interpreter runs programs one after another; it has no barrier)
+        plt.debug_barrier()
+    arrived = plt.atomic_add(done_ref, (b, kh), jnp.int32(1))
+
+    @pl.when(arrived == ns - 1)
+    def _():
+        done_ref[b, kh] = jnp.int32(0)
+        gq, nsp, H = 1 << (G - 1).bit_length(), 1 << (ns - 1).bit_length(), o_ref.shape[-1]
+        g_ok = jnp.arange(gq) < G
+        ok = (jnp.arange(nsp) < ns)[:, None] & g_ok[None, :]
+        m = plt.load(m_ref.at[b, kh, pl.ds(0, nsp), pl.ds(0, gq)], mask=ok, other=NEG)
+        l = plt.load(l_ref.at[b, kh, pl.ds(0, nsp), pl.ds(0, gq)], mask=ok, other=0.0)
+        sink = plt.load(sinks_ref.at[layer, pl.ds(kh * G, gq)], mask=g_ok, other=0.0).astype(jnp.float32)
+        mx = jnp.maximum(jnp.max(m, axis=0), sink)  # [gq]
+        den = jnp.sum(jnp.exp(m - mx[None, :]) * l, axis=0) + jnp.exp(sink - mx)
+        num = jnp.zeros((gq, H), jnp.float32)
+        chunk = min(nsp, 8)  # splits per load: [chunk, gq, H] f32 stays within registers
+        for c0 in range(0, ns, chunk):
+            c_ok = ((c0 + jnp.arange(chunk)) < ns)[:, None] & g_ok[None, :]
+            mc = plt.load(m_ref.at[b, kh, pl.ds(c0, chunk), pl.ds(0, gq)], mask=c_ok, other=NEG)
+            oc = plt.load(o_ref.at[b, kh, pl.ds(c0, chunk), pl.ds(0, gq), :], mask=c_ok[:, :, None], other=0.0)
+            num = num + jnp.sum(jnp.exp(mc - mx[None, :])[:, :, None] * oc, axis=0)
+        plt.store(out_ref.at[b, pl.ds(kh * G, gq), :], (num / den[:, None]).astype(out_ref.dtype),
+                  mask=g_ok[:, None])
 
 
 def new_token_reference(qkv_parts, qkv_bias_LO, layer, cos_BF, sin_BF, k_pages_PSKH, v_pages_PSKH, block_tables_BM,
-                        page_offset, q_pos_B, write_page_B, write_slot_B, sinks_N, window):
+                        page_offset, q_pos_B, write_page_B, write_slot_B, sinks_LN, window):
     """`attention_new_token` as the model computes it without the kernel: sums, bias, cast, `rope.apply`, both
     pools written at (page + offset, slot) (null-page writes included), `attention_reference` through the
     offset table."""
@@ -157,12 +198,14 @@ def new_token_reference(qkv_parts, qkv_bias_LO, layer, cos_BF, sin_BF, k_pages_P
     q, k = (rope.apply(a, cos_BF[:, None], sin_BF[:, None]) for a in (q, k))
     page = write_page_B + page_offset
     kp, vp = k_pages_PSKH.at[page, write_slot_B].set(k[:, 0]), v_pages_PSKH.at[page, write_slot_B].set(v[:, 0])
-    out = attention_reference.attention(q, kp, vp, block_tables_BM + page_offset, q_pos_B[:, None], sinks_N, window)
+    out = attention_reference.attention(q, kp, vp, block_tables_BM + page_offset, q_pos_B[:, None], sinks_LN[layer],
+                                        window)
     return out, kp, vp
 
 
 def _geometry(B, N, S, K, M, block_kv, num_splits):
     """(G, gp, pages per block, splits) of a launch."""
+    block_kv = block_kv or BLOCK_KV
     G = N // K
     gp = max(16, 1 << (G - 1).bit_length())
     ppb = max(1, block_kv // S)
@@ -190,16 +233,16 @@ def _partials_shapes(B, K, ns, gp, H):
 @functools.partial(jax.jit, static_argnames=("window", "null_page", "block_kv", "num_splits", "num_warps",
                                              "num_stages", "interpret"))
 def attention_new_token(qkv_parts, qkv_bias_LO, layer, cos_BF, sin_BF, k_pages_PSKH, v_pages_PSKH, block_tables_BM,
-                        page_offset, q_pos_B, write_page_B, write_slot_B, sinks_N, window, *, null_page=0,
-                        block_kv=64, num_splits=None, num_warps=4, num_stages=3, interpret=None):
+                        page_offset, q_pos_B, write_page_B, write_slot_B, sinks_LN, window, *, null_page=0,
+                        block_kv=None, num_splits=None, num_warps=4, num_stages=None, interpret=None):
     """One new token per row, from the split-K partial sums of its q, k and v projections
-    (`linear_decode.partial_sums`, each `[splits, B, heads * H]`) and their biases (layer `layer` of
-    `qkv_bias_LO`, stacked over layers: no per-layer slice) to its attention output
+    (`linear_decode.partial_sums`, each `[splits, B, heads * H]`), their biases and the sinks (layer `layer`
+    of `qkv_bias_LO` and `sinks_LN`, stacked over layers: no per-layer slice) to its attention output
     `[B, 1, N, H]`, writing its rotated k and v into the pools: the projections' epilogue (sum, bias, cast,
-    RoPE with `cos_BF`/`sin_BF` `[B, H/2]`), the cache write and the attention in one launch, where XLA
-    spends a dozen small kernels a layer on them. The pools (`[P, S, K, H]`, updated in place when
-    donated) may hold several layers: the table's pages are offset by `page_offset`, as is
-    `write_page_B` (`null_page` = no write); `write_slot_B` is the slot in the page.
+    RoPE with `cos_BF`/`sin_BF` `[B, H/2]`), the cache write, the attention and the merge of its sequence
+    splits in one launch, where XLA spends a dozen small kernels a layer on them. The pools (`[P, S, K, H]`,
+    updated in place when donated) may hold several layers: the table's pages are offset by `page_offset`,
+    as is `write_page_B` (`null_page` = no write); `write_slot_B` is the slot in the page.
 
     The same function as `new_token_reference`, except that null-page writes are skipped."""
     q_parts, k_parts, v_parts = qkv_parts
@@ -212,24 +255,27 @@ def attention_new_token(qkv_parts, qkv_bias_LO, layer, cos_BF, sin_BF, k_pages_P
         interpret = jax.default_backend() != "gpu"
     i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
     flat = [a.reshape(P * S, K, H) for a in (k_pages_PSKH, v_pages_PSKH)]
-    o, m, l, k_flat, v_flat = pl.pallas_call(
+    dtype = k_pages_PSKH.dtype
+    *_, out, k_flat, v_flat, _ = pl.pallas_call(
         functools.partial(_new_token_kernel, window=min(int(window), 2**31 - 1), null_page=null_page, G=G,
-                          page_size=S, pages_per_block=ppb, num_splits=ns, max_pages=M, scale=H ** -0.5),
+                          interpret=interpret, page_size=S, pages_per_block=ppb, num_splits=ns, max_pages=M,
+                          scale=H ** -0.5),
         grid=(B, K, ns),
-        out_shape=(*_partials_shapes(B, K, ns, gp, H), *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in flat)),
-        input_output_aliases={13: 3, 14: 4},
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        out_shape=(*_partials_shapes(B, K, 1 << (ns - 1).bit_length(), gp, H), jax.ShapeDtypeStruct((B, N, H), dtype),
+                   *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in flat), jax.ShapeDtypeStruct((B, K), jnp.int32)),
+        input_output_aliases={14: 4, 15: 5, 16: 6},
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages or NUM_STAGES),
         interpret=interpret, name="paged_decode_attention_new_token",
     )(i32(block_tables_BM), i32(q_pos_B), i32(write_page_B), i32(write_slot_B), i32(jnp.stack([page_offset, layer])),
-      q_parts, k_parts, v_parts, *qkv_bias_LO, cos_BF, sin_BF, *flat)
-    out = _combine(o, m, l, sinks_N, G, k_pages_PSKH.dtype)
-    return out, k_flat.reshape(k_pages_PSKH.shape), v_flat.reshape(v_pages_PSKH.shape)
+      q_parts, k_parts, v_parts, *qkv_bias_LO, sinks_LN, cos_BF, sin_BF, *flat,
+      jnp.zeros((B, K), jnp.int32))  # split counts: each launch leaves them at 0
+    return out.reshape(B, 1, N, H), k_flat.reshape(k_pages_PSKH.shape), v_flat.reshape(v_pages_PSKH.shape)
 
 
 @functools.partial(jax.jit, static_argnames=("window", "block_kv", "num_splits", "num_warps",
                                              "num_stages", "interpret"))
 def attention(q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sinks_N, window, *,
-              block_kv=64, num_splits=None, num_warps=4, num_stages=3, interpret=None):
+              block_kv=None, num_splits=None, num_warps=4, num_stages=None, interpret=None):
     """Paged decode attention (T = 1); same function as `attention_reference.attention`."""
     B, T, N, H = q_BTNH.shape
     if T != 1:
@@ -253,7 +299,7 @@ def attention(q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sin
                           scale=H ** -0.5),
         grid=(B, K, ns),
         out_shape=_partials_shapes(B, K, ns, gp, H),
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages or NUM_STAGES),
         interpret=interpret, name="paged_decode_attention",
     )(block_tables_BM.astype(jnp.int32), lo, hi, q, k_flat, v_flat)
     return _combine(o, m, l, sinks_N, G, q_BTNH.dtype)

@@ -82,7 +82,8 @@ def test_prefill_flash_matches_reference(window, S, chunks, T, sink_scale, block
     assert np.abs(out[pad]).max(initial=0.0) == 0.0
 
 
-@pytest.mark.parametrize("window,S,splits,sink_scale", [(FULL, 8, 1, 1.0), (FULL, 8, 3, 1.0), (16, 4, 2, 30.0)])
+@pytest.mark.parametrize("window,S,splits,sink_scale", [(FULL, 8, 1, 1.0), (FULL, 8, 3, 1.0), (16, 4, 2, 30.0),
+                                                        (FULL, 4, 11, 5.0)])  # 11: two merge chunks, idle splits
 def test_new_token_attention_matches_reference(window, S, splits, sink_scale):
     """Rows: fresh tokens at position 0, inside and past the window, a long context; a padding row; a row
     whose position is prefix-cached (null-page write: its key comes from the cache). Layer 1 of a 2-layer pool."""
@@ -101,7 +102,7 @@ def test_new_token_attention_matches_reference(window, S, splits, sink_scale):
     biases = tuple(jnp.asarray(rng.normal(size=(3, n * H)), jnp.bfloat16) for n in (N, K, K))  # 3 layers
     angle = rng.uniform(0, 6.3, size=(B, H // 2))
     cos, sin = (jnp.asarray(f(angle) * 1.3, jnp.bfloat16) for f in (np.cos, np.sin))
-    sinks = jnp.asarray(rng.normal(size=(N,)) * sink_scale, jnp.float32)
+    sinks = jnp.asarray(rng.normal(size=(3, N)) * sink_scale, jnp.float32)  # 3 layers, like the biases
     args = (jnp.asarray(bt), P, jnp.asarray(pos), jnp.asarray(wpage), jnp.asarray(wslot), sinks, window)
     ref, ref_k, ref_v = paged_attention.new_token_reference(parts, biases, 2, cos, sin, kp, vp, *args)
     out, got_k, got_v = paged_attention.attention_new_token(parts, biases, 2, cos, sin, kp, vp, *args, block_kv=8,

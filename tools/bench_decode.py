@@ -15,6 +15,7 @@ measures the whole engine loop). `--reference` adds the pure-JAX path for the ra
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import subprocess
@@ -71,11 +72,11 @@ def row_tokens(cfg, batch: int) -> jax.Array:
 
 
 def decode_call(params, cfg, batch: int, context: int, impl: str, num_steps: int, temperature: float = 0.0,
-                top_p: float = 1.0):
+                top_p: float = 1.0, ahead: bool = False):
     """`(run, free)`: `run()` makes one compiled decode call (`num_steps` tokens for every row of a
     synthetic `context`-token batch) and blocks until it is done (`run(block=False)` returns its
     tokens as soon as the call returns); `free()` releases its cache. Sampling is greedy unless
-    `temperature` > 0."""
+    `temperature` > 0. `ahead`: compile now, so later changes to module constants do not reach `run`."""
     cache, tables = synthetic_state(cfg, batch, context, params.embed.dtype)
     sp = steps.SamplingBatch(temperature_B=jnp.full(batch, temperature), top_k_B=jnp.zeros(batch, jnp.int32),
                              top_p_B=jnp.full(batch, top_p), min_p_B=jnp.zeros(batch),
@@ -83,10 +84,12 @@ def decode_call(params, cfg, batch: int, context: int, impl: str, num_steps: int
     tokens = row_tokens(cfg, batch)
     positions = jnp.full(batch, context, jnp.int32)
     state = {"cache": cache}
+    static = dict(cfg=cfg, impl=impl, num_steps=num_steps, num_top=NUM_TOP)
+    step = (steps.decode.lower(params, cache, tokens, positions, tables, sp, **static).compile() if ahead
+            else functools.partial(steps.decode, **static))
 
     def run(block: bool = True):
-        out, state["cache"] = steps.decode(params, state["cache"], tokens, positions, tables, sp, cfg=cfg, impl=impl,
-                                           num_steps=num_steps, num_top=NUM_TOP)
+        out, state["cache"] = step(params, state["cache"], tokens, positions, tables, sp)
         return out.tokens.block_until_ready() if block else out.tokens
 
     def free():

@@ -159,6 +159,7 @@ def main():
         key, k1, k2 = jax.random.split(key, 3)
         _, kp, vp, bt, pos, sinks = kc.paged(k1, B, 64, 8, 64, S, ctxs, sink_scale)
         args = new_token_case(k2, B, bt, pos[:, 0], S)
+        sinks = jnp.concatenate([jnp.full((args[2], sinks.shape[0]), -3.0), sinks[None]])  # the case's layer's
         ref, ref_k, _ = paged_attention.new_token_reference(*args[:3], *args[3:5], kp, vp, bt, 0, pos[:, 0], *args[5:],
                                                             sinks, window)
         out, got_k, _ = paged_attention.attention_new_token(*args[:3], *args[3:5], kp, vp, bt, 0, pos[:, 0], *args[5:],

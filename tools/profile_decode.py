@@ -40,14 +40,17 @@ import numpy as np  # noqa: E402
 
 import pallas_kernels  # noqa: E402
 
+from ab_decode import parse_variant  # noqa: E402
 from bench_decode import NUM_TOP, decode_call  # noqa: E402
 from bench_reference import timeit  # noqa: E402
 from gptoss_jax import config, model, steps  # noqa: E402
 from gptoss_jax.random_weights import random_params  # noqa: E402
 
 
-def summarize_trace(trace_dir: str, top: int = 60) -> dict:
-    """GPU kernel time from the perfetto trace `jax.profiler` wrote under `trace_dir`."""
+def summarize_trace(trace_dir: str, top: int = 60, timeline: int = 0) -> dict:
+    """GPU kernel time from the perfetto trace `jax.profiler` wrote under `trace_dir`; with `timeline`, also
+    that many consecutive kernels from the middle of the busiest stream: start (from the first), duration and
+    the gap since the previous kernel ended (negative: they overlapped), which show where the step waits."""
     path = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))[-1]
     events = json.load(gzip.open(path))["traceEvents"]
     procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
@@ -73,6 +76,13 @@ def summarize_trace(trace_dir: str, top: int = 60) -> dict:
         out[name] = {"events": len(evs), "span_us": end - evs[0]["ts"], "busy_us": busy,
                      "top": [{"name": n, "us": t, "count": counts[n], "args": args[n]}
                              for n, t in totals.most_common(top)]}
+    if timeline and out:
+        name = max(out, key=lambda n: out[n]["busy_us"])
+        evs = by_thread[name][len(by_thread[name]) // 2:][:timeline]
+        ends = [e["ts"] + e["dur"] for e in evs]
+        out[name]["timeline"] = [{"name": e["name"][:60], "start_us": round(e["ts"] - evs[0]["ts"], 2),
+                                  "dur_us": e["dur"], "gap_us": round(e["ts"] - max(ends[:i]), 2) if i else 0.0}
+                                 for i, e in enumerate(evs)]
     return out
 
 
@@ -121,7 +131,15 @@ def main() -> None:
     ap.add_argument("--label", default="baseline")
     ap.add_argument("--out", default="profile.json")
     ap.add_argument("--hlo-dump", default="", help="XLA dump directory: name each kernel's HLO source")
+    ap.add_argument("--variant", default="", help="name:module.ATTR=value[,...]: constants set before tracing, "
+                    "as in tools/ab_decode.py")
+    ap.add_argument("--timeline", type=int, default=0, help="also list this many consecutive kernels of the "
+                    "busiest stream, with the gap before each")
     args = ap.parse_args()
+    if args.variant:
+        args.label, sets = parse_variant(args.variant)
+        for module, attr, value in sets:
+            setattr(module, attr, value)
     cfg = (config.from_hf_dict(json.loads(Path(args.preset).read_text()), args.preset)
            if args.preset.endswith(".json") else config.preset(args.preset))
     params = random_params(cfg, impl=args.impl)
@@ -203,7 +221,7 @@ def profile(run, free, per: int, what: str, unit: str, meta: dict, args) -> dict
     run()
     traced_us = (time.perf_counter() - t0) * 1e6
     jax.profiler.stop_trace()
-    summary = summarize_trace(trace_dir)
+    summary = summarize_trace(trace_dir, timeline=args.timeline)
     free()
     result = {"label": args.label, "xla_flags": os.environ.get("XLA_FLAGS", ""), "preset": args.preset, **meta,
               "compile_s": compile_s, "us_per_" + unit: us, "dispatch_us_per_call": dispatch_us,
@@ -218,6 +236,8 @@ def profile(run, free, per: int, what: str, unit: str, meta: dict, args) -> dict
               f"of span {t['span_us'] / per:.0f}", flush=True)
         for row in t["top"][:12]:
             print(f"    {row['us'] / per:8.1f} us/{unit}  x{row['count'] / per:5.1f}  {row['name'][:90]}")
+        for row in t.get("timeline", []):
+            print(f"    t={row['start_us']:8.2f}  {row['dur_us']:6.2f} us  gap {row['gap_us']:5.2f}  {row['name']}")
     return result
 
 
