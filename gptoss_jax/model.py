@@ -91,17 +91,19 @@ def _write_targets(table_BM: jax.Array, positions_BT: jax.Array, write_from_B: j
 
 def _attention(cfg: ModelConfig, stacked: dict, per_layer: dict, layer, x_BTD, cos, sin, k_all, v_all, idx, table_BM,
                write_page_BT, write_slot_BT, positions_BT, *, window: int, impl: str, inspect: bool,
-               heads_axis: str | None, fuse: bool):
+               heads_axis: str | None, done_BK=None):
     """One attention layer: project, write the new K/V into layer `idx` of the pool, attend through the table.
     Also returns the sink mass `[B, T, N]` when `inspect`. Runs on whatever heads and rows it is given: all
     of them on one device, a device's shard under a layout (`sharding.tensor_parallel`), where `heads_axis`
-    names the mesh axis the heads are split over, whose partial output projections are summed here. `fuse`
-    (decode on one device with the kernels) takes `pallas_kernels.attention_new_token`.
+    names the mesh axis the heads are split over, whose partial output projections are summed here. Given
+    `done_BK` (decode on one device with the kernels: the new-token kernel's split counts), it takes
+    `pallas_kernels.attention_new_token` and returns the counts after the pools.
 
     `stacked` holds every layer's projection weights (`q_w`, ...) and `layer` says which, as for the
     experts: the decode kernel reads them in place instead of the scan copying each layer's ~53 MB out
     first; `per_layer` holds this layer's norm gain, biases and sinks (with `fuse`, `stacked` also holds all
     layers' q/k/v biases and sinks, which the kernel indexes in place of slicing them per layer)."""
+    fuse = done_BK is not None
     B, T, _ = x_BTD.shape
     H = cfg.head_dim
     dtype = k_all.dtype
@@ -119,9 +121,9 @@ def _attention(cfg: ModelConfig, stacked: dict, per_layer: dict, layer, x_BTD, c
     sinks = per_layer["sinks"]
     if fuse:  # decode with kernels: the projections' epilogue, RoPE, the cache write and the merge ride in the kernel
         bs_LO = [stacked[f"{n}_b"] for n in "qkv"]
-        o, pool_k, pool_v = pallas_kernels.attention_new_token(
+        o, pool_k, pool_v, done_BK = pallas_kernels.attention_new_token(
             t.reshape(B, -1), ws, bs_LO, layer, cos[:, 0], sin[:, 0], pool_k, pool_v, table_BM, page_offset,
-            positions_BT[:, 0], write_page_BT[:, 0], write_slot_BT[:, 0], stacked["sinks"], window,
+            positions_BT[:, 0], write_page_BT[:, 0], write_slot_BT[:, 0], stacked["sinks"], window, done_BK,
             null_page=NULL_PAGE)
     else:
         # q, k and v in one kernel launch for decode rows: k and v alone cost a launch's latency, not their bytes
@@ -141,18 +143,19 @@ def _attention(cfg: ModelConfig, stacked: dict, per_layer: dict, layer, x_BTD, c
         o_b = per_layer["o_b"]
         y = jax.lax.psum(proj(o, "o", jnp.zeros_like(o_b)), heads_axis) + o_b.astype(jnp.float32)
     if not inspect:
-        return y, k_all, v_all
+        return (y, k_all, v_all, done_BK) if fuse else (y, k_all, v_all)
     # A side computation for the record: the output stays the serving implementation's.
     _, sink = attention_reference.attention(q, pool_k, pool_v, table_BM + page_offset, positions_BT, sinks, window,
                                             return_sink_mass=True)
     return y, k_all, v_all, sink
 
 
-def _attention_block(cfg: ModelConfig, lp, dense_all, layer, x_BTD, cos, sin, k_all, v_all, idx, table_BM,
+def _attention_block(cfg: ModelConfig, lp, dense_all, layer, x_BTD, cos, sin, k_all, v_all, done_BK, idx, table_BM,
                      write_page_BT, write_slot_BT, positions_BT, window: int, impl: str, inspect: bool = False,
                      layout=None):
     """`_attention` on one device, or per device under a `layout` (its rows, pages and heads). Returns the
-    output, the pools, and the sink mass `[B, T, N]` with `inspect` (else None)."""
+    output, the pools, the split counts `done_BK` (passed through where the new-token kernel does not run),
+    and the sink mass `[B, T, N]` with `inspect` (else None)."""
     from sharding import tensor_parallel
 
     stacked = {n: getattr(dense_all, n) for n in tensor_parallel.STACKED}
@@ -162,12 +165,14 @@ def _attention_block(cfg: ModelConfig, lp, dense_all, layer, x_BTD, cos, sin, k_
     if fuse:
         stacked.update({n: getattr(dense_all, n) for n in ("q_b", "k_b", "v_b", "sinks")})
     block = functools.partial(_attention, cfg, window=window, impl=impl, inspect=inspect, heads_axis=heads_axis,
-                              fuse=fuse)
+                              done_BK=done_BK if fuse else None)
     if layout is not None:
         block = tensor_parallel.attention(layout, block, cfg.num_kv_heads, inspect)
-    y, k_all, v_all, *sink = block(stacked, per_layer, layer, x_BTD, cos, sin, k_all, v_all, idx, table_BM,
-                                   write_page_BT, write_slot_BT, positions_BT)
-    return y, k_all, v_all, (sink[0] if inspect else None)
+    y, k_all, v_all, *extra = block(stacked, per_layer, layer, x_BTD, cos, sin, k_all, v_all, idx, table_BM,
+                                    write_page_BT, write_slot_BT, positions_BT)
+    if fuse:
+        done_BK = extra.pop(0)
+    return y, k_all, v_all, done_BK, (extra[0] if inspect else None)
 
 
 def _moe_block(cfg: ModelConfig, lp, dense_all, layer, x_BTD, dtype, impl, inspect: bool = False, layout=None):
@@ -231,21 +236,23 @@ def forward(params: Params, cache: PagedKVCache, tokens_BT: jax.Array, positions
     f_page, f_slot = _write_targets(tables.full_BM, positions_BT, tables.full_cached_B, S)
 
     def layer(x, caches, lp, idx, sliding: bool):
-        ks, vs, kf, vf = caches
+        ks, vs, kf, vf, done = caches
         with jax.named_scope("sliding_attention" if sliding else "full_attention"):
             n = 2 * idx + (0 if sliding else 1)  # the layer's index in model order
             if sliding:
-                a, ks, vs, sink = _attention_block(cfg, lp, dense_all, n, x, cos, sin, ks, vs, idx, tables.sliding_BM,
-                                                   s_page, s_slot, positions_BT, cfg.sliding_window, impl, on, layout)
+                a, ks, vs, done, sink = _attention_block(cfg, lp, dense_all, n, x, cos, sin, ks, vs, done, idx,
+                                                         tables.sliding_BM, s_page, s_slot, positions_BT,
+                                                         cfg.sliding_window, impl, on, layout)
             else:
-                a, kf, vf, sink = _attention_block(cfg, lp, dense_all, n, x, cos, sin, kf, vf, idx, tables.full_BM,
-                                                   f_page, f_slot, positions_BT, FULL_WINDOW, impl, on, layout)
+                a, kf, vf, done, sink = _attention_block(cfg, lp, dense_all, n, x, cos, sin, kf, vf, done, idx,
+                                                         tables.full_BM, f_page, f_slot, positions_BT, FULL_WINDOW,
+                                                         impl, on, layout)
             x = pin(x + a)
         with jax.named_scope("moe"):
             y, routing = _moe_block(cfg, lp, dense_all, n, x, dtype, impl, on, layout)
             x = pin(x + y)
         record = (*routing, sink, x if inspect.hidden_states else None) if on else None
-        return x, (ks, vs, kf, vf), record
+        return x, (ks, vs, kf, vf, done), record
 
     def pair(carry, inputs):
         x, caches = carry
@@ -255,7 +262,9 @@ def forward(params: Params, cache: PagedKVCache, tokens_BT: jax.Array, positions
         return (x, caches), ((r0, r1) if on else None)
 
     pairs = cfg.num_layers // 2
-    caches = (cache.k_sliding, cache.v_sliding, cache.k_full, cache.v_full)
+    # The pools, and the new-token attention kernel's split counts: one zeroed buffer for all layers.
+    caches = (cache.k_sliding, cache.v_sliding, cache.k_full, cache.v_full,
+              jnp.zeros((tokens_BT.shape[0], cfg.num_kv_heads), jnp.int32))
     # The big per-layer weights are indexed inside the blocks (no copy), the rest is sliced by the scan.
     dense_all = params.layers
     scanned = params.layers.replace(experts=None, q_w=None, k_w=None, v_w=None, o_w=None)
@@ -283,6 +292,7 @@ def forward(params: Params, cache: PagedKVCache, tokens_BT: jax.Array, positions
                 records.append(jax.tree.map(lambda a: a[None], r))
     with jax.named_scope("final_norm"):
         x = rms_norm(x, params.final_norm, cfg.rms_norm_eps, dtype)
+    caches = caches[:4]
     if layout is not None:  # the pools keep their placement from call to call (donated in place)
         caches = tuple(jax.lax.with_sharding_constraint(c, layout.cache_sharding(cfg.num_kv_heads)) for c in caches)
     if not on:

@@ -120,15 +120,16 @@ def fuses_new_token(B: int, T: int, impl: str) -> bool:
 
 
 def attention_new_token(t_BI, ws_LOI, bs_LO, layer, cos_BF, sin_BF, k_pages_PSKH, v_pages_PSKH, block_tables_BM,
-                        page_offset, q_pos_B, write_page_B, write_slot_B, sinks_LN, window: int, *, null_page: int):
+                        page_offset, q_pos_B, write_page_B, write_slot_B, sinks_LN, window: int, done_BK, *,
+                        null_page: int):
     """Decode with the kernels, one token per row: the q, k and v projections of the normed `t_BI` (weights
     and biases stacked over layers, `linear_partials`), then `paged_attention.attention_new_token` (their
-    sums, biases and RoPE, the cache write and the attention in one launch) -> (`[B, 1, N, H]`, k pages,
-    v pages)."""
+    sums, biases and RoPE, the cache write, the attention and the merge of its splits in one launch, counted
+    in `done_BK`) -> (`[B, 1, N, H]`, k pages, v pages, done_BK)."""
     parts = linear_partials(t_BI, ws_LOI, layer, impl="pallas")
     return paged_attention.attention_new_token(parts, tuple(bs_LO), layer, cos_BF, sin_BF, k_pages_PSKH, v_pages_PSKH,
                                                block_tables_BM, page_offset, q_pos_B, write_page_B, write_slot_B,
-                                               sinks_LN, window, null_page=null_page)
+                                               sinks_LN, window, done_BK, null_page=null_page)
 
 
 def linear(x_TI, w_LOI, b_O, layer, *, impl: str = "reference"):

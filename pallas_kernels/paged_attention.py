@@ -233,8 +233,8 @@ def _partials_shapes(B, K, ns, gp, H):
 @functools.partial(jax.jit, static_argnames=("window", "null_page", "block_kv", "num_splits", "num_warps",
                                              "num_stages", "interpret"))
 def attention_new_token(qkv_parts, qkv_bias_LO, layer, cos_BF, sin_BF, k_pages_PSKH, v_pages_PSKH, block_tables_BM,
-                        page_offset, q_pos_B, write_page_B, write_slot_B, sinks_LN, window, *, null_page=0,
-                        block_kv=None, num_splits=None, num_warps=4, num_stages=None, interpret=None):
+                        page_offset, q_pos_B, write_page_B, write_slot_B, sinks_LN, window, done_BK=None, *,
+                        null_page=0, block_kv=None, num_splits=None, num_warps=4, num_stages=None, interpret=None):
     """One new token per row, from the split-K partial sums of its q, k and v projections
     (`linear_decode.partial_sums`, each `[splits, B, heads * H]`), their biases and the sinks (layer `layer`
     of `qkv_bias_LO` and `sinks_LN`, stacked over layers: no per-layer slice) to its attention output
@@ -243,6 +243,9 @@ def attention_new_token(qkv_parts, qkv_bias_LO, layer, cos_BF, sin_BF, k_pages_P
     splits in one launch, where XLA spends a dozen small kernels a layer on them. The pools (`[P, S, K, H]`,
     updated in place when donated) may hold several layers: the table's pages are offset by `page_offset`,
     as is `write_page_B` (`null_page` = no write); `write_slot_B` is the slot in the page.
+    `done_BK` (int32 `[B, K]`, all 0; updated in place when donated) counts finished splits, and every launch
+    leaves it at 0: a decode step threads one through all its layers, where a fresh one each layer would cost a
+    memset kernel on the critical path. None: a fresh one. Returns (out, k pages, v pages, done_BK).
 
     The same function as `new_token_reference`, except that null-page writes are skipped."""
     q_parts, k_parts, v_parts = qkv_parts
@@ -256,7 +259,9 @@ def attention_new_token(qkv_parts, qkv_bias_LO, layer, cos_BF, sin_BF, k_pages_P
     i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
     flat = [a.reshape(P * S, K, H) for a in (k_pages_PSKH, v_pages_PSKH)]
     dtype = k_pages_PSKH.dtype
-    *_, out, k_flat, v_flat, _ = pl.pallas_call(
+    if done_BK is None:
+        done_BK = jnp.zeros((B, K), jnp.int32)
+    *_, out, k_flat, v_flat, done_BK = pl.pallas_call(
         functools.partial(_new_token_kernel, window=min(int(window), 2**31 - 1), null_page=null_page, G=G,
                           interpret=interpret, page_size=S, pages_per_block=ppb, num_splits=ns, max_pages=M,
                           scale=H ** -0.5),
@@ -267,9 +272,8 @@ def attention_new_token(qkv_parts, qkv_bias_LO, layer, cos_BF, sin_BF, k_pages_P
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages or NUM_STAGES),
         interpret=interpret, name="paged_decode_attention_new_token",
     )(i32(block_tables_BM), i32(q_pos_B), i32(write_page_B), i32(write_slot_B), i32(jnp.stack([page_offset, layer])),
-      q_parts, k_parts, v_parts, *qkv_bias_LO, sinks_LN, cos_BF, sin_BF, *flat,
-      jnp.zeros((B, K), jnp.int32))  # split counts: each launch leaves them at 0
-    return out.reshape(B, 1, N, H), k_flat.reshape(k_pages_PSKH.shape), v_flat.reshape(v_pages_PSKH.shape)
+      q_parts, k_parts, v_parts, *qkv_bias_LO, sinks_LN, cos_BF, sin_BF, *flat, done_BK)
+    return out.reshape(B, 1, N, H), k_flat.reshape(k_pages_PSKH.shape), v_flat.reshape(v_pages_PSKH.shape), done_BK
 
 
 @functools.partial(jax.jit, static_argnames=("window", "block_kv", "num_splits", "num_warps",

@@ -105,8 +105,9 @@ def test_new_token_attention_matches_reference(window, S, splits, sink_scale):
     sinks = jnp.asarray(rng.normal(size=(3, N)) * sink_scale, jnp.float32)  # 3 layers, like the biases
     args = (jnp.asarray(bt), P, jnp.asarray(pos), jnp.asarray(wpage), jnp.asarray(wslot), sinks, window)
     ref, ref_k, ref_v = paged_attention.new_token_reference(parts, biases, 2, cos, sin, kp, vp, *args)
-    out, got_k, got_v = paged_attention.attention_new_token(parts, biases, 2, cos, sin, kp, vp, *args, block_kv=8,
-                                                            num_splits=splits, interpret=True)
+    out, got_k, got_v, done = paged_attention.attention_new_token(parts, biases, 2, cos, sin, kp, vp, *args, block_kv=8,
+                                                                  num_splits=splits, interpret=True)
+    assert not np.asarray(done).any()  # the last split of each (row, KV head) reset its count for the next launch
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     assert np.isfinite(out).all()
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
