@@ -125,8 +125,6 @@ def front(x_TD, gain_LD, router_w_LED, router_b_LE, layer, *, eps: float, dtype,
     return logits, words.reshape(T, 4, D // 32, 4), xs
 
 
-# jit: the decode step unrolls its layers, and one traced `layer` lets every layer share this lowering
-@functools.partial(jax.jit, static_argnames=("top_k", "eps", "dtype", "swiglu_limit", "swiglu_alpha", "interpret"))
 def moe(x_TD, gain_LD, router_w_LED, router_b_LE, kexp_all: moe_decode.KernelExperts, layer, *, top_k: int,
         eps: float, dtype, swiglu_limit, swiglu_alpha, interpret=None):
     """The decode MoE block on the fp32 residual stream `x_TD`: this kernel, then the two `gemv16` kernels on the
