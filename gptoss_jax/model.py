@@ -1,10 +1,9 @@
 """The gpt-oss transformer as pure functions over `Params` (see docs/model.md for the math).
 
 Pre-norm residual blocks, each attention (GQA, q/k/v/o biases, YaRN RoPE, learned sinks, sliding
-window on even layers) followed by a top-k MXFP4 mixture of experts. Layers run as (sliding, full)
-pairs, so each attention reads its own page pool with a static window: one `lax.scan` over the pairs
-for prefill, the pairs unrolled for decode; the paged KV cache rides in the carry so XLA updates it in
-place (docs/engine.md, "Cache layout").
+window on even layers) followed by a top-k MXFP4 mixture of experts. Layers run as one `lax.scan`
+over (sliding, full) pairs, so each attention reads its own page pool with a static window; the
+paged KV cache rides in the scan carry so XLA updates it in place (docs/engine.md, "Cache layout").
 """
 
 import dataclasses
@@ -101,7 +100,7 @@ def _attention(cfg: ModelConfig, stacked: dict, per_layer: dict, layer, x_BTD, c
 
     `stacked` holds every layer's projection weights (`q_w`, ...) and `layer` says which, as for the
     experts: the decode kernel reads them in place instead of the scan copying each layer's ~53 MB out
-    first; `per_layer` holds this layer's norm gain, biases and sinks (with `fuse`, `stacked` also holds all
+    first; `per_layer` holds this layer's norm gain, biases and sinks (with `done_BK`, `stacked` also holds all
     layers' q/k/v biases and sinks, which the kernel indexes in place of slicing them per layer)."""
     fuse = done_BK is not None
     B, T, _ = x_BTD.shape
@@ -272,18 +271,7 @@ def forward(params: Params, cache: PagedKVCache, tokens_BT: jax.Array, positions
     with jax.named_scope("layers"):
         if pairs:
             stacked = jax.tree.map(lambda a: a[:2 * pairs].reshape(pairs, 2, *a.shape[1:]), scanned)
-            if tokens_BT.shape[1] == 1:
-                # Decode unrolls the pairs, so every layer index and page offset is a constant: in the scan they are
-                # loop values, and their arithmetic, the per-layer slices and the loop's own counter cost ~5 small
-                # kernels a pair on the step's critical path (20b batch 1: 4.5% of the step, docs/BENCHMARKS.md
-                # §7e). Prefill keeps the scan: there the kernels are long, and one compiled layer is cheaper.
-                rs = []
-                for i in range(pairs):
-                    (x, caches), r = pair((x, caches), (jax.tree.map(lambda a: a[i], stacked), i))
-                    rs.append(r)
-                ys = jax.tree.map(lambda *a: jnp.stack(a), *rs) if on else None
-            else:
-                (x, caches), ys = jax.lax.scan(pair, (x, caches), (stacked, jnp.arange(pairs)))
+            (x, caches), ys = jax.lax.scan(pair, (x, caches), (stacked, jnp.arange(pairs)))
             if on:  # [pairs] of (sliding, full) -> [2 * pairs] in layer order
                 records.append(jax.tree.map(lambda a, b: jnp.stack([a, b], 1).reshape(2 * pairs, *a.shape[1:]), *ys))
         if cfg.num_layers % 2:  # an odd layer count ends on a sliding layer

@@ -156,7 +156,7 @@ def _merge_splits(o_ref, m_ref, l_ref, sinks_ref, layer, out_ref, done_ref, b, k
     """Called by every split of (row `b`, KV head `kh`) once its partials are stored: the last one to arrive
     (counted in `done_ref[b, kh]`, which it resets to 0 for the next launch) reads all of them back and writes
     `_combine`'s output for the head's G query heads, with row `layer` of the stacked sinks. In the decode step
-    this replaces two XLA kernels a layer on the critical path (20b batch 1: 2.2% of the step,
+    this replaces two XLA kernels a layer on the critical path (20b batch 1: 4% of the step,
     docs/BENCHMARKS.md §7e). The count is an acquire-release atomic at GPU scope after a block barrier, so every
     thread's partials of every split are visible to the last one (and no L1 line of them is stale: no program
     reads a partial before the count says all are stored). The partials' split axis is padded to a power of
