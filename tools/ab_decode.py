@@ -27,9 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 
-from bench_decode import copy_bandwidth, decode_call  # noqa: E402
+from bench_decode import copy_bandwidth, decode_call, model_config  # noqa: E402
 from bench_reference import timeit  # noqa: E402
-from gptoss_jax import config  # noqa: E402
 from gptoss_jax.random_weights import random_params  # noqa: E402
 
 
@@ -63,8 +62,7 @@ def main() -> None:
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows = []
     for preset in args.presets.split(","):
-        cfg = (config.from_hf_dict(json.loads(Path(preset).read_text()), preset) if preset.endswith(".json")
-               else config.preset(preset))
+        cfg = model_config(preset)
         params = random_params(cfg, impl="pallas")
         for batch in [int(b) for b in args.batches.split(",")]:
             calls = []

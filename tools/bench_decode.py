@@ -71,6 +71,11 @@ def row_tokens(cfg, batch: int) -> jax.Array:
     return jnp.asarray(np.random.default_rng(batch).integers(0, cfg.vocab_size, batch), jnp.int32)
 
 
+def model_config(name: str):
+    """A preset name, or a config.json path (`config.load_config`)."""
+    return config.load_config(name) if name.endswith(".json") else config.preset(name)
+
+
 def decode_call(params, cfg, batch: int, context: int, impl: str, num_steps: int, temperature: float = 0.0,
                 top_p: float = 1.0, ahead: bool = False):
     """`(run, free)`: `run()` makes one compiled decode call (`num_steps` tokens for every row of a
@@ -129,8 +134,7 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     ref_batches = {int(b) for b in args.reference.split(",") if b}
     for n, preset in enumerate(args.presets.split(",")):
-        cfg = (config.from_hf_dict(json.loads(Path(preset).read_text()), preset) if preset.endswith(".json")
-               else config.preset(preset))
+        cfg = model_config(preset)
         with_reference = n == 0 and ref_batches
         kernel_params = random_params(cfg, impl="pallas")  # drawn in the kernels' layout, layer by layer
         params = random_params(cfg) if with_reference else None

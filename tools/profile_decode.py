@@ -41,9 +41,9 @@ import numpy as np  # noqa: E402
 import pallas_kernels  # noqa: E402
 
 from ab_decode import parse_variant  # noqa: E402
-from bench_decode import NUM_TOP, decode_call  # noqa: E402
+from bench_decode import NUM_TOP, decode_call, model_config  # noqa: E402
 from bench_reference import timeit  # noqa: E402
-from gptoss_jax import config, model, steps  # noqa: E402
+from gptoss_jax import model, steps  # noqa: E402
 from gptoss_jax.random_weights import random_params  # noqa: E402
 
 
@@ -140,8 +140,7 @@ def main() -> None:
         args.label, sets = parse_variant(args.variant)
         for module, attr, value in sets:
             setattr(module, attr, value)
-    cfg = (config.from_hf_dict(json.loads(Path(args.preset).read_text()), args.preset)
-           if args.preset.endswith(".json") else config.preset(args.preset))
+    cfg = model_config(args.preset)
     params = random_params(cfg, impl=args.impl)
     results = []
     if args.prefill:
