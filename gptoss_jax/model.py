@@ -88,10 +88,11 @@ def _write_targets(table_BM: jax.Array, positions_BT: jax.Array, write_from_B: j
     return jnp.where(ok, page, NULL_PAGE), jnp.maximum(positions_BT, 0) % page_size
 
 
-def _attention(cfg: ModelConfig, stacked: dict, per_layer: dict, layer, x_BTD, cos, sin, k_all, v_all, idx, table_BM,
+def _attention(cfg: ModelConfig, stacked: dict, per_layer: dict, layer, t_BTD, cos, sin, k_all, v_all, idx, table_BM,
                write_page_BT, write_slot_BT, positions_BT, *, window: int, impl: str, inspect: bool,
                heads_axis: str | None, done_BK=None):
-    """One attention layer: project, write the new K/V into layer `idx` of the pool, attend through the table.
+    """One attention layer on the normed residual stream `t_BTD`: project, write the new K/V into layer `idx` of
+    the pool, attend through the table.
     Also returns the sink mass `[B, T, N]` when `inspect`. Runs on whatever heads and rows it is given: all
     of them on one device, a device's shard under a layout (`sharding.tensor_parallel`), where `heads_axis`
     names the mesh axis the heads are split over, whose partial output projections are summed here. Given
@@ -100,10 +101,10 @@ def _attention(cfg: ModelConfig, stacked: dict, per_layer: dict, layer, x_BTD, c
 
     `stacked` holds every layer's projection weights (`q_w`, ...) and `layer` says which, as for the
     experts: the decode kernel reads them in place instead of the scan copying each layer's ~53 MB out
-    first; `per_layer` holds this layer's norm gain, biases and sinks (with `done_BK`, `stacked` also holds all
+    first; `per_layer` holds this layer's biases and sinks (with `done_BK`, `stacked` also holds all
     layers' q/k/v biases and sinks, which the kernel indexes in place of slicing them per layer)."""
     fuse = done_BK is not None
-    B, T, _ = x_BTD.shape
+    B, T, _ = t_BTD.shape
     H = cfg.head_dim
     dtype = k_all.dtype
 
@@ -111,7 +112,6 @@ def _attention(cfg: ModelConfig, stacked: dict, per_layer: dict, layer, x_BTD, c
         y = pallas_kernels.linear(x.reshape(B * T, -1), stacked[f"{name}_w"], bias, layer, impl=impl)
         return y.reshape(B, T, -1)
 
-    t = rms_norm(x_BTD, per_layer["attn_norm"], cfg.rms_norm_eps, dtype)
     ws = [stacked[f"{n}_w"] for n in "qkv"]
     # All layers' pools as one flat pool, with this layer's pages found by offsetting the table: a
     # reshape is free, while slicing layer `idx` out would copy its whole pool into the kernel call.
@@ -121,14 +121,14 @@ def _attention(cfg: ModelConfig, stacked: dict, per_layer: dict, layer, x_BTD, c
     if fuse:  # decode with kernels: the projections' epilogue, RoPE, the cache write and the merge ride in the kernel
         bs_LO = [stacked[f"{n}_b"] for n in "qkv"]
         o, pool_k, pool_v, done_BK = pallas_kernels.attention_new_token(
-            t.reshape(B, -1), ws, bs_LO, layer, cos[:, 0], sin[:, 0], pool_k, pool_v, table_BM, page_offset,
+            t_BTD.reshape(B, -1), ws, bs_LO, layer, cos[:, 0], sin[:, 0], pool_k, pool_v, table_BM, page_offset,
             positions_BT[:, 0], write_page_BT[:, 0], write_slot_BT[:, 0], stacked["sinks"], window, done_BK,
             null_page=NULL_PAGE)
     else:
         # q, k and v in one kernel launch for decode rows: k and v alone cost a launch's latency, not their bytes
         bs = [per_layer[f"{n}_b"] for n in "qkv"]
         q, k, v = (y.astype(dtype).reshape(B, T, -1, H)
-                   for y in pallas_kernels.linear_many(t.reshape(B * T, -1), ws, bs, layer, impl=impl))
+                   for y in pallas_kernels.linear_many(t_BTD.reshape(B * T, -1), ws, bs, layer, impl=impl))
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
         pool_k = pool_k.at[page_offset + write_page_BT, write_slot_BT].set(k)
         pool_v = pool_v.at[page_offset + write_page_BT, write_slot_BT].set(v)
@@ -149,7 +149,7 @@ def _attention(cfg: ModelConfig, stacked: dict, per_layer: dict, layer, x_BTD, c
     return y, k_all, v_all, sink
 
 
-def _attention_block(cfg: ModelConfig, lp, dense_all, layer, x_BTD, cos, sin, k_all, v_all, done_BK, idx, table_BM,
+def _attention_block(cfg: ModelConfig, lp, dense_all, layer, t_BTD, cos, sin, k_all, v_all, done_BK, idx, table_BM,
                      write_page_BT, write_slot_BT, positions_BT, window: int, impl: str, inspect: bool = False,
                      layout=None):
     """`_attention` on one device, or per device under a `layout` (its rows, pages and heads). Returns the
@@ -160,43 +160,49 @@ def _attention_block(cfg: ModelConfig, lp, dense_all, layer, x_BTD, cos, sin, k_
     stacked = {n: getattr(dense_all, n) for n in tensor_parallel.STACKED}
     per_layer = {n: getattr(lp, n) for n in tensor_parallel.PER_LAYER}
     heads_axis = tensor_parallel.heads_axis(layout, cfg.num_kv_heads) if layout is not None else None
-    fuse = layout is None and not inspect and pallas_kernels.fuses_new_token(*x_BTD.shape[:2], impl)
+    fuse = layout is None and not inspect and pallas_kernels.fuses_new_token(*t_BTD.shape[:2], impl)
     if fuse:
         stacked.update({n: getattr(dense_all, n) for n in ("q_b", "k_b", "v_b", "sinks")})
     block = functools.partial(_attention, cfg, window=window, impl=impl, inspect=inspect, heads_axis=heads_axis,
                               done_BK=done_BK if fuse else None)
     if layout is not None:
         block = tensor_parallel.attention(layout, block, cfg.num_kv_heads, inspect)
-    y, k_all, v_all, *extra = block(stacked, per_layer, layer, x_BTD, cos, sin, k_all, v_all, idx, table_BM,
+    y, k_all, v_all, *extra = block(stacked, per_layer, layer, t_BTD, cos, sin, k_all, v_all, idx, table_BM,
                                     write_page_BT, write_slot_BT, positions_BT)
     if fuse:
         done_BK = extra.pop(0)
     return y, k_all, v_all, done_BK, (extra[0] if inspect else None)
 
 
-def _moe_block(cfg: ModelConfig, lp, dense_all, layer, x_BTD, dtype, impl, inspect: bool = False, layout=None):
-    """The MoE layer `[B, T, D]`, and with `inspect` its routing (logits, ids, weights) `[B, T, ...]` (else None).
+def _moe_block(cfg: ModelConfig, lp, dense_all, final_norm, layer, x_BTD, dtype, impl, inspect: bool = False,
+               layout=None):
+    """The MoE layer with its residual add, and the next block's norm: (x `[B, T, D]` f32, its `rms_norm` with
+    the gain of the attention after it or the final one), and with `inspect` its routing (logits, ids, weights)
+    `[B, T, ...]` (else None).
 
-    `dense_all` holds every layer's norm, router and experts and `layer` says which: the kernels read the
+    `dense_all` holds every layer's norms, router and experts and `layer` says which: the kernels read the
     routed experts straight out of the stacked arrays, where slicing one layer out first would copy all of
     its experts (~0.8 GB per 20b layer) every step."""
     B, T, D = x_BTD.shape
     x = x_BTD.reshape(B * T, D)
     kw = dict(top_k=cfg.experts_per_token, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha)
+    gains, eps = (dense_all.attn_norm, final_norm), cfg.rms_norm_eps
     routing = None
     if inspect or layout is not None:
-        t = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps, dtype)
+        t = rms_norm(x, lp.mlp_norm, eps, dtype)
     if inspect:  # a side computation: `moe_reference.route` is the routing every implementation computes
         idx, w, logits = moe_reference.route(t, lp.router_w, lp.router_b, cfg.experts_per_token)
         routing = tuple(r.reshape(B, T, -1) for r in (logits, idx, w))
     if layout is not None:  # experts split over `model` (padded), tokens as the ranks hold them
         from sharding import expert_parallel
 
-        y = expert_parallel.moe(t, lp.router_w, lp.router_b, dense_all.experts, layer, layout=layout, impl=impl, **kw)
+        x = x + expert_parallel.moe(t, lp.router_w, lp.router_b, dense_all.experts, layer, layout=layout, impl=impl,
+                                    **kw).astype(jnp.float32)
+        t = rms_norm(x, pallas_kernels.next_gain(*gains, layer), eps, dtype)
     else:
-        y = pallas_kernels.moe_block(x, dense_all.mlp_norm, dense_all.router_w, dense_all.router_b, dense_all.experts,
-                                     layer, eps=cfg.rms_norm_eps, dtype=dtype, impl=impl, **kw)
-    return y.reshape(B, T, D), routing
+        x, t = pallas_kernels.moe_block(x, dense_all.mlp_norm, dense_all.router_w, dense_all.router_b,
+                                        dense_all.experts, layer, gains, eps=eps, dtype=dtype, impl=impl, **kw)
+    return x.reshape(B, T, D), t.reshape(B, T, D), routing
 
 
 def _exact_in_fp32(fn):
@@ -234,31 +240,31 @@ def forward(params: Params, cache: PagedKVCache, tokens_BT: jax.Array, positions
     s_page, s_slot = _write_targets(tables.sliding_BM, positions_BT, jnp.zeros_like(tables.full_cached_B), S)
     f_page, f_slot = _write_targets(tables.full_BM, positions_BT, tables.full_cached_B, S)
 
-    def layer(x, caches, lp, idx, sliding: bool):
+    def layer(x, t, caches, lp, idx, sliding: bool):  # t: x normed for this layer's attention
         ks, vs, kf, vf, done = caches
         with jax.named_scope("sliding_attention" if sliding else "full_attention"):
             n = 2 * idx + (0 if sliding else 1)  # the layer's index in model order
             if sliding:
-                a, ks, vs, done, sink = _attention_block(cfg, lp, dense_all, n, x, cos, sin, ks, vs, done, idx,
+                a, ks, vs, done, sink = _attention_block(cfg, lp, dense_all, n, t, cos, sin, ks, vs, done, idx,
                                                          tables.sliding_BM, s_page, s_slot, positions_BT,
                                                          cfg.sliding_window, impl, on, layout)
             else:
-                a, kf, vf, done, sink = _attention_block(cfg, lp, dense_all, n, x, cos, sin, kf, vf, done, idx,
+                a, kf, vf, done, sink = _attention_block(cfg, lp, dense_all, n, t, cos, sin, kf, vf, done, idx,
                                                          tables.full_BM, f_page, f_slot, positions_BT, FULL_WINDOW,
                                                          impl, on, layout)
             x = pin(x + a)
         with jax.named_scope("moe"):
-            y, routing = _moe_block(cfg, lp, dense_all, n, x, dtype, impl, on, layout)
-            x = pin(x + y)
+            x, t, routing = _moe_block(cfg, lp, dense_all, params.final_norm, n, x, dtype, impl, on, layout)
+            x, t = pin(x), pin(t)
         record = (*routing, sink, x if inspect.hidden_states else None) if on else None
-        return x, (ks, vs, kf, vf, done), record
+        return x, t, (ks, vs, kf, vf, done), record
 
     def pair(carry, inputs):
-        x, caches = carry
+        x, t, caches = carry
         lp_pair, i = inputs
-        x, caches, r0 = layer(x, caches, jax.tree.map(lambda a: a[0], lp_pair), i, sliding=True)
-        x, caches, r1 = layer(x, caches, jax.tree.map(lambda a: a[1], lp_pair), i, sliding=False)
-        return (x, caches), ((r0, r1) if on else None)
+        x, t, caches, r0 = layer(x, t, caches, jax.tree.map(lambda a: a[0], lp_pair), i, sliding=True)
+        x, t, caches, r1 = layer(x, t, caches, jax.tree.map(lambda a: a[1], lp_pair), i, sliding=False)
+        return (x, t, caches), ((r0, r1) if on else None)
 
     pairs = cfg.num_layers // 2
     # The pools, and the new-token attention kernel's split counts: one zeroed buffer for all layers.
@@ -266,26 +272,26 @@ def forward(params: Params, cache: PagedKVCache, tokens_BT: jax.Array, positions
               jnp.zeros((tokens_BT.shape[0], cfg.num_kv_heads), jnp.int32))
     # The big per-layer weights are indexed inside the blocks (no copy), the rest is sliced by the scan.
     dense_all = params.layers
+    # Each MoE block ends with the next block's norm (the kernels fuse it), so the first norm is taken here.
+    t = pin(rms_norm(x, pallas_kernels.next_gain(dense_all.attn_norm, params.final_norm, -1), cfg.rms_norm_eps, dtype))
     scanned = params.layers.replace(experts=None, q_w=None, k_w=None, v_w=None, o_w=None)
     records = []  # with `inspect`: per-layer records, stacked on a leading layer axis
     with jax.named_scope("layers"):
         if pairs:
             stacked = jax.tree.map(lambda a: a[:2 * pairs].reshape(pairs, 2, *a.shape[1:]), scanned)
-            (x, caches), ys = jax.lax.scan(pair, (x, caches), (stacked, jnp.arange(pairs)))
+            (x, t, caches), ys = jax.lax.scan(pair, (x, t, caches), (stacked, jnp.arange(pairs)))
             if on:  # [pairs] of (sliding, full) -> [2 * pairs] in layer order
                 records.append(jax.tree.map(lambda a, b: jnp.stack([a, b], 1).reshape(2 * pairs, *a.shape[1:]), *ys))
         if cfg.num_layers % 2:  # an odd layer count ends on a sliding layer
-            x, caches, r = layer(x, caches, jax.tree.map(lambda a: a[-1], scanned), pairs, sliding=True)
+            x, t, caches, r = layer(x, t, caches, jax.tree.map(lambda a: a[-1], scanned), pairs, sliding=True)
             if on:
                 records.append(jax.tree.map(lambda a: a[None], r))
-    with jax.named_scope("final_norm"):
-        x = rms_norm(x, params.final_norm, cfg.rms_norm_eps, dtype)
     caches = caches[:4]
     if layout is not None:  # the pools keep their placement from call to call (donated in place)
         caches = tuple(jax.lax.with_sharding_constraint(c, layout.cache_sharding(cfg.num_kv_heads)) for c in caches)
-    if not on:
-        return x, PagedKVCache(*caches)
-    return x, PagedKVCache(*caches), LayerRecords(*jax.tree.map(lambda *a: jnp.concatenate(a), *records))
+    if not on:  # t: the last block's output, normed with the final gain
+        return t, PagedKVCache(*caches)
+    return t, PagedKVCache(*caches), LayerRecords(*jax.tree.map(lambda *a: jnp.concatenate(a), *records))
 
 
 @_exact_in_fp32

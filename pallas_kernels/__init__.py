@@ -1,7 +1,7 @@
 """The hot operations of gpt-oss, each with a pure-JAX reference beside its Pallas kernels.
 
-`attention`, `attention_new_token` (decode: q/k/v projections, RoPE, cache write and attention), `moe_block` (norm +
-`moe`), `linear`, `linear_many` (several weights of one input) and (for expert
+`attention`, `attention_new_token` (decode: q/k/v projections, RoPE, cache write and attention), `moe_block` (norm,
+`moe`, residual add and the next block's norm), `linear`, `linear_many` (several weights of one input) and (for expert
 parallelism, where routing and dispatch happen outside) `experts` are the only entry points the model calls; `impl`
 picks the implementation: `"pallas"` (the kernels; the default on GPUs) or `"reference"` (pure JAX; the
 default elsewhere, since the Pallas-Triton kernels only lower for GPUs and would run interpreted). The
@@ -187,13 +187,25 @@ def moe(x_TD, router_w_ED, router_b_E, experts, *, top_k, swiglu_limit, swiglu_a
     return moe_reference.moe(x_TD, router_w_ED, router_b_E, experts, **kw)
 
 
-def moe_block(x_TD, norm_LD, router_w_LED, router_b_LE, experts_all, layer, *, eps, dtype, top_k, swiglu_limit,
-              swiglu_alpha, impl: str = "reference"):
-    """The MoE layer on the fp32 residual stream `x_TD`: `rms_norm` with layer `layer`'s gain, then `moe`, all
-    weights stacked over layers. For a few decode tokens of a bf16 model the kernels start from
-    `moe_route`'s fused front end (norm, routing and the GEMV operand in one launch)."""
+def moe_block(x_TD, norm_LD, router_w_LED, router_b_LE, experts_all, layer, next_gains, *, eps, dtype, top_k,
+              swiglu_limit, swiglu_alpha, impl: str = "reference"):
+    """The MoE layer on the fp32 residual stream `x_TD` with its residual add, and the next block's norm: `rms_norm`
+    with layer `layer`'s gain, `moe`, the sum with `x_TD`, and its `rms_norm` with the next gain (`next_gains` =
+    (attention gains `[L, D]`, final gain `[D]`): row `layer + 1` of the first, or the second after the last
+    layer); all weights stacked over layers. Returns (x `[T, D]` f32, its norm in `dtype`). For a few decode
+    tokens of a bf16 model the kernels run `moe_route.moe`: its front end (norm, routing and the GEMV operand in
+    one launch), the experts, and its back end (expert sum, residual add and the next norm in one launch)."""
     kw = dict(top_k=top_k, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
     if check_impl(impl) == "pallas" and moe_route.applies(x_TD.shape[0], top_k, router_w_LED.shape[1], dtype):
-        return moe_route.moe(x_TD, norm_LD, router_w_LED, router_b_LE, experts_all, layer, eps=eps, dtype=dtype, **kw)
+        return moe_route.moe(x_TD, norm_LD, router_w_LED, router_b_LE, experts_all, layer, next_gains, eps=eps,
+                             dtype=dtype, **kw)
     t = rms_norm(x_TD, norm_LD[layer], eps, dtype)
-    return moe(t, router_w_LED[layer], router_b_LE[layer], experts_all, layer=layer, impl=impl, **kw)
+    x = x_TD + moe(t, router_w_LED[layer], router_b_LE[layer], experts_all, layer=layer, impl=impl, **kw).astype(
+        jnp.float32)
+    return x, rms_norm(x, next_gain(*next_gains, layer), eps, dtype)
+
+
+def next_gain(gain_LD, final_D, layer):
+    """The norm gain of the block after layer `layer`'s MoE: layer `layer + 1`'s attention gain, or the final one."""
+    L = gain_LD.shape[0]
+    return jnp.where(layer + 1 < L, gain_LD[jnp.minimum(layer + 1, L - 1)], final_D)

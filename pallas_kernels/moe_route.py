@@ -1,5 +1,6 @@
-"""The decode MoE's front end in one Pallas-Triton kernel: RMSNorm, router logits, and the half-precision
-activation words that `moe_decode`'s `gemv16` expert kernels read.
+"""The decode MoE's front and back ends, one Pallas-Triton kernel each. `front`: RMSNorm, router logits, and the
+half-precision activation words that `moe_decode`'s `gemv16` expert kernels read. `back`: the experts' sum, the
+residual add and the next block's RMSNorm.
 
 Why: at a few tokens per step each of these steps moves kilobytes, yet as XLA fusions they were nine launches
 per layer (norm reduction, router dot, bias, top-k sort, softmax, the layer's expert offset, frexp, f16
@@ -19,6 +20,13 @@ waits for one memory round trip: a first version that looped over the row in one
 - e, the frexp exponent of the row's largest |t| (from its f32 bits), and its share of the words: t at
   phase positions 8m + j and 8m + j + 4 (j < 4), re-read at those positions from L1/L2, times 2^(14 - e),
   packed as f16 pairs, exactly `moe_decode.half_pairs`.
+
+`back` is the same idea after the experts: one program per token loads its k expert rows, residual row and gain
+at once and writes the new residual row and its norm, where XLA ran three kernels (the expert sum with the
+residual add, the norm's reduction, its scaling) on the step's critical path: the step is 2.0-2.3% faster at
+1 token (§7f). The decode step therefore carries each layer's input already normed (`model.forward`). Folding
+this work into the down kernel's last program instead (a count, as `paged_attention._merge_splits`) gained
+nothing: every one of its ~720 programs paid the barrier and atomic, and the last one the row's latency.
 """
 
 from __future__ import annotations
@@ -125,12 +133,55 @@ def front(x_TD, gain_LD, router_w_LED, router_b_LE, layer, *, eps: float, dtype,
     return logits, words.reshape(T, 4, D // 32, 4), xs
 
 
-def moe(x_TD, gain_LD, router_w_LED, router_b_LE, kexp_all: moe_decode.KernelExperts, layer, *, top_k: int,
-        eps: float, dtype, swiglu_limit, swiglu_alpha, interpret=None):
-    """The decode MoE block on the fp32 residual stream `x_TD`: this kernel, then the two `gemv16` kernels on the
-    layer-stacked experts, the gate/up programs routing their (token, expert) pairs from the logits (top-k and
-    softmax in-kernel), then the sum over each token's experts.
-    Returns `[T, D]` in `dtype`, as `pallas_kernels.moe` on `rms_norm(x)` does."""
+# `back`'s warps: 4 and 8 time the same in the 20b and 120b decode steps (docs/BENCHMARKS.md §7f).
+BACK_WARPS = 8
+
+
+def _back_kernel(layer_ref, y_ref, x_ref, an_ref, fn_ref, xo_ref, to_ref, *, k: int, eps: float):
+    f32 = jnp.float32
+    t = pl.program_id(0)
+    D, L = x_ref.shape[1], an_ref.shape[0]
+    cols = pl.ds(0, _pow2(D))
+    ok = jnp.arange(_pow2(D)) < D
+    nxt = layer_ref[0] + 1
+    # every load below depends on no loaded value: one memory round trip for the whole program
+    ys = [plt.load(y_ref.at[t * k + j, cols], mask=ok, other=0.0) for j in range(k)]
+    x = plt.load(x_ref.at[t, cols], mask=ok, other=0.0)
+    g = (plt.load(an_ref.at[jnp.minimum(nxt, L - 1), cols], mask=ok & (nxt < L), other=0.0).astype(f32)
+         + plt.load(fn_ref.at[cols], mask=ok & (nxt >= L), other=0.0).astype(f32))
+    y = ys[0]
+    for v in ys[1:]:
+        y = y + v
+    x = x + y.astype(to_ref.dtype).astype(f32)  # the experts' sum in the model dtype, as `moe_decode.combine`
+    plt.store(xo_ref.at[t, cols], x, mask=ok)
+    r = jax.lax.rsqrt(jnp.sum(x * x) / D + eps)
+    plt.store(to_ref.at[t, cols], ((x * r) * g).astype(to_ref.dtype), mask=ok)  # `rms_norm`'s rounding
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "eps", "dtype", "interpret"))
+def back(y_PD, x_TD, next_gains, layer, *, top_k: int, eps: float, dtype, interpret=None):
+    """The decode MoE's back end in one launch, one program per token: the sum of its `top_k` expert rows of
+    `y_PD` (pairs in token order) in `dtype`, added to the residual row `x_TD`, and that row's `rms_norm` with the
+    next block's gain (`next_gains` = (attention gains `[L, D]`, final gain `[D]`): row `layer + 1` of the first,
+    or the second after the last layer) -> (x `[T, D]` f32, t `[T, D]` `dtype`). XLA spent three kernels on this
+    (the expert sum with the residual add, the norm's reduction, its scaling)."""
+    T, D = x_TD.shape
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    return pl.pallas_call(
+        functools.partial(_back_kernel, k=top_k, eps=float(eps)), grid=(T,), name="moe_residual_norm",
+        out_shape=(jax.ShapeDtypeStruct((T, D), jnp.float32), jax.ShapeDtypeStruct((T, D), dtype)),
+        compiler_params=plt.CompilerParams(num_warps=BACK_WARPS, num_stages=1), interpret=interpret,
+    )(jnp.asarray(layer, jnp.int32).reshape(1), y_PD, x_TD.astype(jnp.float32), *next_gains)
+
+
+def moe(x_TD, gain_LD, router_w_LED, router_b_LE, kexp_all: moe_decode.KernelExperts, layer, next_gains, *,
+        top_k: int, eps: float, dtype, swiglu_limit, swiglu_alpha, interpret=None):
+    """The decode MoE block on the fp32 residual stream `x_TD`, with its residual add and the next block's norm:
+    `front`, then the two `gemv16` kernels on the layer-stacked experts (the gate/up programs route their
+    (token, expert) pairs from the logits: top-k and softmax in-kernel), then `back`.
+    Returns (x + moe(x) `[T, D]` f32, its `rms_norm` with the next gain in `dtype`), as
+    `pallas_kernels.moe_block` computes them."""
     T, E = x_TD.shape[0], router_w_LED.shape[1]
     logits, words, xs = front(x_TD, gain_LD, router_w_LED, router_b_LE, layer, eps=eps, dtype=dtype,
                               interpret=interpret)
@@ -138,4 +189,5 @@ def moe(x_TD, gain_LD, router_w_LED, router_b_LE, kexp_all: moe_decode.KernelExp
     y = moe_decode.run_routed(words, xs, logits, layer, kexp, top_k=top_k, swiglu_limit=float(swiglu_limit),
                               swiglu_alpha=float(swiglu_alpha), interpret=interpret,
                               **moe_decode.decode_config(T, top_k, E, half=True))
-    return moe_decode.combine(y, None, None, T, top_k, dtype)
+    return back(y, x_TD, next_gains, layer, top_k=top_k, eps=eps, dtype=dtype, interpret=interpret)
+

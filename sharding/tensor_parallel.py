@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from gptoss_jax import params as params_lib
 
 STACKED = ("q_w", "k_w", "v_w", "o_w")                               # [L, ...] with the layer index
-PER_LAYER = ("attn_norm", "q_b", "k_b", "v_b", "o_b", "sinks")       # this layer's slice (the scan's)
+PER_LAYER = ("q_b", "k_b", "v_b", "o_b", "sinks")                    # this layer's slice (the scan's)
 
 
 def heads_axis(layout, num_kv_heads: int) -> str | None:

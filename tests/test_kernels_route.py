@@ -49,26 +49,54 @@ def _experts(rng, L, E, D, I):
                    down_bias=jnp.asarray(rng.normal(size=(L, E, D)), jnp.bfloat16))
 
 
-def test_moe_block_takes_the_fused_front_end_and_matches_reference(monkeypatch):
-    """`pallas_kernels.moe_block` at decode sizes of a bf16 model: the fused front end runs (spied), and the
-    layer's output matches the reference's norm + route + experts on the same stacked weights."""
-    rng = np.random.default_rng(7)
-    T, E, k, D, I, L = 3, 8, 2, 64, 64, 2
+@pytest.mark.parametrize("T", [1, 3])
+def test_moe_block_takes_the_fused_kernels_and_matches_reference(monkeypatch, T):
+    """`pallas_kernels.moe_block` at decode sizes of a bf16 model: the fused front and back ends run (spied), and
+    the residual stream and its norm with the next gain (the next layer's, or the final one after the last layer)
+    match the reference's norm + route + experts + residual + norm on the same stacked weights."""
+    rng = np.random.default_rng(7 + T)
+    E, k, D, I, L = 8, 2, 96, 64, 2
     x, gain, router, bias = _inputs(rng, T, E, D, L)
     x = x / jnp.max(jnp.abs(x), axis=1, keepdims=True).clip(1e-6)  # residual-stream magnitudes
     ex = _experts(rng, L, E, D, I)
+    gains = (jnp.asarray(rng.normal(size=(L, D)), jnp.float32), jnp.asarray(rng.normal(size=D), jnp.float32))
     calls = []
-    spy = moe_route.front
-    monkeypatch.setattr(moe_route, "front", lambda *a, **kw: calls.append(1) or spy(*a, **kw))
+    for name in ("front", "back"):
+        spy = getattr(moe_route, name)
+        monkeypatch.setattr(moe_route, name, lambda *a, _spy=spy, _n=name, **kw: calls.append(_n) or _spy(*a, **kw))
     kw = dict(eps=EPS, dtype=jnp.bfloat16, top_k=k, swiglu_limit=7.0, swiglu_alpha=1.702)
     for layer in range(L):
-        got = pallas_kernels.moe_block(x, gain, router, bias, moe_decode.prepare_experts(ex), jnp.int32(layer),
-                                       impl="pallas", **kw)
-        ref = pallas_kernels.moe_block(x, gain, router, bias, ex, jnp.int32(layer), impl="reference", **kw)
-        assert got.dtype == ref.dtype == jnp.bfloat16
-        a, b = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+        got_x, got_t = pallas_kernels.moe_block(x, gain, router, bias, moe_decode.prepare_experts(ex),
+                                                jnp.int32(layer), gains, impl="pallas", **kw)
+        ref_x, ref_t = pallas_kernels.moe_block(x, gain, router, bias, ex, jnp.int32(layer), gains, impl="reference",
+                                                **kw)
+        assert got_x.dtype == ref_x.dtype == jnp.float32 and got_t.dtype == ref_t.dtype == jnp.bfloat16
+        # the MoE output alone: the residual rows of near-1 magnitude would hide its error
+        a, b = np.asarray(got_x - x, np.float64), np.asarray(ref_x - x, np.float64)
         assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2
-    assert len(calls) == L
+        a, b = np.asarray(got_t, np.float64), np.asarray(ref_t, np.float64)
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2
+        # the gain is the one after this layer: the next layer's, then the final one
+        want = pallas_kernels.rms_norm(got_x, gains[0][layer + 1] if layer + 1 < L else gains[1], EPS, jnp.bfloat16)
+        np.testing.assert_allclose(np.asarray(got_t, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
+    assert calls == ["front", "back"] * L
+
+
+def test_back_kernel_matches_reference():
+    """`moe_route.back` on fresh rows (one all-zero residual row, the last layer's final gain): the residual row
+    as XLA adds it (up to one bf16 rounding of the expert sum, whose order may differ), the normed row to the bf16
+    rounding."""
+    rng = np.random.default_rng(5)
+    T, k, D, L = 3, 4, 2880, 3
+    y = jnp.asarray(rng.normal(size=(T * k, D)) * 3, jnp.float32)
+    x = jnp.asarray(rng.normal(size=(T, D)), jnp.float32).at[1].set(0.0)
+    gains = (jnp.asarray(rng.normal(size=(L, D)), jnp.float32), jnp.asarray(rng.normal(size=D), jnp.float32))
+    for layer, gain in ((0, gains[0][1]), (L - 1, gains[1])):
+        got_x, got_t = moe_route.back(y, x, gains, jnp.int32(layer), top_k=k, eps=EPS, dtype=jnp.bfloat16)
+        want_x = x + moe_decode.combine(y, None, None, T, k, jnp.bfloat16).astype(jnp.float32)
+        np.testing.assert_allclose(np.asarray(got_x), np.asarray(want_x), atol=2**-8 * float(jnp.abs(want_x - x).max()))
+        want_t = pallas_kernels.rms_norm(want_x, gain, EPS, jnp.bfloat16)
+        np.testing.assert_allclose(np.asarray(got_t, np.float32), np.asarray(want_t, np.float32), rtol=1e-2, atol=1e-2)
 
 
 def test_fused_front_end_regime():
