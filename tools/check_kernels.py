@@ -162,8 +162,8 @@ def main():
         sinks = jnp.concatenate([jnp.full((args[2], sinks.shape[0]), -3.0), sinks[None]])  # the case's layer's
         ref, ref_k, _ = paged_attention.new_token_reference(*args[:3], *args[3:5], kp, vp, bt, 0, pos[:, 0], *args[5:],
                                                             sinks, window)
-        out, got_k, _, _ = paged_attention.attention_new_token(*args[:3], *args[3:5], kp, vp, bt, 0, pos[:, 0], *args[5:],
-                                                            sinks, window)
+        out, got_k, _, _ = paged_attention.attention_new_token(*args[:3], *args[3:5], kp, vp, bt, 0, pos[:, 0],
+                                                               *args[5:], sinks, window)
         e, fin = rel(out, ref)
         ek, _ = rel(got_k[1:], ref_k[1:])  # page 0, the null page, is where the reference writes padding rows
         rows.append((name.strip(), f"B={B} ctx={ctxs} win={'full' if window > 2**30 else window} "
