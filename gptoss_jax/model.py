@@ -273,7 +273,7 @@ def forward(params: Params, cache: PagedKVCache, tokens_BT: jax.Array, positions
     # The big per-layer weights are indexed inside the blocks (no copy), the rest is sliced by the scan.
     dense_all = params.layers
     # Each MoE block ends with the next block's norm (the kernels fuse it), so the first norm is taken here.
-    t = pin(rms_norm(x, pallas_kernels.next_gain(dense_all.attn_norm, params.final_norm, -1), cfg.rms_norm_eps, dtype))
+    t = pin(rms_norm(x, dense_all.attn_norm[0], cfg.rms_norm_eps, dtype))
     scanned = params.layers.replace(experts=None, q_w=None, k_w=None, v_w=None, o_w=None)
     records = []  # with `inspect`: per-layer records, stacked on a leading layer axis
     with jax.named_scope("layers"):

@@ -190,4 +190,3 @@ def moe(x_TD, gain_LD, router_w_LED, router_b_LE, kexp_all: moe_decode.KernelExp
                               swiglu_alpha=float(swiglu_alpha), interpret=interpret,
                               **moe_decode.decode_config(T, top_k, E, half=True))
     return back(y, x_TD, next_gains, layer, top_k=top_k, eps=eps, dtype=dtype, interpret=interpret)
-
