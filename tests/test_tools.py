@@ -53,3 +53,36 @@ def test_bench_sharded_smoke(tmp_path):
         assert r["global_batch"] == 16 and r["devices"] == 8 and r["step_ms"] > 0
         assert abs(r["tok_s"] - 16e3 / r["step_ms"]) < 1e-6 * r["tok_s"]
         assert abs(r["tok_s_per_device"] * 8 - r["tok_s"]) < 1e-6 * r["tok_s"]
+
+
+def test_inspect_kernels_lowers_the_decode_step_for_cuda_on_the_cpu():
+    """`tools/inspect_kernels.py` finds every Pallas-Triton kernel of the batch-1 decode step, with its grid and
+    launch settings, and restores what it patched (its compile half needs the triton wheel and is not run here)."""
+    import jax
+
+    sys.path.insert(0, str(REPO / "tools"))
+    import inspect_kernels
+
+    kernels = inspect_kernels.step_kernels(str(REPO / "tests" / "tiny_config.json"), 1, 64)
+    by_name = {}
+    for k in kernels:
+        by_name.setdefault(k["name"], []).append(k)
+    assert set(by_name) == {"decode_linear_x3", "decode_linear", "paged_decode_attention_new_token", "moe_route",
+                            "mxfp4_gate_up_swiglu_gemv16", "mxfp4_down_gemv16", "moe_residual_norm"}, set(by_name)
+    [gate_up] = by_name["mxfp4_gate_up_swiglu_gemv16"]
+    assert gate_up["grid"][0] == 2 and gate_up["num_warps"] == 4 and "tt.load" in gate_up["ir"]  # one row per pair
+    assert len(by_name["paged_decode_attention_new_token"]) == 2  # sliding and full layers differ
+    assert jax.default_backend() == "cpu"
+
+
+def test_resident_programs_follow_the_sm_limits():
+    """Registers (per warp, in units of 256), warps, programs and shared memory each bound the programs an SM holds:
+    the figures session 14's ncu report gave for the gate/up GEMV (64 registers, 128 threads: 8 programs)."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from inspect_kernels import resident_programs
+
+    assert resident_programs(64, 4, 1024) == 8
+    assert resident_programs(65, 4, 1024) == 7  # 72 registers allocated
+    assert resident_programs(52, 4, 73728) == 3  # shared memory: 3 x (72 + 1) KB of 228 KB
+    assert resident_programs(16, 1, 0) == 32  # the programs-per-SM limit
+    assert resident_programs(32, 16, 0) == 4  # the warps limit

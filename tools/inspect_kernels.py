@@ -1,0 +1,181 @@
+"""Registers, spills and waves of the decode step's Pallas-Triton kernels, on a machine without a GPU.
+
+Lowers the compiled decode step (`steps.decode`, the engine's path) for CUDA at a preset's real shapes, on the
+CPU, with abstract weights (nothing is allocated). Each Pallas-Triton kernel in it is compiled for sm_90a with
+the `triton` wheel (`pip install triton`: its compiler and bundled CUDA tools; no GPU or driver needed) and
+reported: grid, warps, pipeline stages, registers a thread, spill (local-memory) bytes, shared memory, the
+programs one SM holds at once, and the waves its grid takes on the H200's 132 SMs:
+
+    python tools/inspect_kernels.py --preset gpt-oss-20b --batch 1 \\
+        --variant nodown:pallas_kernels.moe_decode.PREFETCH_DOWN_TOKENS=0
+
+Why: at batch 1 a kernel's registers decide how many of its programs are resident (session 14's ncu report: 64
+registers, 128 threads, 8 programs an SM); a change that adds work to a kernel can push it into a second wave
+or into spills, and that shows here before any GPU time is spent. It does not time anything.
+
+The GPU machine compiles the same Triton IR with XLA's own Triton and CUDA 13's ptxas; the wheel's compiler
+may allocate a few registers differently, so read the numbers as estimates of the same code, and compare
+variants within one run. Mosaic GPU kernels (Hopper's batch >= 2 projections and mid-batch MoE) are not lowered
+here: the tool treats the target as having no Mosaic path, which matches the GPU at batch 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import inspect
+import json
+import math
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax._src.pallas.triton import gpu_info, pallas_call_registration  # noqa: E402
+
+from ab_decode import parse_variant  # noqa: E402
+from bench_decode import NUM_TOP, model_config, row_tokens, synthetic_state  # noqa: E402
+from gptoss_jax import checkpoint, steps  # noqa: E402
+from pallas_kernels import linear_mosaic, moe_mosaic  # noqa: E402
+
+# H200 (sm_90) per-SM limits that bound how many programs are resident at once.
+SMS, SM_REGS, SM_WARPS, SM_PROGRAMS, SM_SHARED, PROGRAM_SHARED_RESERVED = 132, 65536, 64, 32, 233472, 1024
+
+
+def resident_programs(regs: int, warps: int, shared: int) -> int:
+    """Programs of one kernel an SM holds: registers are allocated per warp in units of 256 (a thread's
+    count rounded up to a multiple of 8), shared memory per program with 1 KB reserved."""
+    per_warp = math.ceil(max(regs, 1) * 32 / 256) * 256
+    return min(SM_REGS // (per_warp * warps), SM_WARPS // warps, SM_PROGRAMS,
+               SM_SHARED // (shared + PROGRAM_SHARED_RESERVED))
+
+
+@contextlib.contextmanager
+def lowering_for_hopper():
+    """Trace and lower as on an H200: the kernels' `interpret` default and `default_impl` ask
+    `jax.default_backend()`; the Triton lowering asks for the device's compute capability; no Mosaic path."""
+    saved = (jax.default_backend, pallas_call_registration.gpu_info_lib.get_gpu_info, moe_mosaic.available)
+    hopper = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    jax.default_backend = lambda: "gpu"
+    pallas_call_registration.gpu_info_lib.get_gpu_info = lambda: hopper
+    moe_mosaic.available = lambda: False
+    try:
+        yield
+    finally:
+        jax.default_backend, pallas_call_registration.gpu_info_lib.get_gpu_info, moe_mosaic.available = saved
+
+
+@contextlib.contextmanager
+def capture_triton_modules(out: list[dict]):
+    """Record every Pallas-Triton kernel lowered meanwhile: its Triton IR text, grid, warps and stages (read
+    from the lowering rule's frame, which has them as locals at that point)."""
+    lowering = pallas_call_registration.lowering
+    original = lowering.lower_jaxpr_to_triton_module
+
+    def spy(jaxpr, grid_mapping, *args, **kwargs):
+        result = original(jaxpr, grid_mapping, *args, **kwargs)
+        caller = inspect.currentframe().f_back.f_locals
+        text = result.module.operation.get_asm(enable_debug_info=False, print_generic_op_form=True)
+        out.append(dict(name=re.search(r'sym_name = "([^"]+)"', text).group(1), ir=text,
+                        grid=tuple(int(g) for g in grid_mapping.grid), num_warps=int(caller["num_warps"]),
+                        num_stages=int(caller["num_stages"])))
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = spy
+    try:
+        yield
+    finally:
+        lowering.lower_jaxpr_to_triton_module = original
+
+
+def step_kernels(preset: str, batch: int, context: int) -> list[dict]:
+    """The distinct Pallas-Triton kernels of one decode step (`steps.decode`, as the engine compiles it)."""
+    cfg = model_config(preset)
+    params = checkpoint.device_shapes(cfg, jnp.bfloat16, "pallas")
+    cache, tables = jax.eval_shape(lambda: synthetic_state(cfg, batch, context, jnp.bfloat16))
+    sp = steps.SamplingBatch(temperature_B=jnp.zeros(batch), top_k_B=jnp.zeros(batch, jnp.int32),
+                             top_p_B=jnp.ones(batch), min_p_B=jnp.zeros(batch),
+                             keys_B2=jnp.zeros((batch, 2), jnp.uint32), want_logprobs_B=jnp.zeros(batch, bool))
+    tokens, positions = row_tokens(cfg, batch), jnp.full(batch, context, jnp.int32)
+    found: list[dict] = []
+    jax.clear_caches()  # module constants are not part of jit's cache keys: trace and lower afresh
+    with lowering_for_hopper(), capture_triton_modules(found):
+        steps.decode.trace(params, cache, tokens, positions, tables, sp, cfg=cfg, impl="pallas", num_steps=1,
+                           num_top=NUM_TOP).lower(lowering_platforms=("cuda",))
+    unique = {}
+    for k in found:
+        unique.setdefault((k["ir"], k["grid"], k["num_warps"], k["num_stages"]), k)
+    return list(unique.values())
+
+
+def compile_sm90(kernel: dict, workdir: Path) -> dict:
+    """Compile one kernel's Triton IR for sm_90a with the triton wheel; its cubin's resource usage."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    src = workdir / f"{kernel['name']}_{abs(hash(kernel['ir'])) % 10**8}.ttir"
+    src.write_text(kernel["ir"])
+    compiled = triton.compile(str(src), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=kernel["num_warps"], num_stages=kernel["num_stages"]))
+    cubin = src.with_suffix(".cubin")
+    cubin.write_bytes(compiled.asm["cubin"])
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True,
+                           check=True).stdout
+    fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage))
+    regs, shared = int(fields["REG"]), max(int(fields["SHARED"]), int(compiled.metadata.shared))
+    per_sm = resident_programs(regs, kernel["num_warps"], shared)
+    programs = math.prod(kernel["grid"])
+    return dict(name=kernel["name"], grid=list(kernel["grid"]), programs=programs, num_warps=kernel["num_warps"],
+                num_stages=kernel["num_stages"], registers=regs, spill_bytes=int(fields["LOCAL"]),
+                stack_bytes=int(fields["STACK"]), shared_bytes=shared, programs_per_sm=per_sm,
+                waves=round(programs / (SMS * per_sm), 2))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="gpt-oss-20b", help="preset name or HF config.json path")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--variant", action="append", default=[], help="name:module.ATTR=value[,...] (repeatable)")
+    ap.add_argument("--out", help="write the rows as JSON here")
+    args = ap.parse_args()
+    if importlib.util.find_spec("triton") is None:
+        raise SystemExit("inspect_kernels needs the triton wheel: pip install -e '.[inspect]'")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, sets in [("tree", [])] + [parse_variant(v) for v in args.variant]:
+            saved = [(m, a, getattr(m, a)) for m, a, _ in sets]
+            for m, a, v in sets:
+                setattr(m, a, v)
+            try:
+                kernels = step_kernels(args.preset, args.batch, args.context)
+            finally:
+                for m, a, v in saved:
+                    setattr(m, a, v)
+            print(f"\n{name}: {args.preset}, batch {args.batch}, context {args.context}: {len(kernels)} kernels")
+            if args.batch >= linear_mosaic.MIN_ROWS:
+                print("(on Hopper this batch runs the q/k/v and o projections in Mosaic GPU, not the decode_linear "
+                      "kernels below)")
+            print(f"{'kernel':40} {'grid':>16} {'warps':>5} {'stages':>6} {'regs':>5} {'spill B':>7} "
+                  f"{'smem B':>7} {'per SM':>6} {'waves':>6}")
+            for k in kernels:
+                r = dict(variant=name, **compile_sm90(k, Path(tmp)))
+                rows.append(r)
+                print(f"{r['name'][:40]:40} {'x'.join(map(str, r['grid'])):>16} {r['num_warps']:>5} "
+                      f"{r['num_stages']:>6} {r['registers']:>5} {r['spill_bytes']:>7} {r['shared_bytes']:>7} "
+                      f"{r['programs_per_sm']:>6} {r['waves']:>6}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(preset=args.preset, batch=args.batch, context=args.context,
+                                                  rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
