@@ -2,12 +2,12 @@
 
 Lowers the compiled decode step (`steps.decode`, the engine's path) for CUDA at a preset's real shapes, on the
 CPU, with abstract weights (nothing is allocated). Each Pallas-Triton kernel in it is compiled for sm_90a with
-the `triton` wheel (`pip install triton`: its compiler and bundled CUDA tools; no GPU or driver needed) and
+the `triton` wheel (`pip install -e '.[inspect]'`: its compiler and bundled CUDA tools; no GPU or driver) and
 reported: grid, warps, pipeline stages, registers a thread, spill (local-memory) bytes, shared memory, the
 programs one SM holds at once, and the waves its grid takes on the H200's 132 SMs:
 
     python tools/inspect_kernels.py --preset gpt-oss-20b --batch 1 \\
-        --variant nodown:pallas_kernels.moe_decode.PREFETCH_DOWN_TOKENS=0
+        --variant stages2:pallas_kernels.linear_decode.NUM_STAGES=2
 
 Why: at batch 1 a kernel's registers decide how many of its programs are resident (session 14's ncu report: 64
 registers, 128 threads, 8 programs an SM); a change that adds work to a kernel can push it into a second wave
@@ -27,6 +27,7 @@ import importlib.util
 import inspect
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -117,6 +118,7 @@ def step_kernels(preset: str, batch: int, context: int) -> list[dict]:
 
 def compile_sm90(kernel: dict, workdir: Path) -> dict:
     """Compile one kernel's Triton IR for sm_90a with the triton wheel; its cubin's resource usage."""
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # as XLA's Triton pipeline does (and no warning)
     import triton
     from triton.backends.compiler import GPUTarget
 
