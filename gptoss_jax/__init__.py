@@ -1,17 +1,29 @@
-"""gptoss-jax: JAX/XLA serving for OpenAI's gpt-oss models."""
+"""gptoss-jax: JAX/XLA serving for OpenAI's gpt-oss models.
 
-import os
+The public names load on first use, so importing the package (or `gptoss_jax.config`, or the layers below it,
+`sharding` and `pallas_kernels`) loads no engine and changes no process setting; `gptoss_jax.runtime` applies
+those where a process starts serving.
+"""
 
-# JAX preallocates 75% of GPU memory unless told otherwise; the KV cache is sized from what that pool
-# leaves after the weights, and on one H200 75% starves gpt-oss-120b (91 preemptions in the 1k/1k job,
-# docs/BENCHMARKS.md §4b). An engine wants nearly all of it, as vLLM's gpu_memory_utilization=0.9 does.
-# Read when the GPU backend starts, so this must run before any device is touched; an explicit value wins.
-GPU_MEMORY_FRACTION = "0.92"
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)
+import importlib
 
-from gptoss_jax.engine import Engine, StepOutput  # noqa: E402
-from gptoss_jax.engine_config import EngineConfig  # noqa: E402
-from gptoss_jax.llm import LLM, CompletionOutput, RequestOutput  # noqa: E402
-from gptoss_jax.sampling import SamplingParams  # noqa: E402
+_PUBLIC = {
+    "LLM": "gptoss_jax.llm",
+    "RequestOutput": "gptoss_jax.llm",
+    "CompletionOutput": "gptoss_jax.llm",
+    "SamplingParams": "gptoss_jax.sampling",
+    "Engine": "gptoss_jax.engine",
+    "StepOutput": "gptoss_jax.engine",
+    "EngineConfig": "gptoss_jax.engine_config",
+}
+__all__ = list(_PUBLIC)
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Engine", "EngineConfig", "StepOutput"]
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'gptoss_jax' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -20,7 +20,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 import pallas_kernels
-from gptoss_jax import params as params_lib
+from pallas_kernels import params as params_lib
 from gptoss_jax.config import ModelConfig, load_config
 from gptoss_jax.safetensors_io import Reader
 

@@ -26,12 +26,13 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
+from sharding.rules import make_layout
 
-from gptoss_jax import checkpoint, demo, engine_config, kv_cache, steps, tokenizer as tokenizer_lib
+from gptoss_jax import checkpoint, demo, engine_config, kv_cache, runtime, steps, tokenizer as tokenizer_lib
 from gptoss_jax import model as model_lib
 from gptoss_jax.config import ModelConfig
 from gptoss_jax.engine_config import EngineConfig, bucket
-from gptoss_jax.params import Params
+from pallas_kernels.params import Params
 from gptoss_jax.sampling import SamplingParams, find_stop_string
 from gptoss_jax.scheduler import PrefillChunk, Scheduler, Sequence
 
@@ -85,14 +86,13 @@ class Engine:
                  impl: str | None = None, seed: int = 0, loaded: tuple[ModelConfig, Params] | None = None,
                  cache_dir: str | os.PathLike | None = None, progress: bool = True, layout=None,
                  **overrides: Any):
+        runtime.prepare()
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
         self.config = ec = engine_config.load(config, **overrides)
         self.impl = pallas_kernels.check_impl(impl or pallas_kernels.default_impl())
         # Several devices: `layout` (a sharding.rules.Layout) or the config's mesh; None = one device.
         if layout is None and ec.model_parallel * ec.replicas > 1:
-            from sharding.rules import make_layout
-
             layout = make_layout(ec.model_parallel, ec.replicas, ec.parallel_mode, dispatch=ec.expert_dispatch)
         self.layout = layout
         self.num_ranks = layout.num_ranks if layout is not None else 1

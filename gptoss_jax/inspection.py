@@ -21,7 +21,7 @@ import numpy as np
 
 from gptoss_jax import model
 from gptoss_jax.config import ModelConfig
-from gptoss_jax.params import Params
+from pallas_kernels.params import Params
 
 TRACES: collections.Counter[str] = collections.Counter()  # compilations of `_step` (one per shape bucket)
 

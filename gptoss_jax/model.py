@@ -14,11 +14,12 @@ import jax.numpy as jnp
 from flax import struct
 
 import pallas_kernels
+from sharding import expert_parallel, tensor_parallel
 from pallas_kernels import attention_reference, moe_reference
-from gptoss_jax import rope
-from gptoss_jax.norm import rms_norm
+from pallas_kernels import rope
+from pallas_kernels.norm import rms_norm
 from gptoss_jax.config import ModelConfig
-from gptoss_jax.params import Params
+from pallas_kernels.params import Params
 
 FULL_WINDOW = 2**31 - 1
 NULL_PAGE = 0  # write target of padded or already-cached tokens; never read at a visible position
@@ -155,8 +156,6 @@ def _attention_block(cfg: ModelConfig, lp, dense_all, layer, t_BTD, cos, sin, k_
     """`_attention` on one device, or per device under a `layout` (its rows, pages and heads). Returns the
     output, the pools, the split counts `done_BK` (passed through where the new-token kernel does not run),
     and the sink mass `[B, T, N]` with `inspect` (else None)."""
-    from sharding import tensor_parallel
-
     stacked = {n: getattr(dense_all, n) for n in tensor_parallel.STACKED}
     per_layer = {n: getattr(lp, n) for n in tensor_parallel.PER_LAYER}
     heads_axis = tensor_parallel.heads_axis(layout, cfg.num_kv_heads) if layout is not None else None
@@ -194,8 +193,6 @@ def _moe_block(cfg: ModelConfig, lp, dense_all, final_norm, layer, x_BTD, dtype,
         idx, w, logits = moe_reference.route(t, lp.router_w, lp.router_b, cfg.experts_per_token)
         routing = tuple(r.reshape(B, T, -1) for r in (logits, idx, w))
     if layout is not None:  # experts split over `model` (padded), tokens as the ranks hold them
-        from sharding import expert_parallel
-
         x = x + expert_parallel.moe(t, lp.router_w, lp.router_b, dense_all.experts, layer, layout=layout, impl=impl,
                                     **kw).astype(jnp.float32)
         t = rms_norm(x, pallas_kernels.next_gain(*gains, layer), eps, dtype)

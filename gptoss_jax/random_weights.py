@@ -18,7 +18,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 import pallas_kernels
-from gptoss_jax import checkpoint, params as params_lib, safetensors_io
+from gptoss_jax import checkpoint, safetensors_io
+from pallas_kernels import params as params_lib
 from gptoss_jax.config import from_hf_dict, from_original_dict
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

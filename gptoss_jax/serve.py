@@ -16,6 +16,7 @@ import re
 import sys
 from pathlib import Path
 
+from gptoss_jax import runtime
 from sharding import distributed
 
 log = logging.getLogger("gptoss_jax.serve")
@@ -84,6 +85,7 @@ def _warmup_requests(st):
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    runtime.prepare()
     distributed.initialize()  # joins a multi-host job when GPTOSS_COORDINATOR etc. are set; else a no-op
     import uvicorn
 

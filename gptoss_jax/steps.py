@@ -20,7 +20,7 @@ from jax._src import dispatch  # the name of XLA's compile event
 
 from gptoss_jax import model, sampling
 from gptoss_jax.config import ModelConfig
-from gptoss_jax.params import Params
+from pallas_kernels.params import Params
 
 # Traces per step function. Each trace is one XLA compilation, so a serving process whose counts stop
 # growing after warm-up never compiles per request.

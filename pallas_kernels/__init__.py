@@ -15,8 +15,8 @@ import jax
 import jax.experimental.pallas.fuser  # noqa: F401  (see below)
 import jax.numpy as jnp
 
-from gptoss_jax.norm import rms_norm
-from gptoss_jax.params import put_layer
+from pallas_kernels.norm import rms_norm
+from pallas_kernels.params import put_layer
 from pallas_kernels import (attention_reference, flash_attention, linear_decode, linear_mosaic, moe_decode,
                             moe_mosaic, moe_prefill, moe_reference, moe_route, paged_attention)
 

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from gptoss_jax.norm import rms_norm
+from pallas_kernels.norm import rms_norm
 from pallas_kernels import moe_decode
 
 # Tokens per step up to which `applies`. H200, docs/BENCHMARKS.md §7b: the step is 12-14% faster at 1 token and

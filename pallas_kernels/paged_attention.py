@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from gptoss_jax import rope
+from pallas_kernels import rope
 from pallas_kernels import attention_reference
 
 NEG = -1e30

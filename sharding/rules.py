@@ -20,7 +20,8 @@ import math
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from gptoss_jax import params as params_lib
+from pallas_kernels import params as params_lib
+from sharding import expert_parallel
 
 MODES = ("low_latency", "max_throughput")
 DISPATCHES = ("all_gather", "all_to_all")  # expert dispatch (sharding/expert_parallel.py)
@@ -147,8 +148,6 @@ class Layout:
     def shard_params(self, params: params_lib.Params, num_kv_heads: int) -> params_lib.Params:
         """Pad the experts (either layout) to the `model` axis and place every leaf by the table (from loaded
         parameters)."""
-        from sharding import expert_parallel
-
         params = params.replace(layers=params.layers.replace(
             experts=expert_parallel.pad_experts(params.layers.experts, self.model_size, axis=1)))
         return jax.device_put(params, self.param_shardings(num_kv_heads, params))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
-from gptoss_jax import params as params_lib
+from pallas_kernels import params as params_lib
 
 STACKED = ("q_w", "k_w", "v_w", "o_w")                               # [L, ...] with the layer index
 PER_LAYER = ("q_b", "k_b", "v_b", "o_b", "sinks")                    # this layer's slice (the scan's)

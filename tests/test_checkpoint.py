@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from gptoss_jax import checkpoint, params as params_lib, random_weights, safetensors_io
+from gptoss_jax import checkpoint, random_weights, safetensors_io
+from pallas_kernels import params as params_lib
 from pallas_kernels import moe_decode
 from gptoss_jax.checkpoint import CheckpointError
 from parity_configs import PARITY

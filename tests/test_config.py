@@ -74,7 +74,8 @@ def test_layer_parity_layer0_sliding():
 
 @pytest.mark.parametrize("preset_env, expected", [(None, "0.92"), ("0.5", "0.5")])
 def test_gpu_memory_fraction_default(preset_env, expected):
-    """Importing the package raises JAX's GPU pool from 75% to 92% unless the user chose a value."""
+    """Importing changes no process setting; `runtime.prepare()` (what `Engine`, `LLM` and `serve` call before they
+    touch a device) raises JAX's GPU pool from 75% to 92% unless the user chose a value."""
     import os
     import subprocess
     import sys
@@ -82,7 +83,24 @@ def test_gpu_memory_fraction_default(preset_env, expected):
     env = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}
     if preset_env is not None:
         env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = preset_env
-    out = subprocess.run([sys.executable, "-c", "import os, gptoss_jax; "
-                          "print(os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'])"],
-                         env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == expected
+    code = ("import os, gptoss_jax, gptoss_jax.llm, pallas_kernels, sharding.rules; "
+            "print(os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION')); "
+            "from gptoss_jax import runtime; runtime.prepare(); print(os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'])")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [str(preset_env), expected]
+
+
+@pytest.mark.parametrize("package", ["pallas_kernels", "sharding", "sharding.rules", "gptoss_jax"])
+def test_lower_layers_load_no_engine(package):
+    """Imports point down (gptoss_jax -> sharding -> pallas_kernels): importing a lower layer, or the package's
+    lazy top, loads none of the serving modules."""
+    import subprocess
+    import sys
+
+    code = (f"import sys, {package}; "
+            "print(sorted(m for m in sys.modules if m.startswith(('gptoss_jax.', 'sharding', 'pallas_kernels'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = eval(out.stdout)
+    assert not [m for m in loaded if m.startswith("gptoss_jax.")], loaded
+    if package.startswith("pallas_kernels"):
+        assert not [m for m in loaded if m.startswith("sharding")], loaded

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from gptoss_jax import LLM, SamplingParams, inspection, model, random_weights, rope
+from gptoss_jax import LLM, SamplingParams, inspection, model, random_weights
+from pallas_kernels import rope
 from parity_configs import PARITY, _config
 
 CHUNK = 16  # prefill chunk: a 40-token sequence runs as 3 chunks, past the 16-key window of "wide"

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gptoss_jax.params import Experts
+from pallas_kernels.params import Experts
 from pallas_kernels import moe_decode, moe_mosaic, moe_prefill, moe_reference, mxfp4
 
 LIMIT, ALPHA = 7.0, 1.702

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from gptoss_jax.params import Experts
+from pallas_kernels.params import Experts
 from pallas_kernels import moe_decode, moe_route
 
 EPS = 1e-5

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gptoss_jax import rope
+from pallas_kernels import rope
 from gptoss_jax.config import preset
 from pallas_kernels import attention_reference, moe_reference, mxfp4
-from gptoss_jax.params import Experts
+from pallas_kernels.params import Experts
 
 
 def test_mxfp4_nibble_order_and_scale_bias():

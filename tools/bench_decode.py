@@ -28,7 +28,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from gptoss_jax import config, model, params as params_lib, steps  # noqa: E402
+from gptoss_jax import config, model, steps  # noqa: E402
+from pallas_kernels import params as params_lib  # noqa: E402
 from gptoss_jax.engine_config import EngineConfig  # noqa: E402
 from gptoss_jax.random_weights import random_params  # noqa: E402
 

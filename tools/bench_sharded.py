@@ -54,7 +54,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from gptoss_jax import checkpoint, config as config_lib, kv_cache, model, params as params_lib  # noqa: E402
+from gptoss_jax import checkpoint, config as config_lib, kv_cache, model  # noqa: E402
+from pallas_kernels import params as params_lib  # noqa: E402
 from gptoss_jax import random_weights, steps  # noqa: E402
 from sharding.rules import make_layout  # noqa: E402
 

@@ -38,7 +38,8 @@ import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
 import pallas_kernels  # noqa: E402
-from gptoss_jax import config, engine as engine_lib, engine_config, params as params_lib  # noqa: E402
+from gptoss_jax import config, engine as engine_lib, engine_config  # noqa: E402
+from pallas_kernels import params as params_lib  # noqa: E402
 from gptoss_jax import steps as steps_lib  # noqa: E402
 from gptoss_jax.engine import Engine  # noqa: E402
 from gptoss_jax.random_weights import DEMO_CONFIG, random_params  # noqa: E402

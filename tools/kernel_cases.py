@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gptoss_jax.params import Experts
+from pallas_kernels.params import Experts
 
 SHAPES = {"20b": dict(E=32, D=2880, I=2880, k=4), "120b": dict(E=128, D=2880, I=2880, k=4)}
 LIMIT, ALPHA = 7.0, 1.702

@@ -66,7 +66,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from gptoss_jax import config as config_lib, kv_cache, model, params as params_lib, steps  # noqa: E402
+from gptoss_jax import config as config_lib, kv_cache, model, steps  # noqa: E402
+from pallas_kernels import params as params_lib  # noqa: E402
 from sharding.rules import make_layout  # noqa: E402
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")

@@ -3,7 +3,7 @@
 Weights keep the checkpoint's `[out, in]` orientation, so loading is a copy, never a transpose.
 Expert weights stay MXFP4-packed (uint8 codes + E8M0 scales): 4.25 bits per parameter on device.
 Each leaf's logical axes are declared once, in `logical_axes`; `sharding/rules.py` maps them to
-mesh axes.
+mesh axes. The types live here, below the kernels and the sharding rules, because both read them.
 """
 
 import dataclasses
@@ -12,8 +12,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import struct
-
-from gptoss_jax.config import ModelConfig
 
 
 @struct.dataclass
@@ -52,8 +50,9 @@ class Params:
     unembed: jax.Array     # [V, D]
 
 
-def shapes(cfg: ModelConfig, dtype=jnp.bfloat16) -> Params:
-    """`jax.ShapeDtypeStruct` of every parameter: the single source of shapes and dtypes."""
+def shapes(cfg, dtype=jnp.bfloat16) -> Params:
+    """`jax.ShapeDtypeStruct` of every parameter (`cfg`: a `gptoss_jax.config.ModelConfig`): the single
+    source of shapes and dtypes."""
     L, E, D, I, V = cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     f32, u8 = jnp.float32, jnp.uint8

@@ -1,4 +1,8 @@
-"""YaRN rotary embedding in gpt-oss's half-split (NeoX) layout, without range truncation."""
+"""YaRN rotary embedding in gpt-oss's half-split (NeoX) layout, without range truncation.
+
+Here, below the kernels, because the decode attention kernel fuses `apply`. `cfg` is a
+`gptoss_jax.config.ModelConfig` (only its RoPE fields are read).
+"""
 
 import math
 
@@ -6,10 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gptoss_jax.config import ModelConfig
 
-
-def inv_freq(cfg: ModelConfig) -> np.ndarray:
+def inv_freq(cfg) -> np.ndarray:
     """Per-pair inverse frequencies `[head_dim/2]` (float64), NTK-by-parts blend of the original
     and the position-interpolated frequencies. `truncate=False` (gpt-oss) keeps the correction
     range unrounded; rounding it changes pairs 9-17 by up to 76%."""
@@ -32,7 +34,7 @@ def inv_freq(cfg: ModelConfig) -> np.ndarray:
     return (1.0 / (cfg.rope_factor * freq)) * (1.0 - keep_original) + (1.0 / freq) * keep_original
 
 
-def cos_sin(cfg: ModelConfig, positions: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+def cos_sin(cfg, positions: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """cos and sin `[*positions.shape, head_dim/2]`, each already scaled by the YaRN concentration."""
     angle = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq(cfg), jnp.float32)
     c = jnp.float32(cfg.rope_concentration)
