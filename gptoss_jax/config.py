@@ -14,7 +14,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs"
+# The presets and profiles of the repository's configs/, shipped inside the package (gptoss_jax/configs links there).
+PRESETS_DIR = Path(__file__).resolve().parent / "configs"
 
 
 class ConfigError(ValueError):
