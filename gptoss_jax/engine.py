@@ -90,7 +90,8 @@ class Engine:
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
         self.config = ec = engine_config.load(config, **overrides)
-        self.impl = pallas_kernels.check_impl(impl or pallas_kernels.default_impl())
+        # Which kernels run (`pallas_kernels.choice`), resolved for this device; `impl` overrides the config's.
+        self.kernels = (ec.kernels if impl is None else dataclasses.replace(ec.kernels, impl=impl)).for_device()
         # Several devices: `layout` (a sharding.rules.Layout) or the config's mesh; None = one device.
         if layout is None and ec.model_parallel * ec.replicas > 1:
             layout = make_layout(ec.model_parallel, ec.replicas, ec.parallel_mode, dispatch=ec.expert_dispatch)
@@ -102,7 +103,7 @@ class Engine:
                 self.model_config, self.params = checkpoint.load_params_sharded(self.model_path, DTYPES[dtype],
                                                                                 layout, progress=progress)
             else:
-                self.model_config, self.params = checkpoint.load(self.model_path, DTYPES[dtype], impl=self.impl,
+                self.model_config, self.params = checkpoint.load(self.model_path, DTYPES[dtype], impl=self.kernels.impl,
                                                                  cache_dir=cache_dir, progress=progress)
                 if layout is not None:
                     self.params = layout.shard_params(self.params, self.model_config.num_kv_heads)
@@ -111,7 +112,7 @@ class Engine:
             self.model_config, self.params = loaded
             if layout is not None:
                 self.params = layout.shard_params(self.params, self.model_config.num_kv_heads)
-        self.params = pallas_kernels.prepare_params(self.params, self.impl)  # sharded: each device its experts
+        self.params = pallas_kernels.prepare_params(self.params, self.kernels)  # sharded: each device its experts
         self.dtype = self.params.embed.dtype
         self.tokenizer = tokenizer
         if isinstance(tokenizer, (str, os.PathLike)) or (
@@ -354,7 +355,7 @@ class Engine:
         tables = self._tables(seqs, rows, self._width([c.start + c.num_tokens for c in chunks]), row_of)
         out, self.cache = steps.prefill(self.params, self.cache, self._put(tokens), self._put(positions), tables,
                                         self._put(last), self._sampling(seqs, rows, row_of), cfg=self.model_config,
-                                        impl=self.impl, layout=self.layout, num_top=self.num_top)
+                                        kernels=self.kernels, layout=self.layout, num_top=self.num_top)
         self._last_tokens = steps.store_tokens(self._last_tokens, self._slots(seqs, rows, row_of), out.tokens)
         return out, row_of
 
@@ -376,7 +377,7 @@ class Engine:
         slots = self._slots(seqs, rows, row_of)
         tokens = steps.load_tokens(self._last_tokens, slots, self._put(host))
         out, self.cache = steps.decode(self.params, self.cache, tokens, self._put(positions), tables,
-                                       self._sampling(seqs, rows, row_of), cfg=self.model_config, impl=self.impl,
+                                       self._sampling(seqs, rows, row_of), cfg=self.model_config, kernels=self.kernels,
                                        layout=self.layout, num_steps=K, num_top=self.num_top)
         self._last_tokens = steps.store_tokens(self._last_tokens, slots, out.tokens)
         return out, row_of
@@ -391,7 +392,7 @@ class Engine:
                 tokens = steps.load_tokens(self._last_tokens, slots, self._put(np.zeros(rows, i32)))
                 out, self.cache = steps.decode(
                     self.params, self.cache, tokens, self._put(np.full((rows,), -1, i32)), tables,
-                    self._sampling([], rows), cfg=self.model_config, impl=self.impl, layout=self.layout,
+                    self._sampling([], rows), cfg=self.model_config, kernels=self.kernels, layout=self.layout,
                     num_steps=ec.decode_steps_per_call, num_top=self.num_top)
                 self._last_tokens = steps.store_tokens(self._last_tokens, slots, out.tokens)
             for rows in (R * b for b in ec.prefill_row_buckets()):
@@ -400,7 +401,7 @@ class Engine:
                     out, self.cache = steps.prefill(
                         self.params, self.cache, self._put(np.zeros((rows, T), i32)),
                         self._put(np.full((rows, T), -1, i32)), tables, self._put(np.zeros((rows,), i32)),
-                        self._sampling([], rows), cfg=self.model_config, impl=self.impl, layout=self.layout,
+                        self._sampling([], rows), cfg=self.model_config, kernels=self.kernels, layout=self.layout,
                         num_top=self.num_top)
                     self._last_tokens = steps.store_tokens(self._last_tokens, slots, out.tokens)
         jax.block_until_ready((self.cache, self._last_tokens))
@@ -435,7 +436,7 @@ class Engine:
     def prompt_logits(self, token_ids: Seq[int]) -> np.ndarray:
         """Logits `[len, vocab]` (fp32) at every position of one prompt, computed through the paged cache
         in prefill chunks."""
-        step = functools.partial(steps.prompt_logits, cfg=self.model_config, impl=self.impl, layout=self.layout)
+        step = functools.partial(steps.prompt_logits, cfg=self.model_config, kernels=self.kernels, layout=self.layout)
         return np.concatenate([np.asarray(lg[0, :n], np.float32) for lg, n in self.run_prompt(token_ids, step)])
 
 

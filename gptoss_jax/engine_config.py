@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from gptoss_jax.config import PRESETS_DIR, ConfigError
+from pallas_kernels import KernelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +47,17 @@ class EngineConfig:
     model_parallel: int = 1
     replicas: int = 1
     expert_dispatch: str = "all_gather"
+    # Which kernels run and their launch settings (`pallas_kernels.choice.KernelConfig`; YAML: a `kernels:` mapping).
+    kernels: KernelConfig = KernelConfig()
 
     def __post_init__(self):
+        if isinstance(self.kernels, dict):
+            try:
+                object.__setattr__(self, "kernels", KernelConfig.from_dict(self.kernels, "EngineConfig.kernels"))
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        if not isinstance(self.kernels, KernelConfig):
+            raise ConfigError(f"EngineConfig.kernels={self.kernels!r}: a mapping of kernel settings")
         positive = ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "max_prefill_seqs",
                     "decode_steps_per_call", "page_size", "min_prefill_bucket", "min_context_bucket")
         for name in positive:

@@ -14,12 +14,11 @@ import jax.numpy as jnp
 from flax import struct
 
 import pallas_kernels
-from sharding import expert_parallel, tensor_parallel
-from pallas_kernels import attention_reference, moe_reference
-from pallas_kernels import rope
-from pallas_kernels.norm import rms_norm
 from gptoss_jax.config import ModelConfig
+from pallas_kernels import REFERENCE, KernelConfig, attention_reference, moe_reference, rope
+from pallas_kernels.norm import rms_norm
 from pallas_kernels.params import Params
+from sharding import expert_parallel, tensor_parallel
 
 FULL_WINDOW = 2**31 - 1
 NULL_PAGE = 0  # write target of padded or already-cached tokens; never read at a visible position
@@ -63,7 +62,7 @@ class PageTables:
 class Inspect:
     """Static option of `forward`: also return each layer's internals as `LayerRecords`. Router logits,
     chosen experts and weights, and per-head sink mass are always recorded; `hidden_states` adds the
-    residual stream after each layer. The forward itself is unchanged (same `impl`, same outputs); the
+    residual stream after each layer. The forward itself is unchanged (same kernels, same outputs); the
     records are side computations: the routing with `moe_reference.route` (what every MoE implementation
     calls) and the sink mass with the reference attention (kernels do not expose it), which costs a second
     attention pass. `inspect=None` (the default) traces exactly the serving program."""
@@ -80,101 +79,129 @@ class LayerRecords:
     hidden_states: jax.Array | None  # f32 [L, B, T, D] residual stream after each layer, or None
 
 
-def _write_targets(table_BM: jax.Array, positions_BT: jax.Array, write_from_B: jax.Array, page_size: int):
-    """(page, slot) `[B, T]` each new token's K/V goes to; padding and skipped tokens hit the null page."""
+@struct.dataclass
+class AttentionInputs:
+    """What every attention layer of one type (sliding or full) reads in one call: where its tokens are, their RoPE
+    tables, the block tables, and the (page, slot) each new token's K/V goes to (padding and already-cached tokens:
+    the null page)."""
+    positions_BT: jax.Array   # i32 (-1: padding)
+    cos_BTF: jax.Array        # [B, T, H/2] in the model dtype, YaRN concentration included
+    sin_BTF: jax.Array
+    table_BM: jax.Array       # i32 pages of the layer type's pool
+    write_page_BT: jax.Array  # i32
+    write_slot_BT: jax.Array  # i32
+
+
+@struct.dataclass
+class AttentionOutputs:
+    """One attention layer's result: its output projection, the pools with its K/V written, the new-token kernel's
+    split counts (passed through where it does not run), and with `inspect` the sink mass."""
+    y_BTD: jax.Array              # f32
+    k_all: jax.Array              # [L, P, S, K, H] the layer type's pools, all layers
+    v_all: jax.Array
+    done_BK: jax.Array | None     # i32 [B, K]; None inside a sharded block (the counts stay outside)
+    sink_BTN: jax.Array | None    # f32 attention probability each head gives its sink, with `inspect`
+
+
+def _attention_inputs(table_BM: jax.Array, positions_BT: jax.Array, write_from_B: jax.Array, cos_BTF, sin_BTF,
+                      page_size: int) -> AttentionInputs:
+    """The inputs of a layer type: its table, and the (page, slot) each new token writes."""
     M = table_BM.shape[1]
     col = positions_BT // page_size
     ok = (positions_BT >= write_from_B[:, None]) & (positions_BT >= 0) & (col < M)
     page = jnp.take_along_axis(table_BM, jnp.clip(col, 0, M - 1), axis=1)
-    return jnp.where(ok, page, NULL_PAGE), jnp.maximum(positions_BT, 0) % page_size
+    return AttentionInputs(positions_BT, cos_BTF, sin_BTF, table_BM, jnp.where(ok, page, NULL_PAGE),
+                           jnp.maximum(positions_BT, 0) % page_size)
 
 
-def _attention(cfg: ModelConfig, stacked: dict, per_layer: dict, layer, t_BTD, cos, sin, k_all, v_all, idx, table_BM,
-               write_page_BT, write_slot_BT, positions_BT, *, window: int, impl: str, inspect: bool,
-               heads_axis: str | None, done_BK=None):
+def _attention(cfg: ModelConfig, stacked: dict, per_layer: dict, layer, idx, t_BTD, k_all, v_all,
+               inp: AttentionInputs, *, window: int, kernels: KernelConfig, inspect: bool,
+               heads_axis: str | None) -> AttentionOutputs:
     """One attention layer on the normed residual stream `t_BTD`: project, write the new K/V into layer `idx` of
-    the pool, attend through the table.
-    Also returns the sink mass `[B, T, N]` when `inspect`. Runs on whatever heads and rows it is given: all
-    of them on one device, a device's shard under a layout (`sharding.tensor_parallel`), where `heads_axis`
-    names the mesh axis the heads are split over, whose partial output projections are summed here. Given
-    `done_BK` (decode on one device with the kernels: the new-token kernel's split counts), it takes
-    `pallas_kernels.attention_new_token` and returns the counts after the pools.
+    the pools, attend through the table. Runs on whatever heads and rows it is given: all of them on one device, a
+    device's shard under a layout (`sharding.tensor_parallel`), where `heads_axis` names the mesh axis the heads
+    are split over, whose partial output projections are summed here.
 
-    `stacked` holds every layer's projection weights (`q_w`, ...) and `layer` says which, as for the
-    experts: the decode kernel reads them in place instead of the scan copying each layer's ~53 MB out
-    first; `per_layer` holds this layer's biases and sinks (with `done_BK`, `stacked` also holds all
-    layers' q/k/v biases and sinks, which the kernel indexes in place of slicing them per layer)."""
-    fuse = done_BK is not None
+    `stacked` holds every layer's projection weights (`q_w`, ...) and `layer` says which, as for the experts: the
+    projection kernels read them in place instead of the scan copying each layer's ~53 MB out first; `per_layer`
+    holds this layer's biases and sinks."""
     B, T, _ = t_BTD.shape
-    H = cfg.head_dim
-    dtype = k_all.dtype
-
-    def proj(x, name, bias):
-        y = pallas_kernels.linear(x.reshape(B * T, -1), stacked[f"{name}_w"], bias, layer, impl=impl)
-        return y.reshape(B, T, -1)
-
+    H, dtype = cfg.head_dim, k_all.dtype
+    k_pool, v_pool, page_offset = _flat_pools(k_all, v_all, idx)
+    # q, k and v in one kernel launch for decode rows: k and v alone cost a launch's latency, not their bytes
+    bs = [per_layer[f"{n}_b"] for n in "qkv"]
     ws = [stacked[f"{n}_w"] for n in "qkv"]
-    # All layers' pools as one flat pool, with this layer's pages found by offsetting the table: a
-    # reshape is free, while slicing layer `idx` out would copy its whole pool into the kernel call.
-    pool_k, pool_v = (a.reshape(-1, *a.shape[2:]) for a in (k_all, v_all))
-    page_offset = idx * k_all.shape[1]
-    sinks = per_layer["sinks"]
-    if fuse:  # decode with kernels: the projections' epilogue, RoPE, the cache write and the merge ride in the kernel
-        bs_LO = [stacked[f"{n}_b"] for n in "qkv"]
-        o, pool_k, pool_v, done_BK = pallas_kernels.attention_new_token(
-            t_BTD.reshape(B, -1), ws, bs_LO, layer, cos[:, 0], sin[:, 0], pool_k, pool_v, table_BM, page_offset,
-            positions_BT[:, 0], write_page_BT[:, 0], write_slot_BT[:, 0], stacked["sinks"], window, done_BK,
-            null_page=NULL_PAGE)
-    else:
-        # q, k and v in one kernel launch for decode rows: k and v alone cost a launch's latency, not their bytes
-        bs = [per_layer[f"{n}_b"] for n in "qkv"]
-        q, k, v = (y.astype(dtype).reshape(B, T, -1, H)
-                   for y in pallas_kernels.linear_many(t_BTD.reshape(B * T, -1), ws, bs, layer, impl=impl))
-        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-        pool_k = pool_k.at[page_offset + write_page_BT, write_slot_BT].set(k)
-        pool_v = pool_v.at[page_offset + write_page_BT, write_slot_BT].set(v)
-        o = pallas_kernels.attention(q, pool_k, pool_v, table_BM + page_offset, positions_BT, sinks, window,
-                                     impl=impl)
-    k_all, v_all = pool_k.reshape(k_all.shape), pool_v.reshape(v_all.shape)
-    o = o.reshape(B, T, -1)
+    q, k, v = (y.astype(dtype).reshape(B, T, -1, H)
+               for y in pallas_kernels.linear_many(t_BTD.reshape(B * T, -1), ws, bs, layer, kernels=kernels))
+    q, k = rope.apply(q, inp.cos_BTF, inp.sin_BTF), rope.apply(k, inp.cos_BTF, inp.sin_BTF)
+    k_pool = k_pool.at[page_offset + inp.write_page_BT, inp.write_slot_BT].set(k)
+    v_pool = v_pool.at[page_offset + inp.write_page_BT, inp.write_slot_BT].set(v)
+    table = inp.table_BM + page_offset
+    o = pallas_kernels.attention(q, k_pool, v_pool, table, inp.positions_BT, per_layer["sinks"], window,
+                                 kernels=kernels)
+    sink = None
+    if inspect:  # a side computation for the record: the output stays the serving implementation's
+        _, sink = attention_reference.attention(q, k_pool, v_pool, table, inp.positions_BT, per_layer["sinks"], window,
+                                                return_sink_mass=True)
+    o_b = per_layer["o_b"]
+    o_w = stacked["o_w"]
+    o = o.reshape(B * T, -1)
     if heads_axis is None:
-        y = proj(o, "o", per_layer["o_b"])
+        y = pallas_kernels.linear(o, o_w, o_b, layer, kernels=kernels)
     else:  # this device's heads: a partial sum of the projection, the bias added once
-        o_b = per_layer["o_b"]
-        y = jax.lax.psum(proj(o, "o", jnp.zeros_like(o_b)), heads_axis) + o_b.astype(jnp.float32)
-    if not inspect:
-        return (y, k_all, v_all, done_BK) if fuse else (y, k_all, v_all)
-    # A side computation for the record: the output stays the serving implementation's.
-    _, sink = attention_reference.attention(q, pool_k, pool_v, table_BM + page_offset, positions_BT, sinks, window,
-                                            return_sink_mass=True)
-    return y, k_all, v_all, sink
+        y = jax.lax.psum(pallas_kernels.linear(o, o_w, jnp.zeros_like(o_b), layer, kernels=kernels), heads_axis)
+        y = y + o_b.astype(jnp.float32)
+    return AttentionOutputs(y.reshape(B, T, -1), k_pool.reshape(k_all.shape), v_pool.reshape(v_all.shape), None,
+                            sink)
 
 
-def _attention_block(cfg: ModelConfig, lp, dense_all, layer, t_BTD, cos, sin, k_all, v_all, done_BK, idx, table_BM,
-                     write_page_BT, write_slot_BT, positions_BT, window: int, impl: str, inspect: bool = False,
-                     layout=None):
-    """`_attention` on one device, or per device under a `layout` (its rows, pages and heads). Returns the
-    output, the pools, the split counts `done_BK` (passed through where the new-token kernel does not run),
-    and the sink mass `[B, T, N]` with `inspect` (else None)."""
+def _attention_new_token(cfg: ModelConfig, stacked: dict, per_layer: dict, layer, idx, t_BTD, k_all, v_all, done_BK,
+                         inp: AttentionInputs, *, window: int, kernels: KernelConfig) -> AttentionOutputs:
+    """`_attention` for decode on one device with the kernels (`pallas_kernels.fuses_new_token`): the projections'
+    epilogue, RoPE, the cache write and the merge of the sequence splits (counted in `done_BK`) ride in one kernel,
+    which reads every layer's q/k/v biases and sinks in place (`stacked`) instead of slicing them per layer."""
+    B = t_BTD.shape[0]
+    k_pool, v_pool, page_offset = _flat_pools(k_all, v_all, idx)
+    o, k_pool, v_pool, done_BK = pallas_kernels.attention_new_token(
+        t_BTD.reshape(B, -1), [stacked[f"{n}_w"] for n in "qkv"], [stacked[f"{n}_b"] for n in "qkv"], layer,
+        inp.cos_BTF[:, 0], inp.sin_BTF[:, 0], k_pool, v_pool, inp.table_BM, page_offset, inp.positions_BT[:, 0],
+        inp.write_page_BT[:, 0], inp.write_slot_BT[:, 0], stacked["sinks"], window, done_BK, null_page=NULL_PAGE,
+        kernels=kernels)
+    y = pallas_kernels.linear(o.reshape(B, -1), stacked["o_w"], per_layer["o_b"], layer, kernels=kernels)
+    return AttentionOutputs(y.reshape(B, 1, -1), k_pool.reshape(k_all.shape), v_pool.reshape(v_all.shape), done_BK,
+                            None)
+
+
+def _flat_pools(k_all, v_all, idx):
+    """All layers' pools as one flat pool, with layer `idx`'s pages found by an offset: a reshape is free, while
+    slicing layer `idx` out would copy its whole pool into the kernel call."""
+    return k_all.reshape(-1, *k_all.shape[2:]), v_all.reshape(-1, *v_all.shape[2:]), idx * k_all.shape[1]
+
+
+def _attention_block(cfg: ModelConfig, lp, dense_all, layer, idx, t_BTD, k_all, v_all, done_BK, inp: AttentionInputs,
+                     *, window: int, kernels: KernelConfig, inspect: bool, layout) -> AttentionOutputs:
+    """One attention layer: the new-token kernel for decode on one device, else `_attention` on one device or per
+    device under a `layout` (its rows, pages and heads)."""
     stacked = {n: getattr(dense_all, n) for n in tensor_parallel.STACKED}
     per_layer = {n: getattr(lp, n) for n in tensor_parallel.PER_LAYER}
-    heads_axis = tensor_parallel.heads_axis(layout, cfg.num_kv_heads) if layout is not None else None
-    fuse = layout is None and not inspect and pallas_kernels.fuses_new_token(*t_BTD.shape[:2], impl)
-    if fuse:
+    B, T, _ = t_BTD.shape
+    q_shape = (B, T, cfg.num_heads, cfg.head_dim)
+    if layout is None and not inspect and pallas_kernels.fuses_new_token(q_shape, cfg.num_kv_heads, k_all.dtype,
+                                                                        kernels):
         stacked.update({n: getattr(dense_all, n) for n in ("q_b", "k_b", "v_b", "sinks")})
-    block = functools.partial(_attention, cfg, window=window, impl=impl, inspect=inspect, heads_axis=heads_axis,
-                              done_BK=done_BK if fuse else None)
+        return _attention_new_token(cfg, stacked, per_layer, layer, idx, t_BTD, k_all, v_all, done_BK, inp,
+                                    window=window, kernels=kernels)
+    heads_axis = tensor_parallel.heads_axis(layout, cfg.num_kv_heads) if layout is not None else None
+    block = functools.partial(_attention, cfg, window=window, kernels=kernels, inspect=inspect, heads_axis=heads_axis)
     if layout is not None:
-        block = tensor_parallel.attention(layout, block, cfg.num_kv_heads, inspect)
-    y, k_all, v_all, *extra = block(stacked, per_layer, layer, t_BTD, cos, sin, k_all, v_all, idx, table_BM,
-                                    write_page_BT, write_slot_BT, positions_BT)
-    if fuse:
-        done_BK = extra.pop(0)
-    return y, k_all, v_all, done_BK, (extra[0] if inspect else None)
+        in_kinds = ("same", "same", "rows", "pool", "pool", jax.tree.map(lambda _: "rows", inp))
+        out_kinds = AttentionOutputs("rows", "pool", "pool", None, "heads" if inspect else None)
+        block = tensor_parallel.attention(layout, block, cfg.num_kv_heads, in_kinds, out_kinds)
+    return block(stacked, per_layer, layer, idx, t_BTD, k_all, v_all, inp).replace(done_BK=done_BK)
 
 
-def _moe_block(cfg: ModelConfig, lp, dense_all, final_norm, layer, x_BTD, dtype, impl, inspect: bool = False,
-               layout=None):
+def _moe_block(cfg: ModelConfig, lp, dense_all, final_norm, layer, x_BTD, *, dtype, kernels: KernelConfig,
+               inspect: bool, layout):
     """The MoE layer with its residual add, and the next block's norm: (x `[B, T, D]` f32, its `rms_norm` with
     the gain of the attention after it or the final one), and with `inspect` its routing (logits, ids, weights)
     `[B, T, ...]` (else None).
@@ -193,12 +220,12 @@ def _moe_block(cfg: ModelConfig, lp, dense_all, final_norm, layer, x_BTD, dtype,
         idx, w, logits = moe_reference.route(t, lp.router_w, lp.router_b, cfg.experts_per_token)
         routing = tuple(r.reshape(B, T, -1) for r in (logits, idx, w))
     if layout is not None:  # experts split over `model` (padded), tokens as the ranks hold them
-        x = x + expert_parallel.moe(t, lp.router_w, lp.router_b, dense_all.experts, layer, layout=layout, impl=impl,
-                                    **kw).astype(jnp.float32)
+        x = x + expert_parallel.moe(t, lp.router_w, lp.router_b, dense_all.experts, layer, layout=layout,
+                                    kernels=kernels, **kw).astype(jnp.float32)
         t = rms_norm(x, pallas_kernels.next_gain(*gains, layer), eps, dtype)
     else:
         x, t = pallas_kernels.moe_block(x, dense_all.mlp_norm, dense_all.router_w, dense_all.router_b,
-                                        dense_all.experts, layer, gains, eps=eps, dtype=dtype, impl=impl, **kw)
+                                        dense_all.experts, layer, gains, eps=eps, dtype=dtype, kernels=kernels, **kw)
     return x.reshape(B, T, D), t.reshape(B, T, D), routing
 
 
@@ -216,17 +243,17 @@ def _exact_in_fp32(fn):
 
 
 @_exact_in_fp32
-def forward(params: Params, cache: PagedKVCache, tokens_BT: jax.Array, positions_BT: jax.Array,
-            tables: PageTables, cfg: ModelConfig, impl: str = "reference", inspect: Inspect | None = None,
-            layout=None):
+def forward(params: Params, cache: PagedKVCache, tokens_BT: jax.Array, positions_BT: jax.Array, tables: PageTables,
+            cfg: ModelConfig, kernels: KernelConfig = REFERENCE, inspect: Inspect | None = None, layout=None
+            ) -> tuple[jax.Array, PagedKVCache, LayerRecords | None]:
     """Run the layers on new tokens at `positions_BT` (-1 = padding), writing their K/V into `cache`.
 
-    Returns the final-normed hidden states `[B, T, D]` (pass the rows you need to `unembed`) and the
-    updated cache. Weights, the cache and matmul operands are in the parameters' dtype; the residual
-    stream and every accumulation are fp32 (a bf16 residual drifts enough to flip router choices).
-    With `inspect=Inspect(...)` (static) it returns a third value, the `LayerRecords` of every layer.
-    `layout` (static `sharding.rules.Layout`; None on one device): rows are rank-major, page tables hold
-    rank-local page ids, experts are padded to the `model` axis (docs/SCALING.md).
+    Returns the final-normed hidden states `[B, T, D]` (pass the rows you need to `unembed`), the updated cache,
+    and with `inspect=Inspect(...)` (static) the `LayerRecords` of every layer (else None). Weights, the cache and
+    matmul operands are in the parameters' dtype; the residual stream and every accumulation are fp32 (a bf16
+    residual drifts enough to flip router choices). `kernels` (static) says which kernels run
+    (`pallas_kernels.choice`). `layout` (static `sharding.rules.Layout`; None on one device): rows are rank-major,
+    page tables hold rank-local page ids, experts are padded to the `model` axis (docs/SCALING.md).
     """
     pin = layout.constrain_rows if layout is not None else (lambda a: a)
     on = inspect is not None
@@ -234,27 +261,26 @@ def forward(params: Params, cache: PagedKVCache, tokens_BT: jax.Array, positions
     S = cache.page_size
     x = pin(params.embed[tokens_BT].astype(jnp.float32))  # the residual stream stays fp32
     cos, sin = rope.cos_sin(cfg, jnp.maximum(positions_BT, 0), dtype)
-    s_page, s_slot = _write_targets(tables.sliding_BM, positions_BT, jnp.zeros_like(tables.full_cached_B), S)
-    f_page, f_slot = _write_targets(tables.full_BM, positions_BT, tables.full_cached_B, S)
+    inputs = {  # per layer type: sliding layers never write into shared (prefix-cached) pages
+        True: _attention_inputs(tables.sliding_BM, positions_BT, jnp.zeros_like(tables.full_cached_B), cos, sin, S),
+        False: _attention_inputs(tables.full_BM, positions_BT, tables.full_cached_B, cos, sin, S)}
+    windows = {True: cfg.sliding_window, False: FULL_WINDOW}
 
     def layer(x, t, caches, lp, idx, sliding: bool):  # t: x normed for this layer's attention
-        ks, vs, kf, vf, done = caches
+        pools, done = caches
+        n = 2 * idx + (0 if sliding else 1)  # the layer's index in model order
         with jax.named_scope("sliding_attention" if sliding else "full_attention"):
-            n = 2 * idx + (0 if sliding else 1)  # the layer's index in model order
-            if sliding:
-                a, ks, vs, done, sink = _attention_block(cfg, lp, dense_all, n, t, cos, sin, ks, vs, done, idx,
-                                                         tables.sliding_BM, s_page, s_slot, positions_BT,
-                                                         cfg.sliding_window, impl, on, layout)
-            else:
-                a, kf, vf, done, sink = _attention_block(cfg, lp, dense_all, n, t, cos, sin, kf, vf, done, idx,
-                                                         tables.full_BM, f_page, f_slot, positions_BT, FULL_WINDOW,
-                                                         impl, on, layout)
-            x = pin(x + a)
+            k_all, v_all = pools[sliding]
+            out = _attention_block(cfg, lp, dense_all, n, idx, t, k_all, v_all, done, inputs[sliding],
+                                   window=windows[sliding], kernels=kernels, inspect=on, layout=layout)
+            pools = {**pools, sliding: (out.k_all, out.v_all)}
+            x = pin(x + out.y_BTD)
         with jax.named_scope("moe"):
-            x, t, routing = _moe_block(cfg, lp, dense_all, params.final_norm, n, x, dtype, impl, on, layout)
+            x, t, routing = _moe_block(cfg, lp, dense_all, params.final_norm, n, x, dtype=dtype, kernels=kernels,
+                                       inspect=on, layout=layout)
             x, t = pin(x), pin(t)
-        record = (*routing, sink, x if inspect.hidden_states else None) if on else None
-        return x, t, (ks, vs, kf, vf, done), record
+        record = (*routing, out.sink_BTN, x if inspect.hidden_states else None) if on else None
+        return x, t, (pools, out.done_BK), record
 
     def pair(carry, inputs):
         x, t, caches = carry
@@ -264,8 +290,8 @@ def forward(params: Params, cache: PagedKVCache, tokens_BT: jax.Array, positions
         return (x, t, caches), ((r0, r1) if on else None)
 
     pairs = cfg.num_layers // 2
-    # The pools, and the new-token attention kernel's split counts: one zeroed buffer for all layers.
-    caches = (cache.k_sliding, cache.v_sliding, cache.k_full, cache.v_full,
+    # The pools by layer type, and the new-token attention kernel's split counts: one zeroed buffer for all layers.
+    caches = ({True: (cache.k_sliding, cache.v_sliding), False: (cache.k_full, cache.v_full)},
               jnp.zeros((tokens_BT.shape[0], cfg.num_kv_heads), jnp.int32))
     # The big per-layer weights are indexed inside the blocks (no copy), the rest is sliced by the scan.
     dense_all = params.layers
@@ -283,12 +309,12 @@ def forward(params: Params, cache: PagedKVCache, tokens_BT: jax.Array, positions
             x, t, caches, r = layer(x, t, caches, jax.tree.map(lambda a: a[-1], scanned), pairs, sliding=True)
             if on:
                 records.append(jax.tree.map(lambda a: a[None], r))
-    caches = caches[:4]
+    pools = (*caches[0][True], *caches[0][False])
     if layout is not None:  # the pools keep their placement from call to call (donated in place)
-        caches = tuple(jax.lax.with_sharding_constraint(c, layout.cache_sharding(cfg.num_kv_heads)) for c in caches)
-    if not on:  # t: the last block's output, normed with the final gain
-        return t, PagedKVCache(*caches)
-    return t, PagedKVCache(*caches), LayerRecords(*jax.tree.map(lambda *a: jnp.concatenate(a), *records))
+        pools = tuple(jax.lax.with_sharding_constraint(c, layout.cache_sharding(cfg.num_kv_heads)) for c in pools)
+    # t: the last block's output, normed with the final gain
+    return t, PagedKVCache(*pools), (LayerRecords(*jax.tree.map(lambda *a: jnp.concatenate(a), *records)) if on
+                                     else None)
 
 
 @_exact_in_fp32

@@ -21,6 +21,7 @@ import pallas_kernels
 from gptoss_jax import checkpoint, safetensors_io
 from pallas_kernels import params as params_lib
 from gptoss_jax.config import from_hf_dict, from_original_dict
+from pallas_kernels import REFERENCE, KernelConfig
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -140,11 +141,13 @@ def to_original_config(hf: dict) -> dict:
     }
 
 
-def random_params(cfg, dtype=jnp.bfloat16, seed: int = 0, impl: str = "reference"):
+def random_params(cfg, dtype=jnp.bfloat16, seed: int = 0, kernels: KernelConfig = REFERENCE):
     """Random `Params` at `cfg`'s shape drawn directly on device (no file): small normals, unit norms, MXFP4
     scales near 1/16. For benchmarks at the real shapes, where writing and reading a checkpoint is not the point.
-    Experts come in the layout `impl` reads, drawn and converted one layer at a time, as the loader does."""
+    Experts come in the layout `kernels` read, drawn and converted one layer at a time, as the loader does."""
     shapes = params_lib.shapes(cfg, dtype)
+    kernels = kernels.for_device()
+    impl = kernels.impl
     tree = checkpoint.device_shapes(cfg, dtype, impl)
     paths = params_lib.field_paths(shapes)
     keys = jax.random.split(jax.random.PRNGKey(seed), len(paths))
@@ -161,7 +164,7 @@ def random_params(cfg, dtype=jnp.bfloat16, seed: int = 0, impl: str = "reference
             x = make(jax.random.fold_in(key, layer), one, path[-1])
             buf = params_lib.put_layer(buf, pallas_kernels.relayout_expert_field(path[-1], x, impl), layer)
         tree = params_lib.with_field(tree, there, buf)
-    return pallas_kernels.prepare_params(tree, impl)  # what else the kernels store (on Hopper)
+    return pallas_kernels.prepare_params(tree, kernels)  # what else the kernels store (on Hopper)
 
 
 def _draw_device(key, s, name: str):

@@ -20,6 +20,7 @@ from jax._src import dispatch  # the name of XLA's compile event
 
 from gptoss_jax import model, sampling
 from gptoss_jax.config import ModelConfig
+from pallas_kernels import KernelConfig
 from pallas_kernels.params import Params
 
 # Traces per step function. Each trace is one XLA compilation, so a serving process whose counts stop
@@ -79,22 +80,22 @@ def _sample(logits_BV: jax.Array, pos_B: jax.Array, sp: SamplingBatch, num_top: 
     return Sampled(tokens, *lp)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl", "layout", "num_top"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "layout", "num_top"), donate_argnames=("cache",))
 def prefill(params: Params, cache: model.PagedKVCache, tokens_BT: jax.Array, positions_BT: jax.Array,
-            tables: model.PageTables, last_B: jax.Array, sp: SamplingBatch, *, cfg: ModelConfig, impl: str, layout=None,
+            tables: model.PageTables, last_B: jax.Array, sp: SamplingBatch, *, cfg: ModelConfig, kernels: KernelConfig, layout=None,
             num_top: int) -> tuple[Sampled, model.PagedKVCache]:
     """One chunk per row (positions -1 pad); samples the token after each row's column `last_B`."""
     TRACES["prefill"] += 1
-    x, cache = model.forward(params, cache, tokens_BT, positions_BT, tables, cfg, impl, layout=layout)
+    x, cache, _ = model.forward(params, cache, tokens_BT, positions_BT, tables, cfg, kernels, layout=layout)
     with jax.named_scope("sample"):
         last_x = jnp.take_along_axis(x, last_B[:, None, None], axis=1)[:, 0]
         pos_B = jnp.take_along_axis(positions_BT, last_B[:, None], axis=1)[:, 0]
         return _sampler(layout, num_top)(model.unembed(params, last_x), pos_B, sp), cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl", "layout", "num_steps", "num_top"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "layout", "num_steps", "num_top"), donate_argnames=("cache",))
 def decode(params: Params, cache: model.PagedKVCache, tokens_B: jax.Array, positions_B: jax.Array,
-           tables: model.PageTables, sp: SamplingBatch, *, cfg: ModelConfig, impl: str, layout=None, num_steps: int,
+           tables: model.PageTables, sp: SamplingBatch, *, cfg: ModelConfig, kernels: KernelConfig, layout=None, num_steps: int,
            num_top: int) -> tuple[Sampled, model.PagedKVCache]:
     """`num_steps` decode steps on device, each feeding back the token it sampled (outputs `[steps, B]`).
     Rows at position -1 are padding and stay so."""
@@ -102,7 +103,7 @@ def decode(params: Params, cache: model.PagedKVCache, tokens_B: jax.Array, posit
 
     def one(carry, _):
         cache, tok_B, pos_B = carry
-        x, cache = model.forward(params, cache, tok_B[:, None], pos_B[:, None], tables, cfg, impl, layout=layout)
+        x, cache, _ = model.forward(params, cache, tok_B[:, None], pos_B[:, None], tables, cfg, kernels, layout=layout)
         with jax.named_scope("sample"):
             out = _sampler(layout, num_top)(model.unembed(params, x[:, 0]), pos_B, sp)
         return (cache, out.tokens, jnp.where(pos_B >= 0, pos_B + 1, -1)), out
@@ -128,10 +129,10 @@ def load_tokens(table_S: jax.Array, slots_B: jax.Array, host_B: jax.Array) -> ja
     return jnp.where(host_B < 0, table_S[slots_B], host_B)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl", "layout"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "layout"), donate_argnames=("cache",))
 def prompt_logits(params: Params, cache: model.PagedKVCache, tokens_BT: jax.Array, positions_BT: jax.Array,
-                  tables: model.PageTables, *, cfg: ModelConfig, impl: str, layout=None) -> tuple[jax.Array, model.PagedKVCache]:
+                  tables: model.PageTables, *, cfg: ModelConfig, kernels: KernelConfig, layout=None) -> tuple[jax.Array, model.PagedKVCache]:
     """Logits `[B, T, V]` (fp32) at every position of a prefill chunk."""
     TRACES["prompt_logits"] += 1
-    x, cache = model.forward(params, cache, tokens_BT, positions_BT, tables, cfg, impl, layout=layout)
+    x, cache, _ = model.forward(params, cache, tokens_BT, positions_BT, tables, cfg, kernels, layout=layout)
     return model.unembed(params, x), cache

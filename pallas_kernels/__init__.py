@@ -1,12 +1,12 @@
 """The hot operations of gpt-oss, each with a pure-JAX reference beside its Pallas kernels.
 
 `attention`, `attention_new_token` (decode: q/k/v projections, RoPE, cache write and attention), `moe_block` (norm,
-`moe`, residual add and the next block's norm), `linear`, `linear_many` (several weights of one input) and (for expert
-parallelism, where routing and dispatch happen outside) `experts` are the only entry points the model calls; `impl`
-picks the implementation: `"pallas"` (the kernels; the default on GPUs) or `"reference"` (pure JAX; the
-default elsewhere, since the Pallas-Triton kernels only lower for GPUs and would run interpreted). The
-kernels read the experts in their own relayout of the same bytes, made tensor by tensor as the checkpoint
-loads (`relayout_expert_field`), or by `prepare_params` for parameters already on device.
+`moe`, residual add and the next block's norm), `linear`, `linear_many`, `linear_partials` (several weights of one
+input) and (for expert parallelism, where routing and dispatch happen outside) `experts` are the entry points the
+model calls. Each takes the engine's `KernelConfig` (`kernels`) and asks `choice.choose` which kernel runs, with
+which launch settings; `impl="reference"` runs pure JAX everywhere. The kernels read the experts in their own
+relayout of the same bytes (`expert_format`), made tensor by tensor as the checkpoint loads
+(`relayout_expert_field`), or by `prepare_params` for parameters already on device.
 """
 
 import functools
@@ -15,75 +15,82 @@ import jax
 import jax.experimental.pallas.fuser  # noqa: F401  (see below)
 import jax.numpy as jnp
 
+from pallas_kernels import (attention_reference, expert_format, flash_attention, linear_decode, linear_mosaic,
+                            moe_dense, moe_gemv, moe_mma, moe_mosaic, moe_reference, moe_route, paged_attention)
+from pallas_kernels.choice import IMPLS, REFERENCE, Choice, Device, KernelConfig, choose
+from pallas_kernels.expert_format import KernelExperts
 from pallas_kernels.norm import rms_norm
 from pallas_kernels.params import put_layer
-from pallas_kernels import (attention_reference, flash_attention, linear_decode, linear_mosaic, moe_decode,
-                            moe_mosaic, moe_prefill, moe_reference, moe_route, paged_attention)
+
+__all__ = ["IMPLS", "REFERENCE", "Choice", "Device", "KernelConfig", "KernelExperts", "choose", "attention", "attention_new_token", "fuses_new_token",
+           "linear", "linear_many", "linear_partials", "experts", "moe", "moe_block", "next_gain", "prepare_params",
+           "expert_shapes", "expert_field", "relayout_expert_field", "with_scale_operands"]
 
 # `jax.experimental.pallas.fuser` is imported above for its side effect only: the first `pallas_call` would
 # import it lazily and register a config option that is part of every jit's cache key, so every step
 # traced before it (the first engine step, a benchmark's warm-up) would be traced and compiled again.
 
-IMPLS = ("reference", "pallas")
+
+def _resolved(kernels: KernelConfig) -> KernelConfig:
+    return kernels if kernels.device is not None else kernels.for_device()
 
 
-def default_impl() -> str:
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
+def _choose(op: str, rows: int, shape: tuple, dtype, kernels: KernelConfig) -> Choice:
+    kernels = _resolved(kernels)
+    return choose(op, rows, shape, dtype, kernels.device, kernels)
 
 
-def check_impl(impl: str) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"unknown kernel implementation '{impl}'; choose one of {IMPLS}")
-    return impl
-
+# ---- the experts' layout ---------------------------------------------------------------------------------------
 
 def expert_shapes(experts, impl: str):
-    """The experts' shapes (`jax.ShapeDtypeStruct` tree) in the layout `impl` reads."""
-    return experts if check_impl(impl) == "reference" else jax.eval_shape(moe_decode.prepare_experts, experts)
+    """The experts' shapes (`jax.ShapeDtypeStruct` tree) in the layout `impl` ("reference" or "pallas") reads."""
+    return experts if impl == "reference" else jax.eval_shape(expert_format.prepare_experts, experts)
 
 
 def expert_field(name: str, impl: str) -> str:
     """The field of `impl`'s expert layout made from the `params.Experts` field `name`."""
-    return name if check_impl(impl) == "reference" else moe_decode.KERNEL_FIELDS[name]
+    return name if impl == "reference" else expert_format.KERNEL_FIELDS[name]
 
 
 def relayout_expert_field(name: str, x: jax.Array, impl: str) -> jax.Array:
     """One `params.Experts` field (of one layer) as `impl` reads it. The loader calls this tensor by
     tensor, so a checkpoint is never on the device in both layouts at once."""
-    return x if check_impl(impl) == "reference" else _relayout_jit(name, x)
+    return x if impl == "reference" else _relayout_jit(name, x)
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _relayout_jit(name, x):
-    return moe_decode.relayout_field(name, x)
+    return expert_format.relayout_field(name, x)
 
 
-def prepare_params(params, impl: str):
-    """Parameters already on device, in the layout `impl` reads (the loader and `random_params` produce it
-    directly). Converts one field of one layer at a time into a preallocated buffer, so the peak is the
-    experts plus their converted copy, never a whole layer's temporaries on top. Experts split over a
-    mesh (`sharding.rules.Layout`) stay split: each device converts its own experts."""
+def prepare_params(params, kernels: KernelConfig):
+    """Parameters already on device, in the layout the kernels of `kernels` read (the loader and `random_params`
+    produce it directly), with the Mosaic kernels' scale operands where those kernels run. Converts one field of
+    one layer at a time into a preallocated buffer, so the peak is the experts plus their converted copy, never a
+    whole layer's temporaries on top. Experts split over a mesh (`sharding.rules.Layout`) stay split: each device
+    converts its own experts."""
+    kernels = _resolved(kernels)
     experts = params.layers.experts
-    if check_impl(impl) == "reference":
+    if kernels.impl == "reference":
         return params
-    if not isinstance(experts, moe_decode.KernelExperts):
-        shapes, out = expert_shapes(experts, impl), {}
-        for name, kname in moe_decode.KERNEL_FIELDS.items():
+    if not isinstance(experts, KernelExperts):
+        shapes, out = expert_shapes(experts, "pallas"), {}
+        for name, kname in expert_format.KERNEL_FIELDS.items():
             src, want = getattr(experts, name), getattr(shapes, kname)
             buf = jnp.zeros(want.shape, want.dtype, device=_expert_placement(src.sharding))
             for layer in range(src.shape[0]):
-                buf = put_layer(buf, relayout_expert_field(name, src[layer], impl), layer)
+                buf = put_layer(buf, relayout_expert_field(name, src[layer], "pallas"), layer)
             out[kname] = buf
-        experts = moe_decode.KernelExperts(**out)
-    if (experts.gu_sexp is None and params.embed.dtype != jnp.float32 and moe_mosaic.available()
-            and moe_mosaic.fits(experts)):
-        experts = _with_scale_operands(experts)
+        experts = KernelExperts(**out)
+    if (experts.gu_sexp is None and params.embed.dtype != jnp.float32 and kernels.mosaic
+            and moe_mosaic.fits(experts.dn_words.shape[-2], experts.gu_words.shape[-2])):
+        experts = with_scale_operands(experts)
     if experts is params.layers.experts:
         return params
     return params.replace(layers=params.layers.replace(experts=experts))
 
 
-def _with_scale_operands(kexp: moe_decode.KernelExperts) -> moe_decode.KernelExperts:
+def with_scale_operands(kexp: KernelExperts) -> KernelExperts:
     """`kexp` with the Mosaic kernels' scale operands stored, one layer at a time: derived per call they
     cost ~1 ms per token at batch 256 (20b, H200); stored they add ~7% to the scales' bytes."""
     make = jax.jit(moe_mosaic.scale_operands)
@@ -104,91 +111,130 @@ def _expert_placement(sharding):
     return None
 
 
+# ---- attention ---------------------------------------------------------------------------------------------------
+
 def attention(q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sinks_N, window: int, *,
-              impl: str = "reference"):
+              kernels: KernelConfig):
     """Paged attention with sinks; the contract is in docs/engine.md ("Kernel interface")."""
     args = (q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sinks_N, window)
-    if check_impl(impl) == "reference":
+    B, T, N, H = q_BTNH.shape
+    c = _choose("attention", B, (T, N, k_pages_PSKH.shape[2], H), q_BTNH.dtype, kernels)
+    if c.kernel == "reference":
         return attention_reference.attention(*args)
-    kernel = paged_attention if q_BTNH.shape[1] == 1 else flash_attention  # decode / prefill chunk
-    return kernel.attention(*args)
+    kernel = flash_attention if c.kernel == "flash" else paged_attention  # prefill chunk / decode
+    return kernel.attention(*args, **c.kw)
 
 
-def fuses_new_token(B: int, T: int, impl: str) -> bool:
-    """Whether decode (T = 1) takes `attention_new_token`: with the kernels, up to `paged_attention.NEW_TOKEN_ROWS`."""
-    return check_impl(impl) == "pallas" and T == 1 and B <= paged_attention.NEW_TOKEN_ROWS
+def fuses_new_token(q_shape_BTNH: tuple, num_kv_heads: int, dtype, kernels: KernelConfig) -> bool:
+    """Whether decode of this shape takes `attention_new_token` (with the kernels, up to
+    `KernelConfig.new_token_rows` rows of one token)."""
+    B, T, N, H = q_shape_BTNH
+    return _choose("attention", B, (T, N, num_kv_heads, H), dtype, kernels).kernel == "new_token"
 
 
 def attention_new_token(t_BI, ws_LOI, bs_LO, layer, cos_BF, sin_BF, k_pages_PSKH, v_pages_PSKH, block_tables_BM,
                         page_offset, q_pos_B, write_page_B, write_slot_B, sinks_LN, window: int, done_BK, *,
-                        null_page: int):
+                        null_page: int, kernels: KernelConfig):
     """Decode with the kernels, one token per row: the q, k and v projections of the normed `t_BI` (weights
     and biases stacked over layers, `linear_partials`), then `paged_attention.attention_new_token` (their
     sums, biases and RoPE, the cache write, the attention and the merge of its splits in one launch, counted
     in `done_BK`) -> (`[B, 1, N, H]`, k pages, v pages, done_BK)."""
-    parts = linear_partials(t_BI, ws_LOI, layer, impl="pallas")
+    B, H, K = t_BI.shape[0], k_pages_PSKH.shape[-1], k_pages_PSKH.shape[2]
+    c = _choose("attention", B, (1, ws_LOI[0].shape[1] // H, K, H), k_pages_PSKH.dtype, kernels)
+    parts = linear_partials(t_BI, ws_LOI, layer, kernels=kernels)
     return paged_attention.attention_new_token(parts, tuple(bs_LO), layer, cos_BF, sin_BF, k_pages_PSKH, v_pages_PSKH,
                                                block_tables_BM, page_offset, q_pos_B, write_page_B, write_slot_B,
-                                               sinks_LN, window, done_BK, null_page=null_page)
+                                               sinks_LN, window, done_BK, null_page=null_page, **c.kw)
 
 
-def linear(x_TI, w_LOI, b_O, layer, *, impl: str = "reference"):
+# ---- projections -------------------------------------------------------------------------------------------------
+
+def linear(x_TI, w_LOI, b_O, layer, *, kernels: KernelConfig):
     """`x @ w[layer].T + b` in fp32, for a weight stacked over layers: `linear_many` of one weight."""
-    return linear_many(x_TI, (w_LOI,), (b_O,), layer, impl=impl)[0]
+    return linear_many(x_TI, (w_LOI,), (b_O,), layer, kernels=kernels)[0]
 
 
-def linear_many(x_TI, ws_LOI, bs_O, layer, *, impl: str = "reference"):
+def linear_many(x_TI, ws_LOI, bs_O, layer, *, kernels: KernelConfig):
     """`linear` of the same x by several weights (q, k, v) -> a tuple: `linear_partials` summed with the biases."""
-    parts = linear_partials(x_TI, ws_LOI, layer, impl=impl)
+    parts = linear_partials(x_TI, ws_LOI, layer, kernels=kernels)
     return tuple(jnp.sum(y, axis=0) + b.astype(jnp.float32) for y, b in zip(parts, bs_O))
 
 
-def linear_partials(x_TI, ws_LOI, layer, *, impl: str = "reference"):
+def linear_partials(x_TI, ws_LOI, layer, *, kernels: KernelConfig):
     """`x @ w[layer].T` for each weight, as fp32 partial sums `[splits, T, O]` whose sum (plus the bias) the
-    consumer fuses. On Hopper from `linear_mosaic.MIN_ROWS` to 256 rows the Mosaic kernel runs all weights in
-    one launch (one split: it accumulates in place). Elsewhere the Triton kernel: up to `FUSE_ROWS` rows in one
-    launch (small weights cost launch latency, not bytes), up to `MAX_ROWS` one launch each; beyond, XLA's GEMM
-    amortises its copy of the layer slice."""
+    consumer fuses: the Mosaic kernel (one launch for all weights, one split: it accumulates in place), the
+    Triton GEMV (all weights in one launch, or one launch each), or XLA's GEMM (`choice.choose`)."""
     T, I = x_TI.shape
-    if (check_impl(impl) == "pallas" and linear_mosaic.available() and T >= linear_mosaic.MIN_ROWS
-            and linear_mosaic.fits(T, I, ws_LOI[0].dtype)):
-        cfg = linear_mosaic.config(T, I, [w.shape[1] for w in ws_LOI])
+    c = _choose("projection", T, (I, *(w.shape[1] for w in ws_LOI)), ws_LOI[0].dtype, kernels)
+    if c.kernel == "mosaic":
         zeros = tuple(jnp.zeros(w.shape[1], jnp.float32) for w in ws_LOI)
-        return tuple(y[None] for y in linear_mosaic.linear_many(x_TI, tuple(ws_LOI), zeros, layer, **cfg))
-    if impl == "pallas" and T <= linear_decode.MAX_ROWS:
-        if T <= linear_decode.FUSE_ROWS:
-            return linear_decode.partial_sums(x_TI, tuple(ws_LOI), layer)
-        return tuple(linear_decode.partial_sums(x_TI, (w,), layer)[0] for w in ws_LOI)
+        return tuple(y[None] for y in linear_mosaic.linear_many(x_TI, tuple(ws_LOI), zeros, layer, **c.kw))
+    if c.kernel == "gemv":
+        launch = c.kw
+        if launch.pop("fuse"):
+            return linear_decode.partial_sums(x_TI, tuple(ws_LOI), layer, **launch)
+        return tuple(linear_decode.partial_sums(x_TI, (w,), layer, **launch)[0] for w in ws_LOI)
     return tuple(linear_decode.reference(x_TI, w, jnp.zeros(w.shape[1], jnp.float32), layer)[None] for w in ws_LOI)
 
 
+# ---- mixture of experts ------------------------------------------------------------------------------------------
+
+# Each kernel module's `experts` keeps one contract: routing given, `layer` indexing stacked experts in place,
+# pairs outside `valid_TK` skipped.
+_EXPERTS = {
+    "gemv16": functools.partial(moe_gemv.experts, half=True),
+    "gemv": functools.partial(moe_gemv.experts, half=False),
+    "mma": moe_mma.experts,
+    "mosaic": moe_mosaic.experts,
+    "dense": moe_dense.experts,
+    "grouped": moe_dense.experts_grouped,
+}
+
+
+def _moe_shape(experts_all, top_k: int) -> tuple[int, int, int, int]:
+    """(hidden, intermediate, experts, top-k) of either expert layout, stacked over layers or not."""
+    if isinstance(experts_all, KernelExperts):
+        E, _, I, _ = experts_all.gu_words.shape[-4:]
+        return experts_all.dn_words.shape[-2], I, E, top_k
+    E, I2, G, _ = experts_all.gate_up_blocks.shape[-4:]
+    return 32 * G, I2 // 2, E, top_k
+
+
 def experts(x_TD, idx_TK, w_TK, experts_all, layer, valid_TK=None, *, swiglu_limit, swiglu_alpha,
-            impl: str = "reference"):
-    """`sum_k w[t, k] * expert_{idx[t, k]}(x[t])` in fp32 for given routing, with the stacked experts and
-    `layer` as in `moe`, and the kernel configuration `moe` would pick for that many tokens. Pairs outside
-    `valid_TK` (bool) must carry weight 0; the kernels skip them (the reference computes them)."""
+            kernels: KernelConfig):
+    """`sum_k w[t, k] * expert_{idx[t, k]}(x[t])` in fp32 for given routing, with the stacked experts and `layer`
+    as in `moe`, by the kernel `choice.choose` picks for that many tokens. Pairs outside `valid_TK` (bool) must
+    carry weight 0; the kernels skip them (the reference computes them)."""
     kw = dict(swiglu_limit=float(swiglu_limit), swiglu_alpha=float(swiglu_alpha))
-    if check_impl(impl) == "reference":
+    if _resolved(kernels).impl == "reference":
         one = jax.tree.map(lambda a: a[layer], experts_all)
         return moe_reference.apply_experts(x_TD, idx_TK, w_TK, one, **kw)
-    return moe_prefill.experts(x_TD, idx_TK, w_TK, experts_all, layer, valid_TK, **kw).astype(jnp.float32)
+    return _kernel_experts(x_TD, idx_TK, w_TK, experts_all, layer, valid_TK, kernels=kernels, **kw).astype(jnp.float32)
 
 
-def moe(x_TD, router_w_ED, router_b_E, experts, *, top_k, swiglu_limit, swiglu_alpha, layer=None,
-        impl: str = "reference"):
-    """Top-k MXFP4 experts; `experts` is `params.Experts` (reference) or `KernelExperts` (pallas), of one
-    layer, or of all layers stacked with `layer` (traced) choosing one: the kernels then index the
-    stacked arrays directly, so no per-layer copy of the experts is made."""
+def _kernel_experts(x_TD, idx_TK, w_TK, experts_all, layer, valid_TK, *, kernels, **kw):
+    """The experts on the kernels `choice.choose` picks, in the dtype of `x_TD`."""
+    c = _choose("experts", idx_TK.shape[0], _moe_shape(experts_all, idx_TK.shape[1]), x_TD.dtype, kernels)
+    return _EXPERTS[c.kernel](x_TD, idx_TK, w_TK, experts_all, layer, valid_TK, **kw, **c.kw)
+
+
+def moe(x_TD, router_w_ED, router_b_E, experts_all, *, top_k, swiglu_limit, swiglu_alpha, layer=None,
+        kernels: KernelConfig):
+    """Top-k MXFP4 experts; `experts_all` is `params.Experts` (reference) or `KernelExperts` (kernels), of one
+    layer, or of all layers stacked with `layer` (traced) choosing one: the kernels then index the stacked
+    arrays directly, so no per-layer copy of the experts is made."""
     kw = dict(top_k=top_k, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
-    if check_impl(impl) == "pallas":
-        return moe_prefill.moe(x_TD, router_w_ED, router_b_E, experts, layer=layer, **kw)
-    if layer is not None:
-        experts = jax.tree.map(lambda a: a[layer], experts)
-    return moe_reference.moe(x_TD, router_w_ED, router_b_E, experts, **kw)
+    if _resolved(kernels).impl == "reference":
+        if layer is not None:
+            experts_all = jax.tree.map(lambda a: a[layer], experts_all)
+        return moe_reference.moe(x_TD, router_w_ED, router_b_E, experts_all, **kw)
+    idx, w, _ = moe_reference.route(x_TD, router_w_ED, router_b_E, top_k)
+    return _kernel_experts(x_TD, idx, w, experts_all, layer, None, kernels=kernels,
+                           swiglu_limit=float(swiglu_limit), swiglu_alpha=float(swiglu_alpha))
 
 
 def moe_block(x_TD, norm_LD, router_w_LED, router_b_LE, experts_all, layer, next_gains, *, eps, dtype, top_k,
-              swiglu_limit, swiglu_alpha, impl: str = "reference"):
+              swiglu_limit, swiglu_alpha, kernels: KernelConfig):
     """The MoE layer on the fp32 residual stream `x_TD` with its residual add, and the next block's norm: `rms_norm`
     with layer `layer`'s gain, `moe`, the sum with `x_TD`, and its `rms_norm` with the next gain (`next_gains` =
     (attention gains `[L, D]`, final gain `[D]`): row `layer + 1` of the first, or the second after the last
@@ -196,12 +242,13 @@ def moe_block(x_TD, norm_LD, router_w_LED, router_b_LE, experts_all, layer, next
     tokens of a bf16 model the kernels run `moe_route.moe`: its front end (norm, routing and the GEMV operand in
     one launch), the experts, and its back end (expert sum, residual add and the next norm in one launch)."""
     kw = dict(top_k=top_k, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
-    if check_impl(impl) == "pallas" and moe_route.applies(x_TD.shape[0], top_k, router_w_LED.shape[1], dtype):
+    c = _choose("moe", x_TD.shape[0], _moe_shape(experts_all, top_k), dtype, kernels)
+    if c.kernel == "route":
         return moe_route.moe(x_TD, norm_LD, router_w_LED, router_b_LE, experts_all, layer, next_gains, eps=eps,
-                             dtype=dtype, **kw)
+                             dtype=dtype, **kw, **c.kw)
     t = rms_norm(x_TD, norm_LD[layer], eps, dtype)
-    x = x_TD + moe(t, router_w_LED[layer], router_b_LE[layer], experts_all, layer=layer, impl=impl, **kw).astype(
-        jnp.float32)
+    x = x_TD + moe(t, router_w_LED[layer], router_b_LE[layer], experts_all, layer=layer, kernels=kernels,
+                   **kw).astype(jnp.float32)
     return x, rms_norm(x, next_gain(*next_gains, layer), eps, dtype)
 
 

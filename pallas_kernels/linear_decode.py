@@ -35,13 +35,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-MAX_ROWS = 64  # beyond this the weight is amortised over enough rows for XLA's GEMM
-FUSE_ROWS = 16  # up to this many rows q, k and v share a launch (pipelines of 3 branches fit shared memory)
+MAX_ROWS = 64  # the row tiles it is built and measured for; beyond, the weight is amortised enough for XLA's GEMM
 SMEM_BYTES = 200 * 1024  # of the H100/H200's 227 KiB per block, leaving room for Triton's own scratch
-# `partial_sums`' launch configuration (module constants, so `tools/ab_decode.py` sweeps them in the step).
-# H200, batch-1 decode step (docs/BENCHMARKS.md §7d): ~1,056 programs of 128-wide K steps beat 528 of 256 by
-# 2.5% (20b and 120b); 2,112 programs, K steps of 512, 16-row tiles or 8 warps were slower.
-BLOCK_N, BLOCK_K, PROGRAMS, NUM_WARPS, NUM_STAGES = 32, 128, 1056, 4, 3
 
 
 def reference(x_TI, w_LOI, b_O, layer):
@@ -90,17 +85,15 @@ def split_k(O: int, K: int, block_n: int, block_k: int, programs: int) -> tuple[
 
 @functools.partial(jax.jit, static_argnames=("block_n", "block_k", "programs", "num_warps", "num_stages",
                                              "interpret"))
-def partial_sums(x_TI, ws_LOI, layer, *, block_n=None, block_k=None, programs=None, num_warps=None,
-                 num_stages=None, interpret=None):
+def partial_sums(x_TI, ws_LOI, layer, *, block_n=32, block_k=128, programs=1056, num_warps=4, num_stages=3,
+                 interpret=None):
     """`x_TI @ w[layer].T` for each weight of `ws_LOI` (same I and dtype), in one launch, for T <= MAX_ROWS
     rows, as fp32 partial sums `[splits, T, O]` over the K splits (`split_k`, counting all weights' tiles):
-    summing them is left to the consumer, which fuses it with the bias and whatever comes next. Settings left
-    unset take the module's `BLOCK_N`, `BLOCK_K`, `PROGRAMS`, `NUM_WARPS` and `NUM_STAGES`."""
+    summing them is left to the consumer, which fuses it with the bias and whatever comes next. The launch
+    settings' defaults are `KernelConfig`'s (`linear_*`)."""
     T, K = x_TI.shape
     Os = tuple(w.shape[1] for w in ws_LOI)
     assert T <= MAX_ROWS, T
-    block_n, block_k, programs = block_n or BLOCK_N, block_k or BLOCK_K, programs or PROGRAMS
-    num_warps, num_stages = num_warps or NUM_WARPS, num_stages or NUM_STAGES
     assert all(w.shape[2] == K and w.dtype == ws_LOI[0].dtype for w in ws_LOI), [w.shape for w in ws_LOI]
     rows = max(16, pl.next_power_of_2(T))
     tiles = sum(pl.cdiv(O, block_n) for O in Os)

@@ -30,7 +30,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, memref
 
-from pallas_kernels import moe_mosaic
 from pallas_kernels.moe_mosaic import _elements
 
 ROWS = 64          # weight rows per compute warpgroup (wgmma M)
@@ -39,16 +38,11 @@ TILE_K = 64        # bf16 K step: one 128-byte swizzled row
 MAX_TOKENS = 256   # wgmma N and the TMA box limit
 EPI_TOKENS = 64    # tokens per epilogue store
 SMEM_BYTES = 200 * 1024
-MIN_ROWS = 2      # one row runs the Triton GEMV (`linear_decode`): 8 padded token rows cost it a batch-1 step
-
-
-def available() -> bool:
-    """Where `moe_mosaic` runs: Hopper, unless GPTOSS_JAX_NO_MOSAIC=1."""
-    return moe_mosaic.available()
 
 
 def fits(T: int, I: int, dtype) -> bool:
-    """Row counts up to 256, K in whole 64-element steps, 16-bit weights (wgmma's K-major operands)."""
+    """Row counts up to 256, K in whole 64-element steps, 16-bit weights (wgmma's K-major operands). Mosaic GPU runs
+    on Hopper only: `pallas_kernels.choice` decides."""
     return 0 < T <= MAX_TOKENS and I % TILE_K == 0 and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16),
                                                                           jnp.dtype(jnp.float16))
 
@@ -58,12 +52,11 @@ def padded_tokens(T: int) -> int:
     return -(-T // 8) * 8 if T <= EPI_TOKENS else -(-T // EPI_TOKENS) * EPI_TOKENS
 
 
-def config(T: int, I: int, Os, num_sms: int | None = None) -> dict:
+def config(T: int, I: int, Os, num_sms: int) -> dict:
     """K splits: the most that keep every CTA in one wave (a divisor of the K steps, so no split reads past K,
     with at least 4 steps each). A second, partial wave costs more than its parallelism gains: q/k/v at 256 rows
     took 29 us in 3 splits (120 CTAs) and 38 us in 5 (200 CTAs) (docs/BENCHMARKS.md §4f). Pipeline stages: as
     many as shared memory holds, up to 8."""
-    num_sms = num_sms or getattr(jax.devices()[0], "core_count", 132)
     nk, tiles = I // TILE_K, sum(-(-O // CTA_ROWS) for O in Os)
     divisors = [d for d in range(1, nk + 1) if nk % d == 0 and nk // d >= 4] or [1]
     splits = max([d for d in divisors if tiles * d <= num_sms] or [1])

@@ -1,7 +1,7 @@
 """Mid-batch MXFP4 mixture-of-experts on Hopper: a Mosaic GPU grouped matmul that decodes the packed experts
 straight into the wgmma A-operand registers.
 
-Backend: **Mosaic GPU** (`plgpu`), because the Pallas-Triton kernels of `moe_decode` reach the tensor cores
+Backend: **Mosaic GPU** (`plgpu`), because the Pallas-Triton kernels of `moe_mma` reach the tensor cores
 only through a register -> shared-memory layout conversion per K step and stall at ~1.1-1.7e12 weights/s
 at 8-64 rows per expert.  Here TMA streams the words, each thread decodes the words of its own A fragment
 with one inline-PTX block per f16x2 pair (E2M1 bits placed as an f16 * 2^-14, times the block scale) and
@@ -25,10 +25,10 @@ Two kernels, their epilogues in registers (`plgpu.inline_mgpu`):
   order. A CTA makes whole 16-byte runs of that operand (four tiles in one TMA pipeline), so it is staged in
   shared memory and written by one TMA store; the K padding comes out 0.
 - `down_out`: row factor, bias and routing weight in registers; f32 token rows stored for `combine`.
-XLA is left with the dispatch (`moe_decode.slots`), each token's operand row (once per token, then copied to
+XLA is left with the dispatch (`moe_slots.slots`), each token's operand row (once per token, then copied to
 its slots) and the final sum over each token's experts.
 
-Layout: (token, expert) pairs sorted by expert and cut into slots of `block_m` rows (`moe_decode.slots`);
+Layout: (token, expert) pairs sorted by expert and cut into slots of `block_m` rows (`moe_slots.slots`);
 every slot owns rows `s * block_m ...` of the operand buffers, so outputs never overlap; an empty slot's CTAs
 exit at once.
 """
@@ -36,7 +36,6 @@ exit at once.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -48,38 +47,20 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, memref, vector
 
-from pallas_kernels import moe_decode
-from pallas_kernels.moe_decode import KernelExperts
+from pallas_kernels import moe_slots
+from pallas_kernels.expert_format import KernelExperts, clamped_swiglu, decode_words, phase_order
 
-MAX_ROWS = 32     # routed rows per expert (average) up to which `moe_prefill.auto_config` picks these kernels
 TILE_N = 64       # weight rows per CTA: one warpgroup's wgmma M
 TILE_K = 512      # weights per K step: 64 words and 16 scale bytes (the least TMA moves per row) per row
 SCALE_BIAS = 30   # scale byte stored as s - rowmax + 30: an f16 exponent field (2^(s - rowmax + 15))
 
 
-def available() -> bool:
-    """Hopper only (wgmma exists on sm_90: not on Ampere, and Blackwell has tcgen05 instead), unless the
-    environment sets GPTOSS_JAX_NO_MOSAIC=1 (then the Pallas-Triton kernels run at every batch size)."""
-    dev = jax.devices()[0]
-    return (dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
-            and os.environ.get("GPTOSS_JAX_NO_MOSAIC", "0") != "1")
-
-
-def fits(kexp: KernelExperts) -> bool:
+def fits(D: int, I: int) -> bool:
     """Whether the expert shapes tile: D in 64-row down tiles, I a multiple of 64 (the gate/up kernel's
     `[2, 8, I/8, W]` view takes 32-word boxes with 16-byte strides), and K (D or I) at least one K step (TMA fills
-    the last step's words past K with zeros, but no box may exceed a dimension)."""
-    D, I = kexp.dn_words.shape[-2], kexp.gu_words.shape[-2]
+    the last step's words past K with zeros, but no box may exceed a dimension). Mosaic GPU runs on Hopper only
+    (wgmma exists on sm_90: not on Ampere, and Blackwell has tcgen05 instead): `pallas_kernels.choice` decides."""
     return D % TILE_N == 0 and I % TILE_N == 0 and min(D, I) >= TILE_K
-
-
-def config(T: int, k: int, E: int) -> dict:
-    """Rows per slot for T tokens: 16 up to 8 routed rows per expert on average, else 32 (measured per weight on
-    the H200, §2e: 3.2e12 weights/s with 8-row slots, 2.6e12 with 16, 2.4e12 with 32, 1.0e12 with 64, where
-    three pipeline stages no longer fit in shared memory). At 32 rows per expert about half the experts need
-    two 32-row slots, and the step is still faster than the Triton kernels' (20b batch 256: 16.6 vs 18.5 ms,
-    BENCHMARKS.md §4c)."""
-    return dict(kernel="mosaic", block_m=16 if T * k <= 8 * E else 32, stages=2)
 
 
 def mma_perm() -> np.ndarray:
@@ -127,7 +108,7 @@ def _padded(K: int) -> int:
 def act_positions(I: int) -> np.ndarray:
     """The down's operand column (MMA K order) of each stored gate/up row q, which holds feature
     `phase_order(I)[q]`."""
-    f = moe_decode.phase_order(I)
+    f = phase_order(I)
     return f // TILE_K * TILE_K + np.argsort(mma_perm())[f % TILE_K]
 
 
@@ -141,7 +122,7 @@ def act_exponent(swiglu_limit: float) -> int:
 # The kernel
 
 # One word + its f16x2 scale multiplier -> decoded pair j as f16x2 (low half weight j, high half j + 4):
-# the bit placement of `moe_decode._WORD_DOT_PTX`, then one multiply.
+# the bit placement of `moe_gemv._WORD_DOT_PTX`, then one multiply.
 _PAIR_PTX = [
     "and.b32 $0, $1, 0x8E008E00; mul.rn.f16x2 $0, $0, $2;",
     "{.reg .b32 t; shl.b32 t, $1, 3; and.b32 t, t, 0x8E008E00; mul.rn.f16x2 $0, t, $2;}",
@@ -428,7 +409,7 @@ def grouped_matmul_reference(words_ENW, sexp_ENQ, x16_RK, slot_ew_S, slot_es_S, 
     S, Kp = slot_rows_S.shape[0], x16_RK.shape[1]
     W = words_ENW.shape[2]
     words = jnp.pad(words_ENW[slot_ew_S], ((0, 0), (0, 0), (0, Kp // 8 - W)))        # [S, N, Kp/8]
-    vals = jnp.stack(moe_decode._decode_words(words), axis=-1)                        # [S, N, Kp/8, 8]
+    vals = jnp.stack(decode_words(words), axis=-1)                        # [S, N, Kp/8, 8]
     sbytes = jax.lax.bitcast_convert_type(sexp_ENQ[slot_es_S], jnp.uint8).reshape(*words.shape[:2], -1)
     mult = jnp.where(sbytes > 0, jnp.exp2(sbytes.astype(jnp.float32) - 15), 0.0)     # [S, N, Kp/32]
     a = (vals * jnp.repeat(mult, 4, axis=-1)[..., None]).astype(jnp.float16).astype(jnp.float32)
@@ -446,7 +427,7 @@ def gate_up_act_reference(words_ENW, sexp_ENQ, rowfac_EN, bias_EN, x16_RK, tok_f
     acc = grouped_matmul_reference(words_ENW, sexp_ENQ, x16_RK, slot_ew_S, slot_es_S, slot_rows_S,
                                    block_m=block_m, stages=stages)                    # [S, 2I, bm]
     h = acc * rowfac_EN[slot_es_S][:, :, None] * tok_fac_R.reshape(S, 1, block_m) + bias_EN[slot_ew_S % E][..., None]
-    act = moe_decode._swiglu(h[:, :I], h[:, I:], swiglu_limit, swiglu_alpha) * act_scale
+    act = clamped_swiglu(h[:, :I], h[:, I:], swiglu_limit, swiglu_alpha) * act_scale
     rows = jnp.swapaxes(act, 1, 2).reshape(S * block_m, I).astype(jnp.float16)
     return jnp.zeros((S * block_m, _padded(I)), jnp.float16).at[:, act_positions(I)].set(rows)
 
@@ -476,15 +457,15 @@ def slot_rows(slot_start_S, slot_rows_S, P: int, block_m: int):
 
 
 @functools.partial(jax.jit, static_argnames=("swiglu_limit", "swiglu_alpha", "block_m", "stages", "interpret"))
-def experts_forward(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, *, swiglu_limit,
-                    swiglu_alpha, block_m=16, stages=2, interpret=None):
-    """`moe_decode.experts_forward`'s contract (sum over the routed experts, `[T, D]`) on the Mosaic kernels;
+def experts(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, *, swiglu_limit, swiglu_alpha,
+            block_m=16, stages=2, interpret=None):
+    """`moe_gemv.experts`'s contract (sum over the routed experts, `[T, D]`) on the Mosaic kernels;
     `interpret` (default: off the GPU) runs the kernels' jnp references instead."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    if not fits(kexp):
+    if not fits(kexp.dn_words.shape[-2], kexp.gu_words.shape[-2]):
         raise ValueError(f"moe_mosaic: experts with D={kexp.dn_words.shape[-2]}, I={kexp.gu_words.shape[-2]} do "
-                         f"not tile (D and I multiples of {TILE_N}, both >= {TILE_K}); use moe_decode")
+                         f"not tile (D and I multiples of {TILE_N}, both >= {TILE_K}); use moe_mma")
     if not 0 < swiglu_limit < 2 ** 6:
         raise ValueError(f"moe_mosaic: swiglu_limit={swiglu_limit} must be in (0, 64): it bounds the f16 activation")
     gate_up, down = (gate_up_act_reference, down_out_reference) if interpret else (gate_up_act, down_out)
@@ -492,7 +473,7 @@ def experts_forward(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_T
     P = T * k
     E, _, I, W = kexp.gu_words.shape[-4:]
     D = x_TD.shape[1]
-    tok, w_sorted, order, slot_e, slot_start, rows = moe_decode.slots(idx_TK, w_TK, valid_TK, E, block_m)
+    tok, w_sorted, order, slot_e, slot_start, rows = moe_slots.slots(idx_TK, w_TK, valid_TK, E, block_m)
     held, where = slot_rows(slot_start, rows, P, block_m)
     one = lambda a: a if layer is None else a[layer]  # this layer's small per-expert tables
     gu_words = kexp.gu_words.reshape(-1, 2 * I, W)  # [L E, 2I, D/8]: gate rows, then up rows
@@ -525,4 +506,4 @@ def experts_forward(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_T
     # down, biases and routing weights: token rows [S bm, D]
     y = down(dn_words, dn_sexp, dn_rowfac, dn_bias, a16, jnp.append(w_sorted, 0.0)[row_pair], ew, es, rows,
              act_fac=2.0 ** -a_exp, **kern)
-    return moe_decode.combine(y[where], order, valid_TK, T, k, x_TD.dtype)
+    return moe_slots.combine(y[where], order, valid_TK, T, k, x_TD.dtype)

@@ -1,25 +1,25 @@
 """The decode MoE's front and back ends, one Pallas-Triton kernel each. `front`: RMSNorm, router logits, and the
-half-precision activation words that `moe_decode`'s `gemv16` expert kernels read. `back`: the experts' sum, the
+half-precision activation words that `moe_gemv`'s half-precision expert kernels read. `back`: the experts' sum, the
 residual add and the next block's RMSNorm.
 
 Why: at a few tokens per step each of these steps moves kilobytes, yet as XLA fusions they were nine launches
 per layer (norm reduction, router dot, bias, top-k sort, softmax, the layer's expert offset, frexp, f16
 packing, index iotas) of 1-2.4 us each: ~13 us of a 20b layer's ~110 us at batch 1 on an H200
 (docs/BENCHMARKS.md §7b). Here they are one launch; top-k and softmax run in the `gemv16` gate/up kernel, which
-routes each pair from the `[T, E]` logits (`moe_decode._routed_pair`) and hands it to the down kernel.
+routes each pair from the `[T, E]` logits (`moe_gemv._routed_pair`) and hands it to the down kernel.
 
 Backend: Pallas-Triton, like the `gemv16` kernels that consume its output: per-element bit work (the exponent
 of the row's largest value, f16 pairs packed into words), small reductions and gathers; and CPU interpret
 mode runs this exact kernel in CI.
 
-Grid (token, group of `EXPERTS_PER_PROGRAM` experts). A program loads its token's whole row and gain, its
+Grid (token, group of `experts_per_program` experts). A program loads its token's whole row and gain, its
 experts' router rows and biases at once (none of these addresses depends on a loaded value, so the program
 waits for one memory round trip: a first version that looped over the row in one program per token spent
 ~14 us a layer in that loop's latency), then:
 - t = bf16((x * r) * gain) with r the RMS factor, as `rms_norm` rounds it; its f32 dot with the experts' rows;
 - e, the frexp exponent of the row's largest |t| (from its f32 bits), and its share of the words: t at
   phase positions 8m + j and 8m + j + 4 (j < 4), re-read at those positions from L1/L2, times 2^(14 - e),
-  packed as f16 pairs, exactly `moe_decode.half_pairs`.
+  packed as f16 pairs, exactly `moe_gemv.half_pairs`.
 
 `back` is the same idea after the experts: one program per token loads its k expert rows, residual row and gain
 at once and writes the new residual row and its norm, where XLA ran three kernels (the expert sum with the
@@ -38,26 +38,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels import moe_gemv
+from pallas_kernels.expert_format import KernelExperts, flatten_layers
 from pallas_kernels.norm import rms_norm
-from pallas_kernels import moe_decode
-
-# Tokens per step up to which `applies`. H200, docs/BENCHMARKS.md §7b: the step is 12-14% faster at 1 token and
-# 8-9% at 4; at 16, where each of the ~10^4 GEMV programs routes its pair, it is 0-4% slower.
-MAX_TOKENS = 4
-
-
-def applies(T: int, k: int, E: int, dtype) -> bool:
-    """Whether the fused front end serves this step: bf16 models in the `gemv16` regime (`decode_config`),
-    at most `MAX_TOKENS` tokens."""
-    return dtype != jnp.float32 and T <= MAX_TOKENS and T * k <= 2 * E
-
 
 def reference(x_TD, gain_LD, router_w_LED, router_b_LE, layer, *, eps: float, dtype):
     """What the kernel computes, with the model's own functions: the router logits `[T, E]` f32 (bias
-    included) and `moe_decode.half_pairs` of the normed rows (words `[T, 4, D/32, 4]` u32, factors `[T]` f32)."""
+    included) and `moe_gemv.half_pairs` of the normed rows (words `[T, 4, D/32, 4]` u32, factors `[T]` f32)."""
     t = rms_norm(x_TD, gain_LD[layer], eps, dtype)
     logits = jnp.einsum("td,ed->te", t, router_w_LED[layer], preferred_element_type=jnp.float32)
-    return (logits + router_b_LE[layer].astype(jnp.float32), *moe_decode.half_pairs(t))
+    return (logits + router_b_LE[layer].astype(jnp.float32), *moe_gemv.half_pairs(t))
 
 
 def _pow2(n: int) -> int:
@@ -109,21 +99,19 @@ def _kernel(layer_ref, x_ref, g_ref, rw_ref, rb_ref, logits_ref, words_ref, xs_r
     plt.store(words_ref.at[t, pl.ds(0, 4), pl.ds(s * mb, mb)], half(0) | (half(4) << 16), mask=in_row)
 
 
-EXPERTS_PER_PROGRAM = 4
-
-
-@functools.partial(jax.jit, static_argnames=("eps", "dtype", "interpret"))
-def front(x_TD, gain_LD, router_w_LED, router_b_LE, layer, *, eps: float, dtype, interpret=None):
+@functools.partial(jax.jit, static_argnames=("eps", "dtype", "experts_per_program", "interpret"))
+def front(x_TD, gain_LD, router_w_LED, router_b_LE, layer, *, eps: float, dtype, experts_per_program: int = 4,
+          interpret=None):
     """`reference`'s outputs from one launch: grid (tokens, expert groups); each program norms its token's row
-    (all of it: the norm and the row's largest value need it), dots it with `EXPERTS_PER_PROGRAM` router rows
+    (all of it: the norm and the row's largest value need it), dots it with `experts_per_program` router rows
     and packs its share of the words. `layer` may be traced."""
     T, D = x_TD.shape
     E = router_w_LED.shape[1]
-    groups = pl.cdiv(E, EXPERTS_PER_PROGRAM)
+    groups = pl.cdiv(E, experts_per_program)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     logits, words, xs = pl.pallas_call(
-        functools.partial(_kernel, D=D, E=E, eb=EXPERTS_PER_PROGRAM, mb=_pow2(pl.cdiv(D // 8, groups)),
+        functools.partial(_kernel, D=D, E=E, eb=experts_per_program, mb=_pow2(pl.cdiv(D // 8, groups)),
                           eps=float(eps), dtype=jnp.dtype(dtype)),
         grid=(T, groups), name="moe_route",
         out_shape=(jax.ShapeDtypeStruct((T, E), jnp.float32), jax.ShapeDtypeStruct((T, 4, D // 8), jnp.uint32),
@@ -131,10 +119,6 @@ def front(x_TD, gain_LD, router_w_LED, router_b_LE, layer, *, eps: float, dtype,
         compiler_params=plt.CompilerParams(num_warps=8, num_stages=1), interpret=interpret,
     )(jnp.asarray(layer, jnp.int32).reshape(1), x_TD.astype(jnp.float32), gain_LD, router_w_LED, router_b_LE)
     return logits, words.reshape(T, 4, D // 32, 4), xs
-
-
-# `back`'s warps: 4 and 8 time the same in the 20b and 120b decode steps (docs/BENCHMARKS.md §7f).
-BACK_WARPS = 8
 
 
 def _back_kernel(layer_ref, y_ref, x_ref, an_ref, fn_ref, xo_ref, to_ref, *, k: int, eps: float):
@@ -152,14 +136,14 @@ def _back_kernel(layer_ref, y_ref, x_ref, an_ref, fn_ref, xo_ref, to_ref, *, k: 
     y = ys[0]
     for v in ys[1:]:
         y = y + v
-    x = x + y.astype(to_ref.dtype).astype(f32)  # the experts' sum in the model dtype, as `moe_decode.combine`
+    x = x + y.astype(to_ref.dtype).astype(f32)  # the experts' sum in the model dtype, as `moe_slots.combine`
     plt.store(xo_ref.at[t, cols], x, mask=ok)
     r = jax.lax.rsqrt(jnp.sum(x * x) / D + eps)
     plt.store(to_ref.at[t, cols], ((x * r) * g).astype(to_ref.dtype), mask=ok)  # `rms_norm`'s rounding
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "eps", "dtype", "interpret"))
-def back(y_PD, x_TD, next_gains, layer, *, top_k: int, eps: float, dtype, interpret=None):
+@functools.partial(jax.jit, static_argnames=("top_k", "eps", "dtype", "num_warps", "interpret"))
+def back(y_PD, x_TD, next_gains, layer, *, top_k: int, eps: float, dtype, num_warps: int = 8, interpret=None):
     """The decode MoE's back end in one launch, one program per token: the sum of its `top_k` expert rows of
     `y_PD` (pairs in token order) in `dtype`, added to the residual row `x_TD`, and that row's `rms_norm` with the
     next block's gain (`next_gains` = (attention gains `[L, D]`, final gain `[D]`): row `layer + 1` of the first,
@@ -171,22 +155,23 @@ def back(y_PD, x_TD, next_gains, layer, *, top_k: int, eps: float, dtype, interp
     return pl.pallas_call(
         functools.partial(_back_kernel, k=top_k, eps=float(eps)), grid=(T,), name="moe_residual_norm",
         out_shape=(jax.ShapeDtypeStruct((T, D), jnp.float32), jax.ShapeDtypeStruct((T, D), dtype)),
-        compiler_params=plt.CompilerParams(num_warps=BACK_WARPS, num_stages=1), interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1), interpret=interpret,
     )(jnp.asarray(layer, jnp.int32).reshape(1), y_PD, x_TD.astype(jnp.float32), *next_gains)
 
 
-def moe(x_TD, gain_LD, router_w_LED, router_b_LE, kexp_all: moe_decode.KernelExperts, layer, next_gains, *,
-        top_k: int, eps: float, dtype, swiglu_limit, swiglu_alpha, interpret=None):
+def moe(x_TD, gain_LD, router_w_LED, router_b_LE, kexp_all: KernelExperts, layer, next_gains, *, top_k: int,
+        eps: float, dtype, swiglu_limit, swiglu_alpha, experts_per_program: int, back_warps: int, gemv: dict,
+        interpret=None):
     """The decode MoE block on the fp32 residual stream `x_TD`, with its residual add and the next block's norm:
-    `front`, then the two `gemv16` kernels on the layer-stacked experts (the gate/up programs route their
-    (token, expert) pairs from the logits: top-k and softmax in-kernel), then `back`.
+    `front`, then the two half-precision GEMV kernels on the layer-stacked experts (`moe_gemv.run_routed` with the
+    `gemv` launch settings: the gate/up programs route their (token, expert) pairs from the logits, top-k and
+    softmax in-kernel), then `back`.
     Returns (x + moe(x) `[T, D]` f32, its `rms_norm` with the next gain in `dtype`), as
     `pallas_kernels.moe_block` computes them."""
-    T, E = x_TD.shape[0], router_w_LED.shape[1]
     logits, words, xs = front(x_TD, gain_LD, router_w_LED, router_b_LE, layer, eps=eps, dtype=dtype,
-                              interpret=interpret)
-    kexp = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), kexp_all)  # one flat expert axis: a free view
-    y = moe_decode.run_routed(words, xs, logits, layer, kexp, top_k=top_k, swiglu_limit=float(swiglu_limit),
-                              swiglu_alpha=float(swiglu_alpha), interpret=interpret,
-                              **moe_decode.decode_config(T, top_k, E, half=True))
-    return back(y, x_TD, next_gains, layer, top_k=top_k, eps=eps, dtype=dtype, interpret=interpret)
+                              experts_per_program=experts_per_program, interpret=interpret)
+    y = moe_gemv.run_routed(words, xs, logits, layer, flatten_layers(kexp_all), top_k=top_k,
+                            swiglu_limit=float(swiglu_limit), swiglu_alpha=float(swiglu_alpha), interpret=interpret,
+                            **gemv)
+    return back(y, x_TD, next_gains, layer, top_k=top_k, eps=eps, dtype=dtype, num_warps=back_warps,
+                interpret=interpret)

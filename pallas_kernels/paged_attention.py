@@ -33,11 +33,6 @@ from pallas_kernels import rope
 from pallas_kernels import attention_reference
 
 NEG = -1e30
-NEW_TOKEN_ROWS = 256  # `attention_new_token` up to this many rows (one token each)
-MAX_SPLITS = 32  # sequence splits per (row, KV head), at most
-# Launch settings (module constants, so `tools/ab_decode.py` sweeps them in the step): keys per block, Triton
-# pipeline stages, and the programs `default_splits` aims at (~8 per SM on 132 SMs).
-BLOCK_KV, NUM_STAGES, SPLIT_PROGRAMS = 64, 3, 1024
 
 
 def _attend(q, m, l, acc, lo, hi, b, kh, sp, bt_ref, k_ref, v_ref, *, page_size, pages_per_block, num_splits,
@@ -89,10 +84,13 @@ def _kernel(bt_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, **
     l_ref[b, kh, sp, :] = l
 
 
-def default_splits(B: int, K: int, max_pages: int, page_size: int, block_kv: int) -> int:
+def default_splits(B: int, K: int, max_pages: int, page_size: int, block_kv: int, split_programs: int,
+                   max_splits: int) -> int:
+    """Sequence splits per (row, KV head): about `split_programs` programs in all, at most `max_splits`, and at
+    least two key blocks per split."""
     max_blocks = max(1, (max_pages * page_size) // block_kv)
-    want = max(1, SPLIT_PROGRAMS // (B * K))
-    return int(max(1, min(want, max_blocks // 2, MAX_SPLITS)))
+    want = max(1, split_programs // (B * K))
+    return int(max(1, min(want, max_blocks // 2, max_splits)))
 
 
 def _new_token_kernel(bt_ref, pos_ref, wpage_ref, wslot_ref, at_ref, qp_ref, kp_ref, vp_ref, qb_ref, kb_ref,
@@ -203,13 +201,12 @@ def new_token_reference(qkv_parts, qkv_bias_LO, layer, cos_BF, sin_BF, k_pages_P
     return out, kp, vp
 
 
-def _geometry(B, N, S, K, M, block_kv, num_splits):
+def _geometry(B, N, S, K, M, block_kv, num_splits, split_programs, max_splits):
     """(G, gp, pages per block, splits) of a launch."""
-    block_kv = block_kv or BLOCK_KV
     G = N // K
     gp = max(16, 1 << (G - 1).bit_length())
     ppb = max(1, block_kv // S)
-    return G, gp, ppb, num_splits or default_splits(B, K, M, S, ppb * S)
+    return G, gp, ppb, num_splits or default_splits(B, K, M, S, ppb * S, split_programs, max_splits)
 
 
 def _combine(o, m, l, sinks_N, G, dtype):
@@ -230,11 +227,14 @@ def _partials_shapes(B, K, ns, gp, H):
             jax.ShapeDtypeStruct((B, K, ns, gp), jnp.float32))
 
 
-@functools.partial(jax.jit, static_argnames=("window", "null_page", "block_kv", "num_splits", "num_warps",
-                                             "num_stages", "interpret"))
+_LAUNCH = ("block_kv", "num_splits", "split_programs", "max_splits", "num_warps", "num_stages", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=("window", "null_page") + _LAUNCH)
 def attention_new_token(qkv_parts, qkv_bias_LO, layer, cos_BF, sin_BF, k_pages_PSKH, v_pages_PSKH, block_tables_BM,
                         page_offset, q_pos_B, write_page_B, write_slot_B, sinks_LN, window, done_BK=None, *,
-                        null_page=0, block_kv=None, num_splits=None, num_warps=4, num_stages=None, interpret=None):
+                        null_page=0, block_kv=64, num_splits=None, split_programs=1024, max_splits=32, num_warps=4,
+                        num_stages=3, interpret=None):
     """One new token per row, from the split-K partial sums of its q, k and v projections
     (`linear_decode.partial_sums`, each `[splits, B, heads * H]`), their biases and the sinks (layer `layer`
     of `qkv_bias_LO` and `sinks_LN`, stacked over layers: no per-layer slice) to its attention output
@@ -245,7 +245,8 @@ def attention_new_token(qkv_parts, qkv_bias_LO, layer, cos_BF, sin_BF, k_pages_P
     as is `write_page_B` (`null_page` = no write); `write_slot_B` is the slot in the page.
     `done_BK` (int32 `[B, K]`, all 0; updated in place when donated) counts finished splits, and every launch
     leaves it at 0: a decode step threads one through all its layers, where a fresh one each layer would cost a
-    memset kernel on the critical path. None: a fresh one. Returns (out, k pages, v pages, done_BK).
+    memset kernel on the critical path. None: a fresh one. Returns (out, k pages, v pages, done_BK). `num_splits`
+    None: `default_splits`. The launch settings' defaults are `KernelConfig`'s (`attention_*`).
 
     The same function as `new_token_reference`, except that null-page writes are skipped."""
     q_parts, k_parts, v_parts = qkv_parts
@@ -253,7 +254,7 @@ def attention_new_token(qkv_parts, qkv_bias_LO, layer, cos_BF, sin_BF, k_pages_P
     P, S, K, H = k_pages_PSKH.shape
     N = q_parts.shape[2] // H
     M = block_tables_BM.shape[1]
-    G, gp, ppb, ns = _geometry(B, N, S, K, M, block_kv, num_splits)
+    G, gp, ppb, ns = _geometry(B, N, S, K, M, block_kv, num_splits, split_programs, max_splits)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
@@ -269,24 +270,23 @@ def attention_new_token(qkv_parts, qkv_bias_LO, layer, cos_BF, sin_BF, k_pages_P
         out_shape=(*_partials_shapes(B, K, 1 << (ns - 1).bit_length(), gp, H), jax.ShapeDtypeStruct((B, N, H), dtype),
                    *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in flat), jax.ShapeDtypeStruct((B, K), jnp.int32)),
         input_output_aliases={14: 4, 15: 5, 16: 6},
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages or NUM_STAGES),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="paged_decode_attention_new_token",
     )(i32(block_tables_BM), i32(q_pos_B), i32(write_page_B), i32(write_slot_B), i32(jnp.stack([page_offset, layer])),
       q_parts, k_parts, v_parts, *qkv_bias_LO, sinks_LN, cos_BF, sin_BF, *flat, done_BK)
     return out.reshape(B, 1, N, H), k_flat.reshape(k_pages_PSKH.shape), v_flat.reshape(v_pages_PSKH.shape), done_BK
 
 
-@functools.partial(jax.jit, static_argnames=("window", "block_kv", "num_splits", "num_warps",
-                                             "num_stages", "interpret"))
-def attention(q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sinks_N, window, *,
-              block_kv=None, num_splits=None, num_warps=4, num_stages=None, interpret=None):
+@functools.partial(jax.jit, static_argnames=("window",) + _LAUNCH)
+def attention(q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sinks_N, window, *, block_kv=64,
+              num_splits=None, split_programs=1024, max_splits=32, num_warps=4, num_stages=3, interpret=None):
     """Paged decode attention (T = 1); same function as `attention_reference.attention`."""
     B, T, N, H = q_BTNH.shape
     if T != 1:
         raise ValueError("paged_attention.attention is the decode kernel (T = 1)")
     P, S, K, _ = k_pages_PSKH.shape
     M = block_tables_BM.shape[1]
-    G, gp, ppb, ns = _geometry(B, N, S, K, M, block_kv, num_splits)
+    G, gp, ppb, ns = _geometry(B, N, S, K, M, block_kv, num_splits, split_programs, max_splits)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
 
@@ -303,7 +303,7 @@ def attention(q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sin
                           scale=H ** -0.5),
         grid=(B, K, ns),
         out_shape=_partials_shapes(B, K, ns, gp, H),
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages or NUM_STAGES),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="paged_decode_attention",
     )(block_tables_BM.astype(jnp.int32), lo, hi, q, k_flat, v_flat)
     return _combine(o, m, l, sinks_N, G, q_BTNH.dtype)

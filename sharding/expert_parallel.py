@@ -13,7 +13,7 @@ When tokens are replicated over `model` (after tensor-parallel attention, low la
 to move: every device applies its local experts to the local pairs and an all-reduce sums them, for
 both settings. No collective uses NVLink multicast.
 
-The local experts run through `pallas_kernels.experts` (`impl`: the Pallas MoE kernels or the
+The local experts run through `pallas_kernels.experts` (`kernels`: which MoE kernels, or the
 reference), reading the stacked `[L, E/model, ...]` shard at the traced `layer` in place. Expert
 counts that do not divide the axis are padded with zero experts the router never selects (router
 weights are not padded, so their ids never appear).
@@ -38,7 +38,7 @@ def padded_count(num_experts: int, model_size: int) -> int:
 
 def pad_experts(experts, model_size: int, axis: int = 1):
     """Append zero experts along `axis` (1 for stacked layers) up to a multiple of `model_size`. Works for
-    either expert layout (`params.Experts`, `moe_decode.KernelExperts`): a zero expert is zero in both."""
+    either expert layout (`params.Experts`, `expert_format.KernelExperts`): a zero expert is zero in both."""
     E = jax.tree.leaves(experts)[0].shape[axis]
     extra = padded_count(E, model_size) - E
     if extra == 0:
@@ -61,15 +61,15 @@ def mask_pairs(local_TK, mine_TK, w_TK):
 
 
 def moe(x_TD: jax.Array, router_w_ED: jax.Array, router_b_E: jax.Array, experts_all, layer, *, top_k: int,
-        swiglu_limit: float, swiglu_alpha: float, layout, impl: str = "reference") -> jax.Array:
+        swiglu_limit: float, swiglu_alpha: float, layout, kernels: pallas_kernels.KernelConfig = pallas_kernels.REFERENCE) -> jax.Array:
     """The MoE block with experts split over the layout's `model` axis; tokens `x_TD` split over the ranks
     as `layout.batch_spec()` says. `experts_all` is stacked over layers (`[L, E_padded, ...]`, in the
-    layout `impl` reads), expert axis split over `model`; `layer` (traced) picks the layer."""
+    layout `kernels` read), expert axis split over `model`; `layer` (traced) picks the layer."""
     token_axes = layout.batch_spec()[0]
     split = "model" in (token_axes if isinstance(token_axes, tuple) else (token_axes,))
     emulate = not ragged.native(layout.mesh)
     apply = functools.partial(pallas_kernels.experts, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha,
-                              impl=impl)
+                              kernels=kernels)
 
     def local(x, rw, rb, ex, layer):
         idx, w, _ = moe_reference.route(x, rw, rb, top_k)

@@ -26,15 +26,18 @@ def heads_axis(layout, num_kv_heads: int) -> str | None:
     return layout.rules(num_kv_heads).get("kv_heads")
 
 
-def attention(layout, block, num_kv_heads: int, inspect: bool):
-    """`block(stacked, per_layer, layer, x_BTD, cos, sin, k_all, v_all, idx, table_BM, page_BT, slot_BT,
-    pos_BT) -> (y_BTD, k_all, v_all[, sink_BTN])` run per device; `stacked` and `per_layer` are dicts
-    keyed by `STACKED` / `PER_LAYER` `params.Layers` fields."""
+def attention(layout, block, num_kv_heads: int, in_kinds: tuple, out_kinds):
+    """`block(stacked, per_layer, *args)` run per device. `stacked` and `per_layer` are dicts keyed by `STACKED` /
+    `PER_LAYER` `params.Layers` fields, split by the table. `in_kinds` (one per arg) and `out_kinds` are pytrees of
+    the args' and the outputs' structure whose leaves say how each array is split: "rows" (leading batch axis, over
+    the attention ranks), "pool" (the KV pools), "heads" (`[B, T, heads]`, heads as the weights split them), or
+    "same" (replicated)."""
     axes = params_lib.logical_axes().layers
-    spec = lambda logical: layout.spec(logical, num_kv_heads)
+    spec = lambda logical: layout.spec(logical, num_kv_heads)  # noqa: E731
     stacked = {n: spec(getattr(axes, n)) for n in STACKED}
     per_layer = {n: spec(getattr(axes, n)[1:]) for n in PER_LAYER}
     rows, pool = layout.batch_spec(), layout.cache_sharding(num_kv_heads).spec
-    in_specs = (stacked, per_layer, P(), rows, rows, rows, pool, pool, P(), rows, rows, rows, rows)
-    out_specs = (rows, pool, pool) + ((P(rows[0], None, heads_axis(layout, num_kv_heads)),) if inspect else ())
-    return jax.shard_map(block, mesh=layout.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    kinds = {"rows": rows, "pool": pool, "heads": P(rows[0], None, heads_axis(layout, num_kv_heads)), "same": P()}
+    specs = lambda tree: jax.tree.map(kinds.__getitem__, tree)  # noqa: E731
+    return jax.shard_map(block, mesh=layout.mesh, in_specs=(stacked, per_layer, *specs(in_kinds)),
+                         out_specs=specs(out_kinds), check_vma=False)

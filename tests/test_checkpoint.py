@@ -9,7 +9,7 @@ import pytest
 import pallas_kernels
 from gptoss_jax import checkpoint, random_weights, safetensors_io
 from pallas_kernels import params as params_lib
-from pallas_kernels import moe_decode
+from pallas_kernels import KernelConfig, expert_format
 from gptoss_jax.checkpoint import CheckpointError
 from parity_configs import PARITY
 
@@ -60,10 +60,10 @@ def test_kernel_layout_loads_tensor_by_tensor(small_checkpoint, tmp_path):
     """`impl="pallas"` relayouts each expert tensor as it loads: the same arrays as relayouting the
     loaded checkpoint afterwards, in both checkpoint layouts, and the orbax cache keys on the layout."""
     _, ref = checkpoint.load_params(small_checkpoint, jnp.float32, progress=False)
-    want = pallas_kernels.prepare_params(ref, "pallas")
-    assert isinstance(want.layers.experts, moe_decode.KernelExperts)
-    _leaves_equal(want.layers.experts, moe_decode.prepare_experts(ref.layers.experts))
-    assert pallas_kernels.prepare_params(want, "pallas") is want  # already in kernel layout
+    want = pallas_kernels.prepare_params(ref, KernelConfig(impl="pallas"))
+    assert isinstance(want.layers.experts, expert_format.KernelExperts)
+    _leaves_equal(want.layers.experts, expert_format.prepare_experts(ref.layers.experts))
+    assert pallas_kernels.prepare_params(want, KernelConfig(impl="pallas")) is want  # already in kernel layout
     # uncommitted like the rest: a committed parameter makes each warmed-up step compile again at its first call
     assert not any(a.committed for a in jax.tree.leaves(want))
     _, direct = checkpoint.load_params(small_checkpoint, jnp.float32, impl="pallas", progress=False)

@@ -9,7 +9,7 @@ import pytest
 
 from gptoss_jax import config, model
 from gptoss_jax.random_weights import random_params
-from pallas_kernels import attention_reference, flash_attention, paged_attention
+from pallas_kernels import KernelConfig, attention_reference, flash_attention, paged_attention
 
 FULL = 2**31 - 1
 
@@ -126,7 +126,7 @@ def test_decode_step_takes_the_new_token_kernel_and_matches_reference(monkeypatc
     the hidden states and every written cache slot match the reference path's from the same cache."""
     cfg = config.from_hf_dict(json.loads((Path(__file__).parent / "tiny_config.json").read_text()))
     ref_params = random_params(cfg, seed=3)
-    kern_params = random_params(cfg, seed=3, impl="pallas")
+    kern_params = random_params(cfg, seed=3, kernels=KernelConfig(impl="pallas"))
     S, B, ctx = 4, 2, 11  # row 1 is padding
     cache = model.PagedKVCache.zeros(cfg, 9, 9, S, jnp.bfloat16)
     table = jnp.asarray([[1, 2, 3, 4, 5], [6, 7, 8, 0, 0]], jnp.int32)
@@ -134,14 +134,14 @@ def test_decode_step_takes_the_new_token_kernel_and_matches_reference(monkeypatc
     rng = np.random.default_rng(0)
     prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, size=(B, ctx)), jnp.int32)
     pos = jnp.asarray(np.stack([np.arange(ctx), np.full(ctx, -1)]), jnp.int32)
-    _, cache = model.forward(ref_params, cache, prompt, pos, tables, cfg)
+    _, cache, _ = model.forward(ref_params, cache, prompt, pos, tables, cfg)
     step = (jnp.asarray([[7], [0]], jnp.int32), jnp.asarray([[ctx], [-1]], jnp.int32), tables)
     calls = []
     spy = paged_attention.attention_new_token
     monkeypatch.setattr(paged_attention, "attention_new_token", lambda *a, **kw: calls.append(1) or spy(*a, **kw))
-    want, want_cache = model.forward(ref_params, cache, *step, cfg, impl="reference")
+    want, want_cache, _ = model.forward(ref_params, cache, *step, cfg, KernelConfig(impl="reference"))
     assert not calls
-    got, got_cache = model.forward(kern_params, cache, *step, cfg, impl="pallas")
+    got, got_cache, _ = model.forward(kern_params, cache, *step, cfg, KernelConfig(impl="pallas"))
     assert len(calls) == cfg.num_layers
     a, b = np.asarray(got[0], np.float64), np.asarray(want[0], np.float64)
     assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2

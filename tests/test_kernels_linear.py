@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import linear_decode, linear_mosaic
+from pallas_kernels.choice import H200, Device, KernelConfig
 
 
 # Triton's fp32 dot runs in TF32 on GPUs (10-bit mantissa); the CPU interpreter computes in full fp32.
@@ -90,7 +91,7 @@ def _mosaic_case(rng, T, Os, K, L):
     return x, ws, bs
 
 
-@pytest.mark.skipif(not linear_mosaic.available(), reason="the Mosaic projection kernel runs on Hopper GPUs only "
+@pytest.mark.skipif(not Device.current().hopper, reason="the Mosaic projection kernel runs on Hopper GPUs only "
                     "(Mosaic's interpreter lacks inline_mgpu and TMA reduce-add); tools/check_kernels.py runs it too")
 @pytest.mark.parametrize("T,Os,K,splits", [(2, (4096, 512, 512), 2880, None), (9, (200, 64), 640, 2),
                                            (100, (2880,), 4096, None), (256, (4096, 512, 512), 2880, 45),
@@ -102,7 +103,7 @@ def test_linear_mosaic_matches_reference(T, Os, K, splits):
     rng = np.random.default_rng(T + K)
     L = 3
     x, ws, bs = _mosaic_case(rng, T, Os, K, L)
-    cfg = linear_mosaic.config(T, K, Os)
+    cfg = linear_mosaic.config(T, K, Os, Device.current().num_sms)
     if splits:
         cfg = dict(splits=splits, stages=2)
     for layer in (L - 1, 1):
@@ -149,18 +150,16 @@ def test_linear_many_dispatch_on_hopper(monkeypatch, T, want):
     ran = []
 
     def record(name, fn):
-        return lambda *a, **kw: ran.append(name) or fn(*a, **{k: v for k, v in kw.items()
-                                                             if k not in ("splits", "stages")})
+        return lambda *a, **kw: ran.append(name) or fn(*a)  # the launch settings do not change the function
     ref = linear_decode.reference
     ref_many = lambda x, ws, bs, layer: tuple(ref(x, w, b, layer) for w, b in zip(ws, bs))  # noqa: E731
     ref_parts = lambda x, ws, layer: tuple(ref(x, w, jnp.float32(0), layer)[None] for w in ws)  # noqa: E731
-    monkeypatch.setattr(linear_mosaic, "available", lambda: True)
     monkeypatch.setattr(linear_mosaic, "linear_many", record("mosaic", ref_many))
     monkeypatch.setattr(linear_decode, "partial_sums", record("triton", ref_parts))
     monkeypatch.setattr(linear_decode, "reference", record("reference", ref))
     rng = np.random.default_rng(T)
     x, ws, bs = _mosaic_case(rng, T, (128, 64), 128, 2)
-    got = pallas_kernels.linear_many(x, ws, bs, 1, impl="pallas")
+    got = pallas_kernels.linear_many(x, ws, bs, 1, kernels=KernelConfig(impl="pallas").for_device(H200))
     assert ran and set(ran) == {want}
     assert [y.shape for y in got] == [(T, 128), (T, 64)]
     want_y = ref_many(x, ws, bs, 1)

@@ -5,8 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels
+from pallas_kernels import expert_format, moe_dense, moe_gemv, moe_mma, moe_reference, moe_slots, mxfp4
+from pallas_kernels.choice import CPU, H200, Device, KernelConfig, choose
 from pallas_kernels.params import Experts
-from pallas_kernels import moe_decode, moe_mosaic, moe_prefill, moe_reference, mxfp4
+
+KERNELS = KernelConfig(impl="pallas")
 
 LIMIT, ALPHA = 7.0, 1.702
 
@@ -29,8 +33,8 @@ def test_word_encoding_decodes_to_checkpoint_values():
     """The re-packed u32 words, decoded the kernels' way, give exactly mxfp4.dequantize (x 2^-14)."""
     rng = np.random.default_rng(1)
     blocks = jnp.asarray(rng.integers(0, 256, (5, 3, 16), dtype=np.uint8))
-    words = moe_decode.encode_words(blocks)  # [5, 12]
-    vals = np.stack([np.asarray(v) for v in moe_decode._decode_words(words)], axis=-1)  # [5, 12, 8]
+    words = expert_format.encode_words(blocks)  # [5, 12]
+    vals = np.stack([np.asarray(v) for v in expert_format.decode_words(words)], axis=-1)  # [5, 12, 8]
     ref = mxfp4.dequantize_np(np.asarray(blocks), np.full((5, 3), 127, np.uint8))
     np.testing.assert_array_equal(vals.reshape(5, 96) * 2.0 ** 14, ref)
 
@@ -39,17 +43,17 @@ def test_prepare_experts_phase_order():
     rng = np.random.default_rng(2)
     E, D, I = 2, 64, 96
     ex = _experts(rng, E, D, I, jnp.bfloat16)
-    kx = moe_decode.prepare_experts(ex)
-    order = moe_decode.phase_order(I)
+    kx = expert_format.prepare_experts(ex)
+    order = expert_format.phase_order(I)
     gu = np.asarray(ex.gate_up_blocks)
     for c in (0, 5, I - 1):
         i = order[c]
         np.testing.assert_array_equal(np.asarray(kx.gu_words[:, 0, c]),
-                                      np.asarray(moe_decode.encode_words(jnp.asarray(gu[:, 2 * i]))))
+                                      np.asarray(expert_format.encode_words(jnp.asarray(gu[:, 2 * i]))))
         np.testing.assert_array_equal(np.asarray(kx.gu_bias[:, 1, c]), np.asarray(ex.gate_up_bias[:, 2 * i + 1]))
     assert kx.dn_words.nbytes == ex.down_blocks.nbytes
     x = jnp.arange(2 * I, dtype=jnp.float32).reshape(2, I)
-    np.testing.assert_array_equal(np.asarray(moe_decode.to_phases(x)).reshape(2, I), np.asarray(x)[:, order])
+    np.testing.assert_array_equal(np.asarray(expert_format.to_phases(x)).reshape(2, I), np.asarray(x)[:, order])
 
 
 @pytest.mark.parametrize("T,E,k,D,I,empty,cfg", [
@@ -69,10 +73,21 @@ def test_moe_decode_matches_reference(T, E, k, D, I, empty, cfg):
         rb[0] = -1e4  # expert 0 never routed
     rb = jnp.asarray(rb, jnp.bfloat16)
     ref = moe_reference.moe(x, rw, rb, ex, top_k=k, swiglu_limit=LIMIT, swiglu_alpha=ALPHA)
-    out = moe_decode.moe(x, rw, rb, moe_decode.prepare_experts(ex), top_k=k, swiglu_limit=LIMIT,
-                         swiglu_alpha=ALPHA, interpret=True, **cfg)
+    out = _moe(x, rw, rb, expert_format.prepare_experts(ex), k, cfg)
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert _rel(out, ref) < 1e-2
+
+
+def _moe(x, rw, rb, kexp, k, cfg):
+    """Routing, then the experts on the kernel the CPU choice names for these rows (the tensor-core or GEMV
+    kernels), with `cfg` replacing the kernel and settings it names."""
+    idx, w, _ = moe_reference.route(x, rw, rb, k)
+    D, E = x.shape[1], rw.shape[0]
+    base = choose("experts", x.shape[0], (D, kexp.gu_words.shape[-2], E, k), x.dtype, CPU, KERNELS)
+    launch = base.kw | cfg
+    kernel = launch.pop("kernel", base.kernel)
+    return pallas_kernels._EXPERTS[kernel](x, idx, w, kexp, swiglu_limit=LIMIT, swiglu_alpha=ALPHA, interpret=True,
+                                           **launch)
 
 
 def test_moe_prefill_fused_mma_f32_activations():
@@ -84,9 +99,10 @@ def test_moe_prefill_fused_mma_f32_activations():
     rw = jnp.asarray(rng.normal(size=(E, D)) * 0.2, jnp.float32)
     rb = jnp.asarray(np.where(np.arange(E) == 3, -1e4, 0.0), jnp.float32)
     ref = moe_reference.moe(x, rw, rb, ex, top_k=k, swiglu_limit=LIMIT, swiglu_alpha=ALPHA)
-    out = moe_prefill.moe(x, rw, rb, moe_prefill.prepare_experts(ex), top_k=k, swiglu_limit=LIMIT,
-                          swiglu_alpha=ALPHA, interpret=True, kernel="mma", block_m=16, block_n=32, block_k=64,
-                          block_n_down=32, num_warps=4, num_stages=1, swap=True)
+    idx, w, _ = moe_reference.route(x, rw, rb, k)
+    out = moe_mma.experts(x, idx, w, expert_format.prepare_experts(ex), swiglu_limit=LIMIT, swiglu_alpha=ALPHA,
+                          interpret=True, block_m=16, block_n=32, block_k=64, block_n_down=32, num_warps=4,
+                          num_stages=1, swap=True)
     assert _rel(out, ref) < 1e-2  # kernel operands are bf16
 
 
@@ -96,14 +112,14 @@ def test_dequantize_kernel_gives_checkpoint_values_in_natural_order():
     rng = np.random.default_rng(5)
     E, D, I = 3, 96, 64
     ex = _experts(rng, E, D, I, jnp.float32)
-    kx = moe_decode.prepare_experts(ex)
+    kx = expert_format.prepare_experts(ex)
     ref = np.asarray(mxfp4.dequantize(ex.gate_up_blocks, ex.gate_up_scales, jnp.float32))  # [E, 2I, D] interleaved
     ref = ref.reshape(E, I, 2, D).transpose(0, 2, 1, 3)                                    # [E, 2, I, D]
-    got = moe_prefill.dequantize(kx.gu_words.reshape(-1, D // 8), kx.gu_scales.reshape(-1, D // 32),
+    got = moe_dense.dequantize(kx.gu_words.reshape(-1, D // 8), kx.gu_scales.reshape(-1, D // 32),
                                  jnp.int32(2 * I), 2 * 2 * I, jnp.float32, perm_I=I, interpret=True, block_k=64)
     np.testing.assert_array_equal(np.asarray(got).reshape(2, 2, I, D) * 2.0 ** 14, ref[1:])
     ref_dn = np.asarray(mxfp4.dequantize(ex.down_blocks, ex.down_scales, jnp.float32))
-    got = moe_prefill.dequantize(kx.dn_words.reshape(-1, I // 8), kx.dn_scales.reshape(-1, I // 32),
+    got = moe_dense.dequantize(kx.dn_words.reshape(-1, I // 8), kx.dn_scales.reshape(-1, I // 32),
                                  jnp.int32(0), E * D, jnp.float32, interpret=True, block_k=64)
     np.testing.assert_array_equal(np.asarray(got).reshape(E, D, I) * 2.0 ** 14, ref_dn)
 
@@ -116,14 +132,14 @@ def test_dequantize_kernel_gives_checkpoint_values_in_natural_order():
 def test_dense_prefill_matches_reference(T, E, k, D, I, group, bn, dtype, valid):
     rng = np.random.default_rng(T)
     layers = [_experts(rng, E, D, I, dtype) for _ in range(2)]
-    stacked = moe_decode.prepare_experts(jax.tree.map(lambda *a: jnp.stack(a), *layers))
+    stacked = expert_format.prepare_experts(jax.tree.map(lambda *a: jnp.stack(a), *layers))
     x = jnp.asarray(rng.normal(size=(T, D)), dtype)
     idx = jnp.asarray(np.stack([1 + rng.permutation(E - 1)[:k] for _ in range(T)]), jnp.int32)  # expert 0 empty
     w = jnp.asarray(rng.random((T, k)), jnp.float32)
     mask = jnp.asarray(rng.random((T, k)) < 0.6) if valid else None
-    cfg = dict(kernel="dense", block_m=16, block_n=bn, block_k=64, num_warps=4, num_stages=1, group=group)
-    out = moe_prefill.experts(x, idx, w, stacked, jnp.int32(1), mask, swiglu_limit=LIMIT, swiglu_alpha=ALPHA,
-                              interpret=True, **cfg)
+    cfg = dict(block_m=16, block_n=bn, block_k=64, num_warps=4, num_stages=1, group=group)
+    out = moe_dense.experts(x, idx, w, stacked, jnp.int32(1), mask, swiglu_limit=LIMIT, swiglu_alpha=ALPHA,
+                            interpret=True, **cfg)
     ref = moe_reference.apply_experts(x, idx, w if mask is None else jnp.where(mask, w, 0.0), layers[1],
                                       swiglu_limit=LIMIT, swiglu_alpha=ALPHA)
     assert np.isfinite(np.asarray(out, np.float32)).all()
@@ -137,14 +153,14 @@ def test_grouped_prefill_matches_reference(valid):
     T, E, k, D, I = 151, 4, 2, 256, 320
     rng = np.random.default_rng(T + valid)
     layers = [_experts(rng, E, D, I, jnp.bfloat16) for _ in range(2)]
-    stacked = moe_decode.prepare_experts(jax.tree.map(lambda *a: jnp.stack(a), *layers))
+    stacked = expert_format.prepare_experts(jax.tree.map(lambda *a: jnp.stack(a), *layers))
     x = jnp.asarray(rng.normal(size=(T, D)), jnp.bfloat16)
     idx = jnp.asarray(np.stack([1 + rng.permutation(E - 1)[:k] for _ in range(T)]), jnp.int32)  # expert 0 empty
     w = jnp.asarray(rng.random((T, k)), jnp.float32)
     mask = jnp.asarray(rng.random((T, k)) < 0.6) if valid else None
-    assert moe_prefill.grouped_fits(stacked, T * k)
-    out = moe_prefill.experts(x, idx, w, stacked, jnp.int32(1), mask, swiglu_limit=LIMIT, swiglu_alpha=ALPHA,
-                              interpret=None if moe_mosaic.available() else True, kernel="grouped")
+    assert moe_dense.grouped_fits(D, I, E, T * k)
+    out = moe_dense.experts_grouped(x, idx, w, stacked, jnp.int32(1), mask, swiglu_limit=LIMIT, swiglu_alpha=ALPHA,
+                                    interpret=None if Device.current().hopper else True)
     ref = moe_reference.apply_experts(x, idx, w if mask is None else jnp.where(mask, w, 0.0), layers[1],
                                       swiglu_limit=LIMIT, swiglu_alpha=ALPHA)
     assert np.isfinite(np.asarray(out, np.float32)).all()
@@ -153,36 +169,40 @@ def test_grouped_prefill_matches_reference(valid):
 
 def test_grouped_prefill_limits(monkeypatch):
     rng = np.random.default_rng(0)
-    small = moe_decode.prepare_experts(_experts(rng, 4, 128, 256, jnp.bfloat16))   # D: 2 K steps
-    assert not moe_prefill.grouped_fits(small, 512)
-    big = moe_decode.prepare_experts(_experts(rng, 4, 256, 256, jnp.bfloat16))
-    assert moe_prefill.grouped_fits(big, 128) and not moe_prefill.grouped_fits(big, 127)
+    small = expert_format.prepare_experts(_experts(rng, 4, 128, 256, jnp.bfloat16))   # D: 2 K steps
+    assert not moe_dense.grouped_fits(128, 256, 4, 512)
+    big = expert_format.prepare_experts(_experts(rng, 4, 256, 256, jnp.bfloat16))
+    assert moe_dense.grouped_fits(256, 256, 4, 128) and not moe_dense.grouped_fits(256, 256, 4, 127)
     x, idx, w = jnp.zeros((8, 256), jnp.bfloat16), jnp.zeros((8, 2), jnp.int32), jnp.ones((8, 2), jnp.float32)
     with pytest.raises(ValueError, match="16 pairs"):
-        moe_prefill.experts_grouped(x, idx, w, big, swiglu_limit=LIMIT, swiglu_alpha=ALPHA)
-    # on Hopper the automatic choice falls back to the Triton GEMMs where the shapes do not fit
-    monkeypatch.setattr(moe_mosaic, "available", lambda: True)
-    assert moe_prefill.auto_config(64, 4, 4, jnp.bfloat16)["kernel"] == "grouped"
+        moe_dense.experts_grouped(x, idx, w, big, swiglu_limit=LIMIT, swiglu_alpha=ALPHA)
+    # on Hopper the choice falls back to the Triton GEMMs where the shapes do not fit
+    hopper = KernelConfig(impl="pallas").for_device(H200)
+    assert choose("experts", 64, (256, 256, 4, 4), jnp.bfloat16, H200, hopper).kernel == "grouped"
     ran = []
-    real = moe_prefill.experts_dense
-    monkeypatch.setattr(moe_prefill, "experts_dense", lambda *a, **kw: ran.append(kw["kernel"]) or real(*a, **kw))
-    out = moe_prefill.experts(jnp.ones((64, 128), jnp.bfloat16), jnp.zeros((64, 4), jnp.int32),
-                              jnp.full((64, 4), 0.25, jnp.float32), small, swiglu_limit=LIMIT, swiglu_alpha=ALPHA,
-                              interpret=True)
+    real = moe_dense.experts
+    monkeypatch.setitem(pallas_kernels._EXPERTS, "dense", lambda *a, **kw: ran.append("dense") or real(*a, **kw))
+    out = pallas_kernels.experts(jnp.ones((64, 128), jnp.bfloat16), jnp.zeros((64, 4), jnp.int32),
+                                 jnp.full((64, 4), 0.25, jnp.float32), small, None, swiglu_limit=LIMIT,
+                                 swiglu_alpha=ALPHA, kernels=hopper)
     assert ran == ["dense"] and np.isfinite(np.asarray(out, np.float32)).all()
 
 
-def test_prefill_regimes():
+@pytest.mark.parametrize("device", [H200, CPU], ids=["hopper", "cpu"])
+def test_prefill_regimes(device):
     """The regimes per token count; mid-batch bf16 takes the Mosaic kernels where they run (Hopper), as do
     prefills of up to 32 experts (the grouped GEMMs)."""
-    mid = "mosaic" if moe_mosaic.available() else "mma"
-    assert moe_prefill.auto_config(1, 4, 32, jnp.bfloat16)["kernel"] == "gemv16"
-    assert moe_prefill.auto_config(256, 4, 32, jnp.bfloat16)["kernel"] == mid  # 32 rows per expert
-    assert moe_prefill.auto_config(8192, 4, 32, jnp.bfloat16)["kernel"] == (
-        "grouped" if moe_mosaic.available() else "dense")
-    assert moe_prefill.auto_config(8192, 4, 32, jnp.float32)["kernel"] == "dense"
-    assert moe_prefill.auto_config(32768, 4, 128, jnp.bfloat16)["kernel"] == "dense"  # 120b: 4 expert groups
-    assert moe_prefill.auto_config(1024, 4, 128, jnp.bfloat16)["kernel"] == mid  # 32 rows per expert
+    def auto_config(T, k, E, dtype):
+        return {"kernel": choose("experts", T, (2880, 2880, E, k), dtype, device, KERNELS).kernel}
+
+    mid = "mosaic" if device.hopper else "mma"
+    assert auto_config(1, 4, 32, jnp.bfloat16)["kernel"] == "gemv16"
+    assert auto_config(256, 4, 32, jnp.bfloat16)["kernel"] == mid  # 32 rows per expert
+    assert auto_config(8192, 4, 32, jnp.bfloat16)["kernel"] == (
+        "grouped" if device.hopper else "dense")
+    assert auto_config(8192, 4, 32, jnp.float32)["kernel"] == "dense"
+    assert auto_config(32768, 4, 128, jnp.bfloat16)["kernel"] == "dense"  # 120b: 4 expert groups
+    assert auto_config(1024, 4, 128, jnp.bfloat16)["kernel"] == mid  # 32 rows per expert
 
 
 def test_dispatch_slots_cover_every_pair_once():
@@ -190,7 +210,7 @@ def test_dispatch_slots_cover_every_pair_once():
     T, k, E, bm = 29, 4, 8, 16
     idx = jnp.asarray(np.stack([rng.permutation(E)[:k] for _ in range(T)]), jnp.int32)
     w = jnp.ones((T, k), jnp.float32)
-    tok, _, order, se, ss, sr = moe_decode.dispatch(idx, w, E, bm)
+    tok, _, order, se, ss, sr = moe_slots.dispatch(idx, w, E, bm)
     seen = np.zeros(T * k, int)
     e_sorted = np.asarray(idx).reshape(-1)[np.asarray(order)]
     for e, s, r in zip(np.asarray(se), np.asarray(ss), np.asarray(sr)):
@@ -207,7 +227,7 @@ def test_half_pairs_scaling_is_exact_and_in_range():
     x = np.asarray(jnp.asarray(rng.normal(size=(3, 64)) * np.array([[1e-3], [1.0], [900.0]]), jnp.bfloat16),
                    np.float32)
     x[1, 5] = 0.0
-    words, factor = moe_decode.half_pairs(jnp.asarray(x))
+    words, factor = moe_gemv.half_pairs(jnp.asarray(x))
     halves = np.asarray(words).reshape(3, 4, 8).view(np.float16).reshape(3, 4, 8, 2).astype(np.float32)
     back = np.zeros_like(x)
     for j in range(4):
@@ -219,7 +239,7 @@ def test_half_pairs_scaling_is_exact_and_in_range():
 
 
 def test_activation_shift_bounds_clamped_swiglu():
-    assert moe_decode.activation_shift(7.0) == 8  # |a| <= 7 * 8 = 56 < 2^6
+    assert moe_gemv.activation_shift(7.0) == 8  # |a| <= 7 * 8 = 56 < 2^6
     g = jnp.linspace(-50, 50, 20001)
     a = moe_reference.swiglu(jnp.stack([g, g], -1).reshape(-1), 7.0, 1.702)
     assert float(jnp.max(jnp.abs(a))) * 2.0 ** 8 < 2.0 ** 14
@@ -227,14 +247,19 @@ def test_activation_shift_bounds_clamped_swiglu():
 
 def test_decode_config_choice():
     """bf16 takes the half-precision GEMV up to 2 rows per expert on average, fp32 never does."""
-    assert moe_decode.decode_config(1, 4, 32, half=True)["kernel"] == "gemv16"
-    assert moe_decode.decode_config(16, 4, 32, half=True)["kernel"] == "gemv16"
-    assert moe_decode.decode_config(64, 4, 32, half=True)["kernel"] == "mma"
-    assert moe_decode.decode_config(1, 4, 32)["kernel"] == "gemv"
-    assert moe_decode.decode_config(16, 4, 32)["kernel"] == "mma"
+    def decode_config(T, k, E, half=False):  # where the Mosaic kernels do not run
+        return {"kernel": choose("experts", T, (2880, 2880, E, k), jnp.bfloat16 if half else jnp.float32, CPU,
+                                 KERNELS).kernel}
+
+    assert decode_config(1, 4, 32, half=True)["kernel"] == "gemv16"
+    assert decode_config(16, 4, 32, half=True)["kernel"] == "gemv16"
+    assert decode_config(64, 4, 32, half=True)["kernel"] == "mma"
+    assert decode_config(1, 4, 32)["kernel"] == "gemv"
+    assert decode_config(16, 4, 32)["kernel"] == "mma"
 
 
-@pytest.mark.parametrize("cfg", [dict(kernel="gemv16", block_k=64), dict(kernel="mma", block_m=16, block_k=64)])
+@pytest.mark.parametrize("cfg", [dict(kernel="gemv16", block_k=64, prefetch=True),
+                                 dict(kernel="mma", block_m=16, block_n=16, block_n_down=16, block_k=64, num_stages=1)])
 def test_invalid_pairs_are_skipped_and_contribute_zero(cfg):
     """Pairs outside `valid_TK` cost no expert work and add exactly 0, even with a nonzero weight (their
     output rows are never written, so masking must not rely on weight 0)."""
@@ -245,9 +270,10 @@ def test_invalid_pairs_are_skipped_and_contribute_zero(cfg):
     idx = jnp.asarray(rng.integers(0, E, (T, k)), jnp.int32)
     w = jnp.asarray(rng.random((T, k)), jnp.float32)
     valid = jnp.asarray(rng.random((T, k)) < 0.5).at[0].set(False)  # token 0 has no valid pair
+    cfg = dict(cfg)
     kw = dict(swiglu_limit=LIMIT, swiglu_alpha=ALPHA, interpret=True, **cfg)
-    kx = moe_decode.prepare_experts(ex)
-    out = moe_decode.experts_forward(x, idx, w, kx, None, valid, **kw)
+    kx = expert_format.prepare_experts(ex)
+    out = pallas_kernels._EXPERTS[kw.pop("kernel")](x, idx, w, kx, None, valid, **kw)
     ref = moe_reference.apply_experts(x, idx, jnp.where(valid, w, 0.0), ex, swiglu_limit=LIMIT, swiglu_alpha=ALPHA)
     assert np.all(np.asarray(out[0], np.float32) == 0.0)
     assert _rel(out, ref) < 1e-2

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from pallas_kernels import moe_decode, moe_mosaic, moe_reference
+from pallas_kernels import expert_format, moe_mosaic, moe_reference
 from test_kernels_moe import ALPHA, LIMIT, _experts, _rel
 
 
@@ -52,7 +52,7 @@ def test_f16_operand_roundtrip():
     (40, 4, 2, 512, 576, 8, False),   # K tail in the down; several slots per expert
     (9, 16, 4, 512, 512, 16, True),   # most slots empty
 ])
-def test_experts_forward_matches_reference(T, E, k, D, I, bm, empty):
+def test_experts_match_reference(T, E, k, D, I, bm, empty):
     rng = np.random.default_rng(T + E)
     ex = _experts(rng, E, D, I, jnp.bfloat16)
     x = jnp.asarray(rng.normal(size=(T, D)) * 2, jnp.bfloat16)
@@ -62,17 +62,17 @@ def test_experts_forward_matches_reference(T, E, k, D, I, bm, empty):
         rb[0] = -1e4
     idx, w, _ = moe_reference.route(x, rw, jnp.asarray(rb, jnp.bfloat16), k)
     ref = moe_reference.apply_experts(x, idx, w, ex, swiglu_limit=LIMIT, swiglu_alpha=ALPHA)
-    out = moe_mosaic.experts_forward(x, idx, w, moe_decode.prepare_experts(ex), swiglu_limit=LIMIT,
+    out = moe_mosaic.experts(x, idx, w, expert_format.prepare_experts(ex), swiglu_limit=LIMIT,
                                      swiglu_alpha=ALPHA, block_m=bm)
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert _rel(out, ref) < 1e-2
 
 
 def test_shapes_that_do_not_tile_are_refused():
-    ex = moe_decode.prepare_experts(_experts(np.random.default_rng(0), 4, 96, 512, jnp.bfloat16))
-    assert not moe_mosaic.fits(ex)
+    ex = expert_format.prepare_experts(_experts(np.random.default_rng(0), 4, 96, 512, jnp.bfloat16))
+    assert not moe_mosaic.fits(96, 512)
     with pytest.raises(ValueError, match="D=96, I=512 do not tile"):
-        moe_mosaic.experts_forward(jnp.zeros((4, 96), jnp.bfloat16), jnp.zeros((4, 2), jnp.int32),
+        moe_mosaic.experts(jnp.zeros((4, 96), jnp.bfloat16), jnp.zeros((4, 2), jnp.int32),
                                    jnp.ones((4, 2)), ex, swiglu_limit=LIMIT, swiglu_alpha=ALPHA)
 
 
@@ -81,12 +81,12 @@ def test_stacked_layers_and_invalid_pairs():
     rng = np.random.default_rng(5)
     T, E, k, D, I = 12, 4, 2, 512, 512
     layers = [_experts(rng, E, D, I, jnp.bfloat16) for _ in range(3)]
-    kx = jax.tree.map(lambda *a: jnp.stack(a), *[moe_decode.prepare_experts(e) for e in layers])
+    kx = jax.tree.map(lambda *a: jnp.stack(a), *[expert_format.prepare_experts(e) for e in layers])
     x = jnp.asarray(rng.normal(size=(T, D)), jnp.bfloat16)
     idx = jnp.asarray(rng.integers(0, E, (T, k)), jnp.int32)
     w = jnp.asarray(rng.random((T, k)), jnp.float32)
     valid = jnp.asarray(rng.random((T, k)) < 0.6).at[0].set(False)
-    out = moe_mosaic.experts_forward(x, idx, w, kx, jnp.int32(2), valid, swiglu_limit=LIMIT, swiglu_alpha=ALPHA,
+    out = moe_mosaic.experts(x, idx, w, kx, jnp.int32(2), valid, swiglu_limit=LIMIT, swiglu_alpha=ALPHA,
                                      block_m=8)
     ref = moe_reference.apply_experts(x, idx, jnp.where(valid, w, 0.0), layers[2], swiglu_limit=LIMIT,
                                       swiglu_alpha=ALPHA)
@@ -95,14 +95,14 @@ def test_stacked_layers_and_invalid_pairs():
 
 
 def test_stored_scale_operands_give_the_same_output():
-    """`prepare_params` on Hopper stores each layer's scale operands (`_with_scale_operands`); the kernels then
+    """`prepare_params` on Hopper stores each layer's scale operands (`with_scale_operands`); the kernels then
     index the stacked arrays instead of deriving this layer's per call, with the same result. The stored
     arrays stay uncommitted like every other parameter (a committed one recompiled each warmed-up step)."""
     rng = np.random.default_rng(6)
     T, E, k, D, I = 12, 4, 2, 512, 512
     layers = [_experts(rng, E, D, I, jnp.bfloat16) for _ in range(3)]
-    kx = jax.tree.map(lambda *a: jnp.stack(a), *[moe_decode.prepare_experts(e) for e in layers])
-    stored = pallas_kernels._with_scale_operands(kx)
+    kx = jax.tree.map(lambda *a: jnp.stack(a), *[expert_format.prepare_experts(e) for e in layers])
+    stored = pallas_kernels.with_scale_operands(kx)
     for layer in range(3):
         want = moe_mosaic.scale_operands(kx.gu_scales[layer], kx.dn_scales[layer])
         got = (stored.gu_sexp[layer], stored.gu_rowfac[layer], stored.dn_sexp[layer], stored.dn_rowfac[layer])
@@ -112,7 +112,7 @@ def test_stored_scale_operands_give_the_same_output():
     x = jnp.asarray(rng.normal(size=(T, D)), jnp.bfloat16)
     idx = jnp.asarray(rng.integers(0, E, (T, k)), jnp.int32)
     w = jnp.asarray(rng.random((T, k)), jnp.float32)
-    run = lambda ex: moe_mosaic.experts_forward(x, idx, w, ex, jnp.int32(1), swiglu_limit=LIMIT,  # noqa: E731
+    run = lambda ex: moe_mosaic.experts(x, idx, w, ex, jnp.int32(1), swiglu_limit=LIMIT,  # noqa: E731
                                                 swiglu_alpha=ALPHA, block_m=8)
     np.testing.assert_array_equal(np.asarray(run(stored), np.float32), np.asarray(run(kx), np.float32))
 
@@ -125,7 +125,7 @@ def test_act_positions_put_each_feature_where_the_down_reads_it(I):
     pos = moe_mosaic.act_positions(I)
     assert len(set(pos.tolist())) == I and pos.min() >= 0 and pos.max() < -(-I // 512) * 512
     read_as = pos // 512 * 512 + moe_mosaic.mma_perm()[pos % 512]
-    np.testing.assert_array_equal(read_as, moe_decode.phase_order(I))
+    np.testing.assert_array_equal(read_as, expert_format.phase_order(I))
 
 
 def test_act_exponent_keeps_the_activation_in_f16_range():
@@ -135,12 +135,12 @@ def test_act_exponent_keeps_the_activation_in_f16_range():
         bound, a = limit * (limit + 1), moe_mosaic.act_exponent(limit)
         assert bound * 2.0 ** a <= 2 ** 14 < bound * 2.0 ** (a + 1)
     g = jnp.linspace(-50, 50, 1001)
-    act = moe_decode._swiglu(g[:, None], g[None, :], 7.0, ALPHA)
+    act = expert_format.clamped_swiglu(g[:, None], g[None, :], 7.0, ALPHA)
     assert float(jnp.max(jnp.abs(act))) <= 7.0 * 8.0
 
 
 def test_unbounded_swiglu_limit_is_refused():
-    ex = moe_decode.prepare_experts(_experts(np.random.default_rng(0), 4, 512, 512, jnp.bfloat16))
+    ex = expert_format.prepare_experts(_experts(np.random.default_rng(0), 4, 512, 512, jnp.bfloat16))
     with pytest.raises(ValueError, match="swiglu_limit=inf"):
-        moe_mosaic.experts_forward(jnp.zeros((4, 512), jnp.bfloat16), jnp.zeros((4, 2), jnp.int32),
+        moe_mosaic.experts(jnp.zeros((4, 512), jnp.bfloat16), jnp.zeros((4, 2), jnp.int32),
                                    jnp.ones((4, 2)), ex, swiglu_limit=float("inf"), swiglu_alpha=ALPHA)

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 import pallas_kernels
+from pallas_kernels import expert_format, moe_gemv, moe_route, moe_slots
+from pallas_kernels.choice import CPU, H200, KernelConfig, choose
 from pallas_kernels.params import Experts
-from pallas_kernels import moe_decode, moe_route
 
 EPS = 1e-5
 
@@ -66,10 +67,10 @@ def test_moe_block_takes_the_fused_kernels_and_matches_reference(monkeypatch, T)
         monkeypatch.setattr(moe_route, name, lambda *a, _spy=spy, _n=name, **kw: calls.append(_n) or _spy(*a, **kw))
     kw = dict(eps=EPS, dtype=jnp.bfloat16, top_k=k, swiglu_limit=7.0, swiglu_alpha=1.702)
     for layer in range(L):
-        got_x, got_t = pallas_kernels.moe_block(x, gain, router, bias, moe_decode.prepare_experts(ex),
-                                                jnp.int32(layer), gains, impl="pallas", **kw)
-        ref_x, ref_t = pallas_kernels.moe_block(x, gain, router, bias, ex, jnp.int32(layer), gains, impl="reference",
-                                                **kw)
+        got_x, got_t = pallas_kernels.moe_block(x, gain, router, bias, expert_format.prepare_experts(ex),
+                                                jnp.int32(layer), gains, kernels=KernelConfig(impl="pallas"), **kw)
+        ref_x, ref_t = pallas_kernels.moe_block(x, gain, router, bias, ex, jnp.int32(layer), gains,
+                                                kernels=KernelConfig(impl="reference"), **kw)
         assert got_x.dtype == ref_x.dtype == jnp.float32 and got_t.dtype == ref_t.dtype == jnp.bfloat16
         # the MoE output alone: the residual rows of near-1 magnitude would hide its error
         a, b = np.asarray(got_x - x, np.float64), np.asarray(ref_x - x, np.float64)
@@ -93,19 +94,23 @@ def test_back_kernel_matches_reference():
     gains = (jnp.asarray(rng.normal(size=(L, D)), jnp.float32), jnp.asarray(rng.normal(size=D), jnp.float32))
     for layer, gain in ((0, gains[0][1]), (L - 1, gains[1])):
         got_x, got_t = moe_route.back(y, x, gains, jnp.int32(layer), top_k=k, eps=EPS, dtype=jnp.bfloat16)
-        want_x = x + moe_decode.combine(y, None, None, T, k, jnp.bfloat16).astype(jnp.float32)
+        want_x = x + moe_slots.combine(y, None, None, T, k, jnp.bfloat16).astype(jnp.float32)
         np.testing.assert_allclose(np.asarray(got_x), np.asarray(want_x), atol=2**-8 * float(jnp.abs(want_x - x).max()))
         want_t = pallas_kernels.rms_norm(want_x, gain, EPS, jnp.bfloat16)
         np.testing.assert_allclose(np.asarray(got_t, np.float32), np.asarray(want_t, np.float32), rtol=1e-2, atol=1e-2)
 
 
-def test_fused_front_end_regime():
-    """bf16 models, up to `MAX_TOKENS` (4) tokens, and only while experts average <= 2 routed rows (the
+@pytest.mark.parametrize("device", [H200, CPU], ids=["hopper", "cpu"])
+def test_fused_front_end_regime(device):
+    """bf16 models, up to `moe_route_max_tokens` (4) tokens, and only while experts average <= 2 routed rows (the
     `gemv16` regime)."""
-    assert moe_route.applies(1, 4, 32, jnp.bfloat16) and moe_route.applies(4, 4, 32, jnp.bfloat16)
-    assert not moe_route.applies(5, 4, 128, jnp.bfloat16)
-    assert not moe_route.applies(1, 4, 32, jnp.float32)
-    assert not moe_route.applies(4, 4, 4, jnp.bfloat16)
+    def applies(T, k, E, dtype):
+        return choose("moe", T, (2880, 2880, E, k), dtype, device, KernelConfig(impl="pallas")).kernel == "route"
+
+    assert applies(1, 4, 32, jnp.bfloat16) and applies(4, 4, 32, jnp.bfloat16)
+    assert not applies(5, 4, 128, jnp.bfloat16)
+    assert not applies(1, 4, 32, jnp.float32)
+    assert not applies(4, 4, 4, jnp.bfloat16)
 
 
 def test_in_kernel_routing_matches_dispatched_pairs():
@@ -116,17 +121,17 @@ def test_in_kernel_routing_matches_dispatched_pairs():
     logits = rng.normal(size=(T, E)).astype(np.float32)
     logits[:, 5] = logits[:, 2] = logits.max(axis=1) + 1.0
     logits = jnp.asarray(logits)
-    kexp = moe_decode.prepare_experts(_experts(rng, L, E, D, I))
-    flat = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), kexp)
+    kexp = expert_format.prepare_experts(_experts(rng, L, E, D, I))
+    flat = expert_format.flatten_layers(kexp)
     x = jnp.asarray(rng.normal(size=(T, D)), jnp.bfloat16)
-    cfg = moe_decode.decode_config(T, k, E, half=True)
+    cfg = choose("moe", T, (D, I, E, k), jnp.bfloat16, CPU, KernelConfig(impl="pallas")).kw["gemv"]
     kw = dict(swiglu_limit=7.0, swiglu_alpha=1.702)
     vals, idx = jax.lax.top_k(logits, k)
     assert (np.asarray(idx)[:, :2] == [2, 5]).all()
-    want = moe_decode.experts_forward(x, idx, jax.nn.softmax(vals, axis=-1), kexp, jnp.int32(1), **kw, **cfg)
-    words, xs = moe_decode.half_pairs(x)
-    y = moe_decode.run_routed(words, xs, logits, jnp.int32(1), flat, top_k=k, **kw, **cfg)
-    got = moe_decode.combine(y, None, None, T, k, jnp.bfloat16)
+    want = moe_gemv.experts(x, idx, jax.nn.softmax(vals, axis=-1), kexp, jnp.int32(1), **kw, **cfg)
+    words, xs = moe_gemv.half_pairs(x)
+    y = moe_gemv.run_routed(words, xs, logits, jnp.int32(1), flat, top_k=k, **kw, **cfg)
+    got = moe_slots.combine(y, None, None, T, k, jnp.bfloat16)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
     assert np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32)).max() <= 2 ** -7 * np.abs(
         np.asarray(want, np.float32)).max()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gptoss_jax import checkpoint
-from pallas_kernels import moe_reference
+from pallas_kernels import KernelConfig, moe_reference
 from sharding import expert_parallel
 from sharding.rules import Layout, make_mesh
 
@@ -28,7 +28,7 @@ def _moe_case(small_checkpoint, model, seed=0):
 def _sharded_moe(layout, params, x, layer, kw, impl="reference"):
     experts = expert_parallel.pad_experts(params.layers.experts, layout.model_size)
     lp = jax.tree.map(lambda a: a[layer], params.layers)
-    return jax.jit(lambda *a: expert_parallel.moe(*a, **kw, layout=layout, impl=impl))(
+    return jax.jit(lambda *a: expert_parallel.moe(*a, **kw, layout=layout, kernels=KernelConfig(impl=impl)))(
         x, lp.router_w, lp.router_b, experts, jnp.int32(layer))
 
 
@@ -127,12 +127,13 @@ def test_sharded_engine_matches_single_device(small_checkpoint, single_device_ru
                                                                    ("max_throughput", 3, 2, "all_to_all", True)])
 def test_kernels_under_a_layout_match_single_device(small_checkpoint, single_device_run, monkeypatch, mode, model,
                                                     replicas, dispatch, generate):
-    """impl="pallas" (interpreted on CPU) under a layout: every kernel is traced per device on its own shard
+    """The kernels (interpreted on CPU) under a layout: every kernel is traced per device on its own shard
     (heads split in low latency, 4 experts padded to 6 over 3 devices, in the kernels' layout), and the
     logits and greedy tokens equal the single-device reference run. Interpreted kernels compile slowly:
     one case checks the prefill chunk only, the other adds decode steps."""
     from gptoss_jax import LLM, SamplingParams
-    from pallas_kernels import flash_attention, linear_decode, moe_decode, moe_prefill, paged_attention
+    import pallas_kernels
+    from pallas_kernels import KernelExperts, flash_attention, linear_decode, paged_attention
 
     seen = {}
 
@@ -144,9 +145,11 @@ def test_kernels_under_a_layout_match_single_device(small_checkpoint, single_dev
             return real(*args, **kwargs)
         monkeypatch.setattr(module, name, wrapped)
 
-    for module, name in ((moe_decode, "experts_forward"), (moe_prefill, "experts_dense"),  # few / many rows
-                         (moe_prefill, "experts_grouped")):                                   # (many on Hopper)
-        spy(module, name, lambda x, idx, w, kexp, *_: kexp.gu_words.shape[:2])
+    for kernel, real in dict(pallas_kernels._EXPERTS).items():  # every MoE kernel the choice may take
+        def record(x, idx, w, kexp, *args, _real=real, _kernel=kernel, **kw):
+            seen.setdefault(f"experts.{_kernel}", set()).add(kexp.gu_words.shape[:2])
+            return _real(x, idx, w, kexp, *args, **kw)
+        monkeypatch.setitem(pallas_kernels._EXPERTS, kernel, record)
     spy(linear_decode, "partial_sums", lambda x, ws, *_: tuple(w.shape[1] for w in ws))
     for kernel in (paged_attention, flash_attention):
         spy(kernel, "attention", lambda q, *_: q.shape[2])
@@ -155,7 +158,7 @@ def test_kernels_under_a_layout_match_single_device(small_checkpoint, single_dev
     llm = LLM(small_checkpoint, impl="pallas", model_parallel=model, replicas=replicas, parallel_mode=mode,
               expert_dispatch=dispatch, **_ENGINE)
     experts = llm.params.layers.experts
-    assert isinstance(experts, moe_decode.KernelExperts)
+    assert isinstance(experts, KernelExperts)
     assert experts.gu_words.shape[1] == expert_parallel.padded_count(4, model)
     np.testing.assert_allclose(llm.logits(_PROMPTS[0]), ref_logits, rtol=1e-5, atol=1e-5 * np.abs(ref_logits).max())
     if generate:
@@ -165,8 +168,7 @@ def test_kernels_under_a_layout_match_single_device(small_checkpoint, single_dev
 
     heads = 4 // model if mode == "low_latency" else 4  # 4 q heads, 2 KV heads: split over 2, whole over 3
     layers = llm.engine.model_config.num_layers
-    moe_shapes = set().union(*(seen.get(f"pallas_kernels.{name}", set()) for name in (
-        "moe_decode.experts_forward", "moe_prefill.experts_dense", "moe_prefill.experts_grouped")))
+    moe_shapes = set().union(*(v for k, v in seen.items() if k.startswith("experts.")))
     assert moe_shapes == {(layers, 2)}  # stacked, 2 local experts
     assert seen["pallas_kernels.flash_attention.attention"] == {heads}
     assert seen.get("pallas_kernels.paged_attention.attention") == ({heads} if generate else None)

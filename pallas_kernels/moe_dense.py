@@ -1,6 +1,6 @@
 """MXFP4 mixture-of-experts for prefill / large batches: dequantize the layer's experts, then grouped bf16 GEMMs.
 
-Why not decode inside the GEMM, as `moe_decode`'s "mma" kernels do: in Pallas-Triton a weight tile
+Why not decode inside the GEMM, as `moe_mma`'s kernels do: in Pallas-Triton a weight tile
 decoded in registers reaches the tensor cores only through a register -> shared-memory layout
 conversion every K step, which caps those kernels at ~0.8e12 weights per second whatever the row
 count (H200, 2026-11-22: 25% of the bf16 matmul rate at 8,192 tokens, and nearly as slow with the
@@ -8,9 +8,9 @@ decode replaced by a plain cast; loading each word once per weight instead was 2
 Here the experts stream once through a dequantize kernel (memory-bound: 4.25 bits in, 16 out), and
 the grouped GEMMs load plain bf16 tiles, which Triton pipelines from global into shared memory
 (63% of the matmul rate on the 20b shapes in the same measurement).  That wins once experts see
-enough rows to amortise the dequantization (`DENSE_ROWS`); below it the fused kernels run.
+enough rows to amortise the dequantization (`KernelConfig.moe_dense_rows`); below it the fused kernels run.
 
-Layout: (token, expert) pairs sorted by expert and cut into `block_m`-row slots (`moe_decode.slots`);
+Layout: (token, expert) pairs sorted by expert and cut into `block_m`-row slots (`moe_slots.slots`);
 grid `(slots, feature tiles)`, programs of other expert groups and empty slots exit at once.  The
 gate/up rows, stored in phase order for the GEMV kernels, come out of the dequantization in natural
 order, so the GEMMs read contiguous tiles.  Transient memory: one group of `group` experts in bf16
@@ -34,10 +34,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
-from pallas_kernels import moe_decode, moe_mosaic, moe_reference
-from pallas_kernels.moe_decode import F16_SHIFT, KernelExperts, prepare_experts  # noqa: F401  (re-export)
+from pallas_kernels import moe_slots
+from pallas_kernels.expert_format import F16_SHIFT, KernelExperts, clamped_swiglu, decode_words, phase_order, scale_f32
+from pallas_kernels.moe_mma import dot_t
 
-DENSE_ROWS = 64   # from this many routed rows per expert (on average) dequantize + dense GEMMs
+# Experts dequantized at once (bf16): 32 experts of 20b/120b are 1.6 GB; larger sets run group by group.
+GROUP = 32
 
 
 def _natural(vals):
@@ -53,8 +55,8 @@ def _decode_tile(wq, ws, dtype):
     """u32 words `[n, kw]` and their E8M0 scales `[n, kw / 4]` -> weights `[n, 8 kw]` (times 2^-14) in natural
     K order, in `dtype`: one tensor-core operand per K step, so the activations need no phase order."""
     n, kw = wq.shape
-    scale = jnp.broadcast_to(moe_decode._scale_f32(ws)[:, :, None], (n, kw // 4, 4)).reshape(n, kw)
-    return _natural([(v * scale).astype(dtype) for v in moe_decode._decode_words(wq)])
+    scale = jnp.broadcast_to(scale_f32(ws)[:, :, None], (n, kw // 4, 4)).reshape(n, kw)
+    return _natural([(v * scale).astype(dtype) for v in decode_words(wq)])
 
 
 def _dequant_kernel(base_ref, wq_ref, ws_ref, o_ref, *, bn, bk, W, perm_I):
@@ -109,7 +111,7 @@ def _gate_up_kernel(ebase_ref, slot_e_ref, slot_start_ref, slot_rows_ref, tok_re
             c_ok = k0 + jnp.arange(bk) < D
             x = plt.load(x_ref.at[tok[:, None], (k0 + jnp.arange(bk))[None, :]],
                          mask=row_ok[:, None] & c_ok[None, :], other=0)
-            return tuple(acc + moe_decode._dot_t(x, plt.load(w_ref.at[e - e0, h, pl.ds(n0, bn), pl.ds(k0, bk)],
+            return tuple(acc + dot_t(x, plt.load(w_ref.at[e - e0, h, pl.ds(n0, bn), pl.ds(k0, bk)],
                                                              mask=c_ok[None, :], other=0))
                          for h, acc in zip((jnp.int32(0), jnp.int32(1)), carry))
 
@@ -122,7 +124,7 @@ def _gate_up_kernel(ebase_ref, slot_e_ref, slot_start_ref, slot_rows_ref, tok_re
         eb = ebase_ref[0] + e
         bg = plt.load(bias_ref.at[eb, jnp.int32(0), stored]).astype(jnp.float32)
         bu = plt.load(bias_ref.at[eb, jnp.int32(1), stored]).astype(jnp.float32)
-        act = moe_decode._swiglu(acc_g * (2.0 ** F16_SHIFT) + bg[None, :], acc_u * (2.0 ** F16_SHIFT) + bu[None, :],
+        act = clamped_swiglu(acc_g * (2.0 ** F16_SHIFT) + bg[None, :], acc_u * (2.0 ** F16_SHIFT) + bu[None, :],
                                  limit, alpha)
         plt.store(a_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], act.astype(a_ref.dtype), mask=row_ok[:, None])
 
@@ -147,7 +149,7 @@ def _down_kernel(ebase_ref, slot_e_ref, slot_start_ref, slot_rows_ref, rw_ref, a
             a = plt.load(a_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)], mask=row_ok[:, None] & c_ok[None, :], other=0)
             w = plt.load(w_ref.at[e - e0, pl.ds(n0, bn), pl.ds(k0, bk)], mask=n_ok[:, None] & c_ok[None, :],
                          other=0)
-            return acc + moe_decode._dot_t(a, w)
+            return acc + dot_t(a, w)
 
         acc = jax.lax.fori_loop(0, pl.cdiv(I, bk), body, jnp.zeros((bm, bn), jnp.float32))
         b = plt.load(bias_ref.at[ebase_ref[0] + e, pl.ds(n0, bn)], mask=n_ok, other=0).astype(jnp.float32)
@@ -156,24 +158,23 @@ def _down_kernel(ebase_ref, slot_e_ref, slot_start_ref, slot_rows_ref, rw_ref, a
         plt.store(y_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], y, mask=row_ok[:, None] & n_ok[None, :])
 
 
-_STATIC = ("kernel", "swiglu_limit", "swiglu_alpha", "block_m", "block_n", "block_k", "num_warps", "num_stages",
+_STATIC = ("swiglu_limit", "swiglu_alpha", "block_m", "block_n", "block_k", "num_warps", "num_stages",
            "group", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def experts_dense(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, *, swiglu_limit,
-                  swiglu_alpha, kernel="dense", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3,
-                  group=32, interpret=None):
-    """`moe_decode.experts_forward`'s contract (routing given, `layer` indexing stacked experts in place,
-    `valid_TK`), computed by dequantizing `group` experts at a time and running the grouped GEMMs."""
-    assert kernel == "dense", kernel
+def experts(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, *, swiglu_limit, swiglu_alpha,
+            block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, group=GROUP, interpret=None):
+    """`sum_k w[t, k] * expert_{idx[t, k]}(x[t])` `[T, D]`, the contract of every MoE kernel module's `experts`
+    (routing given, `layer` indexing stacked experts in place, pairs outside `valid_TK` skipped), computed by
+    dequantizing `group` experts at a time and running the grouped GEMMs."""
     T, D = x_TD.shape
     k = idx_TK.shape[1]
     E, _, I, _ = kexp.gu_words.shape[-4:]
     P, bm = T * k, block_m
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    tok, rw, order, slot_e, slot_start, slot_rows = moe_decode.slots(idx_TK, w_TK, valid_TK, E, bm)
+    tok, rw, order, slot_e, slot_start, slot_rows = moe_slots.slots(idx_TK, w_TK, valid_TK, E, bm)
     pad = lambda a: jnp.concatenate([a, jnp.zeros((bm,), a.dtype)])  # a slot may read bm - 1 rows past the end
     tok, rw = pad(tok), pad(rw)
     gu_bias = kexp.gu_bias.reshape(-1, 2, I)
@@ -187,7 +188,7 @@ def experts_dense(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=
     gu_words, gu_scales = kexp.gu_words.reshape(-1, D // 8), kexp.gu_scales.reshape(-1, D // 32)
     dn_words, dn_scales = kexp.dn_words.reshape(-1, I // 8), kexp.dn_scales.reshape(-1, I // 32)
     S = slot_e.shape[0]
-    bn_gu = moe_decode._pick_bn(I, block_n, 16)  # dots need >= 16
+    bn_gu = moe_slots.pick_block(I, block_n, 16)  # dots need >= 16
     y = None
     for e0 in range(0, E, group):
         G = min(group, E - e0)
@@ -206,18 +207,13 @@ def experts_dense(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=
                  grid=(S, pl.cdiv(D, block_n)), out_shape=jax.ShapeDtypeStruct((P + bm, D), jnp.float32),
                  input_output_aliases={8: 0} if y_in else {}, name="mxfp4_dense_down",
                  )(ebase, slot_e, slot_start, slot_rows, rw, a, w_dn, dn_bias, *y_in)
-    return moe_decode.combine(y, order, valid_TK, T, k, x_TD.dtype)
+    return moe_slots.combine(y, order, valid_TK, T, k, x_TD.dtype)
 
 
-DENSE_CONFIG = dict(kernel="dense", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, group=32)
-
-
-def grouped_fits(kexp: KernelExperts, pairs: int) -> bool:
+def grouped_fits(D: int, I: int, E: int, pairs: int) -> bool:
     """`experts_grouped`'s shapes: every expert in one dequantized group, D and I in whole 64-wide K steps (at
     least 4: the ragged dot pipelines 4), at least one 128-row tile of (token, expert) pairs."""
-    E, _, I, W = kexp.gu_words.shape[-4:]
-    D = 8 * W
-    return E <= DENSE_CONFIG["group"] and I % 64 == D % 64 == 0 and min(D, I) >= 256 and pairs >= 128
+    return E <= GROUP and I % 64 == D % 64 == 0 and min(D, I) >= 256 and pairs >= 128
 
 
 def grouped_matmul(lhs_PK, w_GNK, sizes_G, *, interpret=False):
@@ -238,17 +234,17 @@ def grouped_matmul(lhs_PK, w_GNK, sizes_G, *, interpret=False):
 @functools.partial(jax.jit, static_argnames=("swiglu_limit", "swiglu_alpha", "interpret"))
 def experts_grouped(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, *, swiglu_limit,
                     swiglu_alpha, interpret=None):
-    """`experts_dense`'s contract on the Mosaic GPU grouped GEMMs (`grouped_fits` experts, bf16): the layer's
+    """`experts`'s contract on the Mosaic GPU grouped GEMMs (`grouped_fits` experts, bf16): the layer's
     experts dequantized at once, the pairs' rows sorted by expert, gate/up -> bias and SwiGLU -> down -> bias
     and routing weight, summed per token. `interpret` (default: off the GPU) runs `lax.ragged_dot` instead."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    if not grouped_fits(kexp, idx_TK.size):
+    E, _, I, W = kexp.gu_words.shape[-4:]
+    if not grouped_fits(8 * W, I, E, idx_TK.size):
         raise ValueError(f"experts_grouped: experts {kexp.gu_words.shape} (words) with {idx_TK.size} pairs do not "
                          "fit the grouped GEMMs (see grouped_fits)")
     T, D = x_TD.shape
     k = idx_TK.shape[1]
-    E, _, I, _ = kexp.gu_words.shape[-4:]
     P = T * k
     one = lambda a: a if layer is None else a[layer]  # noqa: E731  (this layer's small per-expert tables)
     routed = idx_TK if valid_TK is None else jnp.where(valid_TK, idx_TK, E)
@@ -265,53 +261,10 @@ def experts_grouped(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_T
     unscale = 2.0 ** F16_SHIFT  # the dequantized weights are x 2^-14
 
     z = grouped_matmul(x_TD.astype(jnp.bfloat16)[order // k], w_gu, sizes, interpret=interpret)  # [P, 2I]
-    gu_bias = one(kexp.gu_bias)[:, :, np.argsort(moe_decode.phase_order(I))].astype(jnp.float32)  # natural order
+    gu_bias = one(kexp.gu_bias)[:, :, np.argsort(phase_order(I))].astype(jnp.float32)  # natural order
     z = z.astype(jnp.float32) * unscale
-    a = moe_decode._swiglu(z[:, :I] + gu_bias[e_sorted, 0], z[:, I:] + gu_bias[e_sorted, 1], swiglu_limit,
+    a = clamped_swiglu(z[:, :I] + gu_bias[e_sorted, 0], z[:, I:] + gu_bias[e_sorted, 1], swiglu_limit,
                            swiglu_alpha).astype(jnp.bfloat16)
     y = grouped_matmul(a, w_dn, sizes, interpret=interpret).astype(jnp.float32) * unscale
     y = (y + one(kexp.dn_bias)[e_sorted].astype(jnp.float32)) * w_TK.reshape(P).astype(jnp.float32)[order][:, None]
-    return moe_decode.combine(y, order, valid_TK, T, k, x_TD.dtype)
-
-
-def auto_config(T: int, k: int, E: int, dtype) -> dict:
-    """Kernels and block sizes for a (static) token count: dequantize + dense GEMMs once experts average
-    `DENSE_ROWS` routed rows (best of the H200 sweep at 8,192 tokens, 2026-11-22), on Hopper for bf16 models of
-    up to 32 experts by the Mosaic GPU grouped GEMMs; on Hopper, bf16 models from 2 to `moe_mosaic.MAX_ROWS` (32)
-    rows per expert take the Mosaic GPU kernels; else `moe_decode`'s choice (GEMV, or the fused tensor-core
-    kernels)."""
-    if T * k >= DENSE_ROWS * E:
-        if dtype != jnp.float32 and E <= DENSE_CONFIG["group"] and moe_mosaic.available():
-            return dict(kernel="grouped")
-        return dict(DENSE_CONFIG)
-    if dtype != jnp.float32 and 2 * E < T * k <= moe_mosaic.MAX_ROWS * E and moe_mosaic.available():
-        return moe_mosaic.config(T, k, E)
-    return moe_decode.decode_config(T, k, E, half=dtype != jnp.float32)
-
-
-def experts(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, *, swiglu_limit, swiglu_alpha,
-            interpret=None, **config):
-    """`sum_k w[t, k] * expert_{idx[t, k]}(x[t])`. `config` naming a `kernel` is the whole configuration;
-    otherwise it updates `auto_config`'s."""
-    if "kernel" not in config:
-        config = auto_config(*idx_TK.shape, kexp.gu_words.shape[-4], x_TD.dtype) | config
-        if config["kernel"] == "mosaic" and not moe_mosaic.fits(kexp):
-            config = moe_decode.decode_config(*idx_TK.shape, kexp.gu_words.shape[-4], half=True)
-        if config["kernel"] == "grouped" and not grouped_fits(kexp, idx_TK.size):
-            config = dict(DENSE_CONFIG)
-    if config["kernel"] in ("mosaic", "grouped"):
-        fn = moe_mosaic.experts_forward if config["kernel"] == "mosaic" else experts_grouped
-        config = {k: v for k, v in config.items() if k != "kernel"}
-    else:
-        fn = experts_dense if config["kernel"] == "dense" else moe_decode.experts_forward
-    return fn(x_TD, idx_TK, w_TK, kexp, layer, valid_TK, swiglu_limit=float(swiglu_limit),
-              swiglu_alpha=float(swiglu_alpha), interpret=interpret, **config)
-
-
-def moe(x_TD, router_w_ED, router_b_E, kexp: KernelExperts, *, top_k, swiglu_limit, swiglu_alpha, layer=None,
-        interpret=None, **config):
-    """Drop-in for `moe_reference.moe` at any token count, taking `prepare_experts(experts)`: routing, then
-    `experts`."""
-    idx, w, _ = moe_reference.route(x_TD, router_w_ED, router_b_E, top_k)
-    return experts(x_TD, idx, w, kexp, layer, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha,
-                   interpret=interpret, **config)
+    return moe_slots.combine(y, order, valid_TK, T, k, x_TD.dtype)
