@@ -1,7 +1,8 @@
 """The serving engine: requests in, tokens out, one scheduler + device step at a time.
 
-`Engine.step()` asks the scheduler for this step's work (prefill chunks and decoding sequences) and
-dispatches one compiled prefill call and one compiled (multi-step) decode call. With async
+`Engine.step()` asks the scheduler for this step's work (prefill chunks and decoding sequences) and has the
+model runner (`runner.ModelRunner`: parameters, KV cache, input packing, device calls) dispatch one compiled
+prefill call and one compiled (multi-step) decode call. With async
 scheduling (the default) it then reads the *previous* step's sampled tokens while the new calls
 run: decode inputs come from an on-device last-token table, so the device never waits for the
 host's bookkeeping. Reading a step's tokens appends them, applies stop tokens, stop strings and
@@ -14,31 +15,26 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import os
 import warnings
 from pathlib import Path
 from typing import Any, Sequence as Seq
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
-from sharding.rules import make_layout
-
 from gptoss_jax import checkpoint, demo, engine_config, kv_cache, runtime, steps, tokenizer as tokenizer_lib
-from gptoss_jax import model as model_lib
 from gptoss_jax.config import ModelConfig
-from gptoss_jax.engine_config import EngineConfig, bucket
+from gptoss_jax.engine_config import EngineConfig
+from gptoss_jax.runner import ModelRunner
+from gptoss_jax.sampling import Sampled, SamplingParams, find_stop_string
+from gptoss_jax.scheduler import Scheduler, Sequence
 from pallas_kernels.params import Params
-from gptoss_jax.sampling import SamplingParams, find_stop_string
-from gptoss_jax.scheduler import PrefillChunk, Scheduler, Sequence
+from sharding.rules import make_layout
 
 log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
-CPU_KV_BYTES = 64 << 20  # devices without memory statistics (CPU) get this much KV cache
 # CPU and some backends cannot reuse donated buffers; that only costs a copy.
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
@@ -72,8 +68,8 @@ class _Call:
     epoch at dispatch: a sequence that left the batch since (finished, aborted, preempted) is skipped."""
     prefills: list[tuple[Sequence, int, int, bool]]  # sequence, row, epoch, chunk ends the prompt
     decodes: list[tuple[Sequence, int, int]]          # sequence, row, epoch
-    prefill_out: steps.Sampled | None
-    decode_out: steps.Sampled | None
+    prefill_out: Sampled | None
+    decode_out: Sampled | None
 
 
 class Engine:
@@ -100,71 +96,43 @@ class Engine:
         if loaded is None:
             self.model_path: Path | None = Path(model) if model is not None else demo.checkpoint_path()
             if layout is not None and cache_dir is None:  # each device reads only its slice, experts padded
-                self.model_config, self.params = checkpoint.load_params_sharded(self.model_path, DTYPES[dtype],
-                                                                                layout, progress=progress)
+                self.model_config, params = checkpoint.load_params_sharded(self.model_path, DTYPES[dtype], layout,
+                                                                           progress=progress)
             else:
-                self.model_config, self.params = checkpoint.load(self.model_path, DTYPES[dtype], impl=self.kernels.impl,
-                                                                 cache_dir=cache_dir, progress=progress)
+                self.model_config, params = checkpoint.load(self.model_path, DTYPES[dtype], impl=self.kernels.impl,
+                                                            cache_dir=cache_dir, progress=progress)
                 if layout is not None:
-                    self.params = layout.shard_params(self.params, self.model_config.num_kv_heads)
+                    params = layout.shard_params(params, self.model_config.num_kv_heads)
         else:
             self.model_path = Path(model) if model is not None else None
-            self.model_config, self.params = loaded
+            self.model_config, params = loaded
             if layout is not None:
-                self.params = layout.shard_params(self.params, self.model_config.num_kv_heads)
-        self.params = pallas_kernels.prepare_params(self.params, self.kernels)  # sharded: each device its experts
-        self.dtype = self.params.embed.dtype
+                params = layout.shard_params(params, self.model_config.num_kv_heads)
+        params = pallas_kernels.prepare_params(params, self.kernels)  # sharded: each device its experts
         self.tokenizer = tokenizer
         if isinstance(tokenizer, (str, os.PathLike)) or (
                 tokenizer is None and self.model_config.vocab_size == tokenizer_lib.VOCAB_SIZE):
             self.tokenizer = tokenizer_lib.load(tokenizer, self.model_path)
 
-        mc, ec = self.model_config, self.config
-        kv_bytes = None
-        if ec.num_pages is None and ec.kv_cache_tokens is None:
-            stats = jax.devices()[0].memory_stats() or {}
-            if "bytes_limit" in stats:
-                kv_bytes = int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * ec.kv_cache_memory_fraction)
-            else:
-                kv_bytes = CPU_KV_BYTES
-        full_tokens = ec.kv_cache_tokens if ec.num_pages is None else (ec.num_pages - 1) * ec.page_size
-        n_full, n_sliding = kv_cache.pool_sizes(
-            mc.num_layers, mc.num_kv_heads, mc.head_dim, jnp.dtype(self.dtype).itemsize, mc.sliding_window,
-            ec.page_size, ec.max_num_seqs, max(ec.prefill_chunk_size, ec.decode_steps_per_call), kv_bytes,
-            full_tokens)
-        kv_args = (n_full, n_sliding, ec.page_size, mc.sliding_window, (mc.num_layers + 1) // 2,
-                   ec.enable_prefix_caching)
+        mc = self.model_config
+        self.runner = ModelRunner(mc, params, ec, self.kernels, layout)
+        kv_args = (self.runner.num_pages_full, self.runner.num_pages_sliding, ec.page_size, mc.sliding_window,
+                   (mc.num_layers + 1) // 2, ec.enable_prefix_caching)
         self.kv = (kv_cache.KVCacheManager(*kv_args) if self.num_ranks == 1
                    else kv_cache.RankedKVCacheManager(self.num_ranks, *kv_args))
-        limit = ec.max_model_len or mc.max_position_embeddings
-        if ec.max_model_len and ec.max_model_len > self.kv.capacity_tokens:
-            raise ValueError(f"max_model_len={ec.max_model_len} exceeds the KV cache capacity of "
-                             f"{self.kv.capacity_tokens} tokens ({n_full - 1} pages of {ec.page_size})")
-        self.max_model_len = min(limit, self.kv.capacity_tokens)
-        R = self.num_ranks  # each attention rank owns `n` consecutive pages of each pool
-        # The cache and the last-token table are committed to their devices from the start. A step's outputs
-        # are committed whenever an input is (parameters the caller placed, say), so an uncommitted first
-        # cache would make warm-up compile programs that real calls then compile again.
-        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        self.cache = jax.jit(lambda: model_lib.PagedKVCache.zeros(mc, R * n_sliding, R * n_full, ec.page_size,
-                                                                  self.dtype),
-                             out_shardings=one if layout is None else layout.cache_sharding(mc.num_kv_heads))()
+        self.max_model_len = self.runner.max_model_len
         self.scheduler = Scheduler(ec, self.kv)
-        # Last sampled token per sequence slot; the extra slot takes padding rows' writes.
-        self._spare_slot = ec.max_num_seqs
-        last = np.zeros(ec.max_num_seqs + 1, np.int32)
-        self._last_tokens = jax.device_put(last, one if layout is None else layout.named(P()))
         self._in_flight: _Call | None = None
-        self.num_top = max(1, ec.max_logprobs)
-        self._ctx_buckets = ec.context_buckets(self.max_model_len)
         self._requests: dict[str, Sequence] = {}
         self._aborted: list[StepOutput] = []
         self._rng = np.random.default_rng(seed)
         self._prompt_tokens = self._generation_tokens = 0
-        log.info("KV cache: %d full-layer pages, %d sliding pages of %d tokens; max_model_len %d",
-                 n_full, n_sliding, ec.page_size, self.max_model_len)
         if ec.warmup:
             self.warmup()
+
+    @property
+    def params(self) -> Params:
+        return self.runner.params
 
     # ---- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], sampling_params: SamplingParams) -> None:
@@ -207,8 +175,7 @@ class Engine:
     def close(self) -> None:
         """Free the KV cache's device memory now (a new engine in the same process sizes its cache from
         free memory, so it must not wait for garbage collection)."""
-        for buf in jax.tree.leaves((self.cache, self._last_tokens)):
-            buf.delete()
+        self.runner.close()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._aborted)
@@ -235,8 +202,8 @@ class Engine:
 
     def _launch(self, work) -> _Call:
         """Enqueue this step's prefill and decode calls (neither waits for the other)."""
-        pre = self._dispatch_prefill(work.prefills) if work.prefills else (None, [])
-        dec = self._dispatch_decode(work.decodes) if work.decodes else (None, [])
+        pre = self.runner.prefill(work.prefills) if work.prefills else (None, [])
+        dec = self.runner.decode(work.decodes) if work.decodes else (None, [])
         call = _Call([(c.seq, row, c.seq.epoch, c.start + c.num_tokens == len(c.seq.token_ids))
                       for row, c in zip(pre[1], work.prefills)],
                      [(seq, row, seq.epoch) for row, seq in zip(dec[1], work.decodes)], pre[0], dec[0])
@@ -296,115 +263,9 @@ class Engine:
         found = find_stop_string(seq.text_bytes.decode("utf-8", errors="replace"), seq.params.stop, before)
         return found[1] if found else None
 
-    # ---- device calls ------------------------------------------------------------------------------
-    def _rows(self, seqs: list[Sequence], buckets: tuple[int, ...]) -> tuple[int, list[int]]:
-        """Padded row count and each sequence's row. Rows are rank-major: rank `r` owns rows
-        `[r * rows/R, (r + 1) * rows/R)`, each rank's share padded to the same bucket."""
-        if self.num_ranks == 1:
-            return bucket(len(seqs), buckets), list(range(len(seqs)))
-        counts, where = [0] * self.num_ranks, []
-        for s in seqs:
-            where.append((s.pages.rank, counts[s.pages.rank]))
-            counts[s.pages.rank] += 1
-        per = bucket(max(max(counts), 1), buckets)
-        return self.num_ranks * per, [r * per + i for r, i in where]
-
-    def _put(self, x: np.ndarray) -> jax.Array:
-        """A host batch array onto the device(s): rows split over the attention ranks."""
-        if self.layout is None:
-            return jnp.asarray(x)
-        return jax.device_put(x, self.layout.named(self.layout.batch_spec(x.ndim)))
-
-    def _tables(self, seqs: list[Sequence], rows: int, width: int, row_of: list[int] | None = None
-                ) -> model_lib.PageTables:
-        sliding = np.zeros((rows, width), np.int32)
-        full = np.zeros((rows, width), np.int32)
-        cached = np.zeros((rows,), np.int32)
-        for i, seq in zip(row_of or range(len(seqs)), seqs):
-            s, f = seq.pages.sliding[:width], seq.pages.full[:width]
-            sliding[i, :len(s)], full[i, :len(f)], cached[i] = s, f, seq.full_cached
-        return model_lib.PageTables(self._put(sliding), self._put(full), self._put(cached))
-
-    def _sampling(self, seqs: list[Sequence], rows: int, row_of: list[int] | None = None) -> steps.SamplingBatch:
-        row_of = list(row_of or range(len(seqs)))
-        temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
-        top_k, min_p = np.zeros(rows, np.int32), np.zeros(rows, np.float32)
-        keys, want = np.zeros((rows, 2), np.uint32), np.zeros(rows, bool)
-        for i, s in zip(row_of, seqs):
-            p = s.params
-            temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
-            keys[i], want[i] = s.key, p.logprobs is not None
-        return steps.SamplingBatch(*(self._put(a) for a in (temperature, top_k, top_p, min_p, keys, want)))
-
-    def _width(self, end_positions: list[int]) -> int:
-        pages = math.ceil(max(end_positions) / self.config.page_size)
-        return bucket(min(pages, self._ctx_buckets[-1]), self._ctx_buckets)
-
-    def _dispatch_prefill(self, chunks: list[PrefillChunk]) -> tuple[steps.Sampled, list[int]]:
-        ec = self.config
-        seqs = [c.seq for c in chunks]
-        rows, row_of = self._rows(seqs, ec.prefill_row_buckets())
-        T = bucket(max(c.num_tokens for c in chunks), ec.prefill_token_buckets())
-        tokens = np.zeros((rows, T), np.int32)
-        positions = np.full((rows, T), -1, np.int32)
-        last = np.zeros((rows,), np.int32)
-        for i, c in zip(row_of, chunks):
-            tokens[i, :c.num_tokens] = c.seq.token_ids[c.start:c.start + c.num_tokens]
-            positions[i, :c.num_tokens] = np.arange(c.start, c.start + c.num_tokens)
-            last[i] = c.num_tokens - 1
-        tables = self._tables(seqs, rows, self._width([c.start + c.num_tokens for c in chunks]), row_of)
-        out, self.cache = steps.prefill(self.params, self.cache, self._put(tokens), self._put(positions), tables,
-                                        self._put(last), self._sampling(seqs, rows, row_of), cfg=self.model_config,
-                                        kernels=self.kernels, layout=self.layout, num_top=self.num_top)
-        self._last_tokens = steps.store_tokens(self._last_tokens, self._slots(seqs, rows, row_of), out.tokens)
-        return out, row_of
-
-    def _slots(self, seqs: list[Sequence], rows: int, row_of: list[int]) -> jax.Array:
-        slots = np.full((rows,), self._spare_slot, np.int32)
-        for i, s in zip(row_of, seqs):
-            slots[i] = s.slot
-        return self._put(slots)
-
-    def _dispatch_decode(self, seqs: list[Sequence]) -> tuple[steps.Sampled, list[int]]:
-        K = self.config.decode_steps_per_call
-        rows, row_of = self._rows(seqs, self.config.decode_buckets())
-        first = [s.decode_span(K)[0] for s in seqs]
-        positions = np.full((rows,), -1, np.int32)
-        positions[row_of] = first
-        host = np.zeros((rows,), np.int32)  # -1: the input token is still on the device
-        host[row_of] = [-1 if s.num_pending else s.token_ids[-1] for s in seqs]
-        tables = self._tables(seqs, rows, self._width([p + K for p in first]), row_of)
-        slots = self._slots(seqs, rows, row_of)
-        tokens = steps.load_tokens(self._last_tokens, slots, self._put(host))
-        out, self.cache = steps.decode(self.params, self.cache, tokens, self._put(positions), tables,
-                                       self._sampling(seqs, rows, row_of), cfg=self.model_config, kernels=self.kernels,
-                                       layout=self.layout, num_steps=K, num_top=self.num_top)
-        self._last_tokens = steps.store_tokens(self._last_tokens, slots, out.tokens)
-        return out, row_of
-
     def warmup(self) -> None:
-        """Compile every (batch, tokens, block-table width) bucket now, with all-padding inputs."""
-        ec = self.config
-        R, i32 = self.num_ranks, np.int32
-        for width in self._ctx_buckets:
-            for rows in (R * b for b in ec.decode_buckets()):
-                tables, slots = self._tables([], rows, width), self._slots([], rows, [])
-                tokens = steps.load_tokens(self._last_tokens, slots, self._put(np.zeros(rows, i32)))
-                out, self.cache = steps.decode(
-                    self.params, self.cache, tokens, self._put(np.full((rows,), -1, i32)), tables,
-                    self._sampling([], rows), cfg=self.model_config, kernels=self.kernels, layout=self.layout,
-                    num_steps=ec.decode_steps_per_call, num_top=self.num_top)
-                self._last_tokens = steps.store_tokens(self._last_tokens, slots, out.tokens)
-            for rows in (R * b for b in ec.prefill_row_buckets()):
-                tables, slots = self._tables([], rows, width), self._slots([], rows, [])
-                for T in ec.prefill_token_buckets():
-                    out, self.cache = steps.prefill(
-                        self.params, self.cache, self._put(np.zeros((rows, T), i32)),
-                        self._put(np.full((rows, T), -1, i32)), tables, self._put(np.zeros((rows,), i32)),
-                        self._sampling([], rows), cfg=self.model_config, kernels=self.kernels, layout=self.layout,
-                        num_top=self.num_top)
-                    self._last_tokens = steps.store_tokens(self._last_tokens, slots, out.tokens)
-        jax.block_until_ready((self.cache, self._last_tokens))
+        """Compile every (batch, tokens, block-table width) bucket now (`ModelRunner.warmup`)."""
+        self.runner.warmup()
 
     def run_prompt(self, token_ids: Seq[int], step_fn) -> list[tuple[Any, int]]:
         """Feed one prompt through the paged cache in prefill chunks, outside the scheduler: per chunk,
@@ -420,13 +281,7 @@ class Engine:
                 if not self.kv.can_allocate(pages, start, start + n):
                     raise ValueError(f"prompt of {len(ids)} tokens does not fit in the free KV cache")
                 self.kv.allocate(pages, start, start + n)
-                T = bucket(n, ec.prefill_token_buckets())
-                rows = self.num_ranks  # the probe is row 0 (rank 0); other ranks get one padding row
-                tokens = np.zeros((rows, T), np.int32)
-                positions = np.full((rows, T), -1, np.int32)
-                tokens[0, :n], positions[0, :n] = ids[start:start + n], np.arange(start, start + n)
-                result, self.cache = step_fn(self.params, self.cache, self._put(tokens), self._put(positions),
-                                             self._tables([probe], rows, self._width([start + n])))
+                result = self.runner.run(step_fn, *self.runner.prompt_chunk(probe, start, n))
                 out.append((result, n))
                 self.kv.slide(pages, start + n)
         finally:
@@ -436,11 +291,11 @@ class Engine:
     def prompt_logits(self, token_ids: Seq[int]) -> np.ndarray:
         """Logits `[len, vocab]` (fp32) at every position of one prompt, computed through the paged cache
         in prefill chunks."""
-        step = functools.partial(steps.prompt_logits, cfg=self.model_config, kernels=self.kernels, layout=self.layout)
+        step = functools.partial(steps.prompt_logits, st=self.runner.st)
         return np.concatenate([np.asarray(lg[0, :n], np.float32) for lg, n in self.run_prompt(token_ids, step)])
 
 
-def _to_host(s: steps.Sampled, with_logprobs: bool) -> tuple[np.ndarray, ...]:
+def _to_host(s: Sampled, with_logprobs: bool) -> tuple[np.ndarray, ...]:
     if with_logprobs:
         return tuple(np.asarray(a) for a in (s.tokens, s.logprob, s.top_ids, s.top_lps))
     return (np.asarray(s.tokens),)

@@ -20,8 +20,7 @@ import jax
 import numpy as np
 
 from gptoss_jax import model
-from gptoss_jax.config import ModelConfig
-from pallas_kernels import KernelConfig
+from gptoss_jax.steps import StepConfig
 from pallas_kernels.params import Params
 
 TRACES: collections.Counter[str] = collections.Counter()  # compilations of `_step` (one per shape bucket)
@@ -65,13 +64,12 @@ class Inspection:
         return -(p * np.log(np.maximum(p, 1e-30))).sum(-1)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "layout", "opts", "with_logits"),
-                   donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("st", "opts", "with_logits"), donate_argnames=("cache",))
 def _step(params: Params, cache: model.PagedKVCache, tokens_BT: jax.Array, positions_BT: jax.Array,
-          tables: model.PageTables, *, cfg: ModelConfig, kernels: KernelConfig, layout, opts: model.Inspect, with_logits: bool):
+          tables: model.PageTables, *, st: StepConfig, opts: model.Inspect, with_logits: bool):
     TRACES["inspect"] += 1
-    x, cache, rec = model.forward(params, cache, tokens_BT, positions_BT, tables, cfg, kernels, inspect=opts,
-                                  layout=layout)
+    x, cache, rec = model.forward(params, cache, tokens_BT, positions_BT, tables, st.cfg, st.kernels, inspect=opts,
+                                  layout=st.layout)
     return (model.unembed(params, x) if with_logits else None), rec, cache
 
 
@@ -80,7 +78,7 @@ def run(engine, token_ids: Seq[int], *, hidden_states: bool = False, logits: boo
     chunks, buckets, tables, rows and layout as `Engine.prompt_logits`."""
     ids = [int(t) for t in token_ids]
     mc = engine.model_config
-    step = functools.partial(_step, cfg=mc, kernels=engine.kernels, layout=engine.layout,
+    step = functools.partial(_step, st=engine.runner.st,
                              opts=model.Inspect(hidden_states=hidden_states), with_logits=logits)
 
     def chunk(params, cache, tokens, positions, tables):

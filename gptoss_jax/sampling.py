@@ -1,5 +1,6 @@
 """Sampling parameters and the batched on-device sampler (per-row temperature, top-k, top-p, min-p,
-seed) with optional log-probabilities."""
+seed) with optional log-probabilities. A new sampling field touches `SamplingParams`, `SamplingBatch` and the
+sampler here, and the model runner's packing (`ModelRunner._sampling`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from gptoss_jax.tokenizer import ASSISTANT_STOPS
 
@@ -54,6 +56,37 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or self.logprobs < 0):
             bad("logprobs", "must be an integer >= 0 or None")
+
+
+@struct.dataclass
+class SamplingBatch:
+    """Every row's `SamplingParams` as the on-device sampler reads them (packed by the model runner)."""
+    temperature_B: jax.Array    # f32
+    top_k_B: jax.Array          # i32
+    top_p_B: jax.Array          # f32
+    min_p_B: jax.Array          # f32
+    keys_B2: jax.Array          # u32 [B, 2] raw PRNG key data
+    want_logprobs_B: jax.Array  # bool
+
+
+@struct.dataclass
+class Sampled:
+    tokens: jax.Array    # i32 [..., B]
+    logprob: jax.Array   # f32 [..., B] of the sampled token
+    top_ids: jax.Array   # i32 [..., B, num_top]
+    top_lps: jax.Array   # f32 [..., B, num_top]
+
+
+def sample_batch(logits_BV: jax.Array, pos_B: jax.Array, sb: SamplingBatch, num_top: int) -> Sampled:
+    """The tokens after positions `pos_B`: each row's key folded with the position it predicts from (so a
+    request's draws depend neither on its batch neighbours, nor on chunking, nor on preemption), `sample`, and the
+    log-probabilities when any row asks for them."""
+    keys = jax.vmap(jax.random.fold_in)(sb.keys_B2, pos_B)
+    tokens = sample(logits_BV, keys, sb.temperature_B, sb.top_k_B, sb.top_p_B, sb.min_p_B)
+    B = tokens.shape[0]
+    empty = (jnp.zeros(B, jnp.float32), jnp.zeros((B, num_top), jnp.int32), jnp.zeros((B, num_top), jnp.float32))
+    lp = jax.lax.cond(jnp.any(sb.want_logprobs_B), lambda: logprobs(logits_BV, tokens, num_top), lambda: empty)
+    return Sampled(tokens, *lp)
 
 
 def sample(logits_BV: jax.Array, keys_B: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array,

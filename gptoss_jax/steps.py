@@ -1,15 +1,16 @@
 """The compiled device steps of the engine: chunked prefill, multi-step decode, prompt logits, and the
 last-token table that feeds one call's sampled tokens to the next without a host round trip.
 
-Each is one `jax.jit` program per shape bucket with the KV cache donated (updated in place). Sampling
-runs on device: every row carries its own PRNG key, folded with the position being predicted from,
-so a request's draws do not depend on its batch neighbours, on chunking, or on preemption.
+Each is one `jax.jit` program per shape bucket with the KV cache donated (updated in place), taking its inputs as
+one fixed-shape batch struct and its static settings as one `StepConfig`. Sampling runs on device
+(`sampling.sample_batch`): every row carries its own PRNG key, folded with the position being predicted from.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 
 import jax
@@ -20,6 +21,7 @@ from jax._src import dispatch  # the name of XLA's compile event
 
 from gptoss_jax import model, sampling
 from gptoss_jax.config import ModelConfig
+from gptoss_jax.sampling import Sampled, SamplingBatch
 from pallas_kernels import KernelConfig
 from pallas_kernels.params import Params
 
@@ -45,70 +47,69 @@ def compilations():
         monitoring.unregister_event_duration_listener(on_event)
 
 
-@struct.dataclass
-class SamplingBatch:
-    temperature_B: jax.Array  # f32
-    top_k_B: jax.Array        # i32
-    top_p_B: jax.Array        # f32
-    min_p_B: jax.Array        # f32
-    keys_B2: jax.Array        # u32 [B, 2] raw PRNG key data
-    want_logprobs_B: jax.Array  # bool
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """A step's static settings (part of every compiled program's cache key)."""
+    cfg: ModelConfig
+    kernels: KernelConfig          # resolved for the device (`KernelConfig.for_device`)
+    layout: object = None          # `sharding.rules.Layout`, or None on one device
+    num_top: int = 1               # log-probability alternatives sampled along
+    num_steps: int = 1             # decode tokens per call, fed back on device
 
 
 @struct.dataclass
-class Sampled:
-    tokens: jax.Array    # i32 [..., B]
-    logprob: jax.Array   # f32 [..., B] of the sampled token
-    top_ids: jax.Array   # i32 [..., B, num_top]
-    top_lps: jax.Array   # f32 [..., B, num_top]
+class PrefillBatch:
+    """One chunk per row; positions -1 pad. Samples the token after each row's column `last_B`."""
+    tokens_BT: jax.Array     # i32
+    positions_BT: jax.Array  # i32
+    tables: model.PageTables
+    last_B: jax.Array        # i32
+    sampling: SamplingBatch
 
 
-def _sampler(layout, num_top: int):
-    """`_sample`, run per attention rank under a layout (rows are independent; the sampler's batch-wide
-    shortcuts then stay inside a rank instead of gathering every rank's logits)."""
-    fn = lambda logits_BV, pos_B, sp: _sample(logits_BV, pos_B, sp, num_top)
-    return fn if layout is None else layout.per_rank(fn, ("rows", "rows", "rows"), "rows")
+@struct.dataclass
+class DecodeBatch:
+    """One token per row at `positions_B` (-1: padding rows, which stay so)."""
+    tokens_B: jax.Array      # i32
+    positions_B: jax.Array   # i32
+    tables: model.PageTables
+    sampling: SamplingBatch
 
 
-def _sample(logits_BV: jax.Array, pos_B: jax.Array, sp: SamplingBatch, num_top: int) -> Sampled:
-    keys = jax.vmap(jax.random.fold_in)(sp.keys_B2, pos_B)
-    tokens = sampling.sample(logits_BV, keys, sp.temperature_B, sp.top_k_B, sp.top_p_B, sp.min_p_B)
-    B = tokens.shape[0]
-    empty = (jnp.zeros(B, jnp.float32), jnp.zeros((B, num_top), jnp.int32), jnp.zeros((B, num_top), jnp.float32))
-    lp = jax.lax.cond(jnp.any(sp.want_logprobs_B), lambda: sampling.logprobs(logits_BV, tokens, num_top),
-                      lambda: empty)
-    return Sampled(tokens, *lp)
+def _sampler(st: StepConfig):
+    """`sampling.sample_batch`, run per attention rank under a layout (rows are independent; the sampler's
+    batch-wide shortcuts then stay inside a rank instead of gathering every rank's logits)."""
+    fn = lambda logits_BV, pos_B, sb: sampling.sample_batch(logits_BV, pos_B, sb, st.num_top)  # noqa: E731
+    return fn if st.layout is None else st.layout.per_rank(fn, ("rows", "rows", "rows"), "rows")
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "layout", "num_top"), donate_argnames=("cache",))
-def prefill(params: Params, cache: model.PagedKVCache, tokens_BT: jax.Array, positions_BT: jax.Array,
-            tables: model.PageTables, last_B: jax.Array, sp: SamplingBatch, *, cfg: ModelConfig, kernels: KernelConfig, layout=None,
-            num_top: int) -> tuple[Sampled, model.PagedKVCache]:
-    """One chunk per row (positions -1 pad); samples the token after each row's column `last_B`."""
+@functools.partial(jax.jit, static_argnames=("st",), donate_argnames=("cache",))
+def prefill(params: Params, cache: model.PagedKVCache, batch: PrefillBatch, *, st: StepConfig
+            ) -> tuple[Sampled, model.PagedKVCache]:
     TRACES["prefill"] += 1
-    x, cache, _ = model.forward(params, cache, tokens_BT, positions_BT, tables, cfg, kernels, layout=layout)
+    x, cache, _ = model.forward(params, cache, batch.tokens_BT, batch.positions_BT, batch.tables, st.cfg, st.kernels,
+                                layout=st.layout)
     with jax.named_scope("sample"):
-        last_x = jnp.take_along_axis(x, last_B[:, None, None], axis=1)[:, 0]
-        pos_B = jnp.take_along_axis(positions_BT, last_B[:, None], axis=1)[:, 0]
-        return _sampler(layout, num_top)(model.unembed(params, last_x), pos_B, sp), cache
+        last_x = jnp.take_along_axis(x, batch.last_B[:, None, None], axis=1)[:, 0]
+        pos_B = jnp.take_along_axis(batch.positions_BT, batch.last_B[:, None], axis=1)[:, 0]
+        return _sampler(st)(model.unembed(params, last_x), pos_B, batch.sampling), cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "layout", "num_steps", "num_top"), donate_argnames=("cache",))
-def decode(params: Params, cache: model.PagedKVCache, tokens_B: jax.Array, positions_B: jax.Array,
-           tables: model.PageTables, sp: SamplingBatch, *, cfg: ModelConfig, kernels: KernelConfig, layout=None, num_steps: int,
-           num_top: int) -> tuple[Sampled, model.PagedKVCache]:
-    """`num_steps` decode steps on device, each feeding back the token it sampled (outputs `[steps, B]`).
-    Rows at position -1 are padding and stay so."""
+@functools.partial(jax.jit, static_argnames=("st",), donate_argnames=("cache",))
+def decode(params: Params, cache: model.PagedKVCache, batch: DecodeBatch, *, st: StepConfig
+           ) -> tuple[Sampled, model.PagedKVCache]:
+    """`st.num_steps` decode steps on device, each feeding back the token it sampled (outputs `[steps, B]`)."""
     TRACES["decode"] += 1
 
     def one(carry, _):
         cache, tok_B, pos_B = carry
-        x, cache, _ = model.forward(params, cache, tok_B[:, None], pos_B[:, None], tables, cfg, kernels, layout=layout)
+        x, cache, _ = model.forward(params, cache, tok_B[:, None], pos_B[:, None], batch.tables, st.cfg, st.kernels,
+                                    layout=st.layout)
         with jax.named_scope("sample"):
-            out = _sampler(layout, num_top)(model.unembed(params, x[:, 0]), pos_B, sp)
+            out = _sampler(st)(model.unembed(params, x[:, 0]), pos_B, batch.sampling)
         return (cache, out.tokens, jnp.where(pos_B >= 0, pos_B + 1, -1)), out
 
-    (cache, _, _), outs = jax.lax.scan(one, (cache, tokens_B, positions_B), None, length=num_steps)
+    (cache, _, _), outs = jax.lax.scan(one, (cache, batch.tokens_B, batch.positions_B), None, length=st.num_steps)
     return outs, cache
 
 
@@ -129,10 +130,10 @@ def load_tokens(table_S: jax.Array, slots_B: jax.Array, host_B: jax.Array) -> ja
     return jnp.where(host_B < 0, table_S[slots_B], host_B)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "layout"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("st",), donate_argnames=("cache",))
 def prompt_logits(params: Params, cache: model.PagedKVCache, tokens_BT: jax.Array, positions_BT: jax.Array,
-                  tables: model.PageTables, *, cfg: ModelConfig, kernels: KernelConfig, layout=None) -> tuple[jax.Array, model.PagedKVCache]:
+                  tables: model.PageTables, *, st: StepConfig) -> tuple[jax.Array, model.PagedKVCache]:
     """Logits `[B, T, V]` (fp32) at every position of a prefill chunk."""
     TRACES["prompt_logits"] += 1
-    x, cache, _ = model.forward(params, cache, tokens_BT, positions_BT, tables, cfg, kernels, layout=layout)
+    x, cache, _ = model.forward(params, cache, tokens_BT, positions_BT, tables, st.cfg, st.kernels, layout=st.layout)
     return model.unembed(params, x), cache

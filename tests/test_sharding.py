@@ -106,7 +106,7 @@ def test_sharded_engine_matches_single_device(small_checkpoint, single_device_ru
     assert layout.mesh.devices.size == model * replicas and llm.engine.num_ranks == (
         replicas if mode == "low_latency" else model * replicas)
     assert llm.params.layers.experts.down_blocks.shape[1] == expert_parallel.padded_count(4, model)
-    assert llm.engine.cache.k_full.sharding.spec[1] == layout.batch_spec()[0]  # pages split over the ranks
+    assert llm.engine.runner.cache.k_full.sharding.spec[1] == layout.batch_spec()[0]  # pages split over the ranks
     np.testing.assert_allclose(llm.logits(_PROMPTS[0]), ref_logits, rtol=1e-5, atol=1e-5 * np.abs(ref_logits).max())
     if generate:
         sp = SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[])

@@ -1,0 +1,210 @@
+"""The model runner: everything of an engine that lives on the device, and the calls that reach it.
+
+It owns the parameters, the paged KV cache (sized from the device's free memory) and the last-token table, packs
+the scheduler's work into the fixed-shape batches of the compiled steps (rows, prompt tokens and block-table widths
+rounded up to the engine config's buckets; under a layout rows are rank-major, each rank's share padded to the
+same bucket) and dispatches them. Every call returns at once with device arrays (`Sampled`) that the engine reads
+later, so the host schedules the next step while the device runs this one. Warm-up compiles every bucket through
+the same dispatch code with all-padding batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from gptoss_jax import kv_cache, model, steps
+from gptoss_jax.config import ModelConfig
+from gptoss_jax.engine_config import EngineConfig, bucket
+from gptoss_jax.sampling import Sampled, SamplingBatch
+from gptoss_jax.scheduler import PrefillChunk, Sequence
+from pallas_kernels import KernelConfig
+from pallas_kernels.params import Params
+
+log = logging.getLogger(__name__)
+CPU_KV_BYTES = 64 << 20  # devices without memory statistics (CPU) get this much KV cache
+
+
+class ModelRunner:
+    """The device side of one engine: `model_config`'s `params` (already placed), `kernels` resolved for the
+    device, an optional `layout` (`sharding.rules.Layout`) and the engine `config`'s cache and bucket settings."""
+
+    def __init__(self, model_config: ModelConfig, params: Params, config: EngineConfig, kernels: KernelConfig,
+                 layout=None):
+        mc, ec = model_config, config
+        self.model_config, self.params, self.config, self.layout = mc, params, ec, layout
+        self.num_ranks = layout.num_ranks if layout is not None else 1
+        self.dtype = params.embed.dtype
+        self.st = steps.StepConfig(mc, kernels, layout, num_top=max(1, ec.max_logprobs),
+                                   num_steps=ec.decode_steps_per_call)
+        self.num_pages_full, self.num_pages_sliding = self._pool_sizes()
+        capacity = (self.num_pages_full - 1) * ec.page_size
+        if ec.max_model_len and ec.max_model_len > capacity:
+            raise ValueError(f"max_model_len={ec.max_model_len} exceeds the KV cache capacity of {capacity} tokens "
+                             f"({self.num_pages_full - 1} pages of {ec.page_size})")
+        self.max_model_len = min(ec.max_model_len or mc.max_position_embeddings, capacity)
+        self._ctx_buckets = ec.context_buckets(self.max_model_len)
+        R, n_full, n_sliding = self.num_ranks, self.num_pages_full, self.num_pages_sliding
+        # The cache and the last-token table are committed to their devices from the start. A step's outputs
+        # are committed whenever an input is (parameters the caller placed, say), so an uncommitted first
+        # cache would make warm-up compile programs that real calls then compile again.
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        self.cache = jax.jit(lambda: model.PagedKVCache.zeros(mc, R * n_sliding, R * n_full, ec.page_size, self.dtype),
+                             out_shardings=one if layout is None else layout.cache_sharding(mc.num_kv_heads))()
+        # Last sampled token per sequence slot; the extra slot takes padding rows' writes.
+        self._spare_slot = ec.max_num_seqs
+        last = np.zeros(ec.max_num_seqs + 1, np.int32)
+        self._last_tokens = jax.device_put(last, one if layout is None else layout.named(P()))
+        log.info("KV cache: %d full-layer pages, %d sliding pages of %d tokens; max_model_len %d", n_full, n_sliding,
+                 ec.page_size, self.max_model_len)
+
+    @property
+    def kernels(self) -> KernelConfig:
+        return self.st.kernels
+
+    def _pool_sizes(self) -> tuple[int, int]:
+        """(full, sliding) pages per attention rank: the config's count, or what `kv_cache_memory_fraction` of the
+        device memory left after the weights holds."""
+        mc, ec = self.model_config, self.config
+        kv_bytes = None
+        if ec.num_pages is None and ec.kv_cache_tokens is None:
+            stats = jax.devices()[0].memory_stats() or {}
+            if "bytes_limit" in stats:
+                kv_bytes = int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * ec.kv_cache_memory_fraction)
+            else:
+                kv_bytes = CPU_KV_BYTES
+        full_tokens = ec.kv_cache_tokens if ec.num_pages is None else (ec.num_pages - 1) * ec.page_size
+        return kv_cache.pool_sizes(mc.num_layers, mc.num_kv_heads, mc.head_dim, jnp.dtype(self.dtype).itemsize,
+                                   mc.sliding_window, ec.page_size, ec.max_num_seqs,
+                                   max(ec.prefill_chunk_size, ec.decode_steps_per_call), kv_bytes, full_tokens)
+
+    def close(self) -> None:
+        """Free the KV cache's device memory now (a new engine in the same process sizes its cache from free
+        memory, so it must not wait for garbage collection)."""
+        for buf in jax.tree.leaves((self.cache, self._last_tokens)):
+            buf.delete()
+
+    # ---- the steps ---------------------------------------------------------------------------------------------
+    def prefill(self, chunks: list[PrefillChunk]) -> tuple[Sampled, list[int]]:
+        """Dispatch one prefill call for `chunks` -> (its sampled tokens on device, each chunk's row)."""
+        ec = self.config
+        rows, row_of = self._rows([c.seq for c in chunks], ec.prefill_row_buckets())
+        T = bucket(max(c.num_tokens for c in chunks), ec.prefill_token_buckets())
+        return self._prefill(chunks, rows, row_of, T, self._width([c.start + c.num_tokens for c in chunks])), row_of
+
+    def decode(self, seqs: list[Sequence]) -> tuple[Sampled, list[int]]:
+        """Dispatch one (multi-step) decode call for `seqs` -> (its sampled tokens `[steps, rows]`, each row)."""
+        K = self.config.decode_steps_per_call
+        rows, row_of = self._rows(seqs, self.config.decode_buckets())
+        width = self._width([s.decode_span(K)[0] + K for s in seqs])
+        return self._decode(seqs, rows, row_of, width), row_of
+
+    def _prefill(self, chunks: list[PrefillChunk], rows: int, row_of: list[int], T: int, width: int) -> Sampled:
+        seqs = [c.seq for c in chunks]
+        tokens = np.zeros((rows, T), np.int32)
+        positions = np.full((rows, T), -1, np.int32)
+        last = np.zeros((rows,), np.int32)
+        for i, c in zip(row_of, chunks):
+            tokens[i, :c.num_tokens] = c.seq.token_ids[c.start:c.start + c.num_tokens]
+            positions[i, :c.num_tokens] = np.arange(c.start, c.start + c.num_tokens)
+            last[i] = c.num_tokens - 1
+        batch = steps.PrefillBatch(self._put(tokens), self._put(positions), self._tables(seqs, rows, width, row_of),
+                                   self._put(last), self._sampling(seqs, rows, row_of))
+        out, self.cache = steps.prefill(self.params, self.cache, batch, st=self.st)
+        self._last_tokens = steps.store_tokens(self._last_tokens, self._slots(seqs, rows, row_of), out.tokens)
+        return out
+
+    def _decode(self, seqs: list[Sequence], rows: int, row_of: list[int], width: int) -> Sampled:
+        K = self.config.decode_steps_per_call
+        positions = np.full((rows,), -1, np.int32)
+        positions[row_of] = [s.decode_span(K)[0] for s in seqs]
+        host = np.zeros((rows,), np.int32)  # -1: the input token is still on the device
+        host[row_of] = [-1 if s.num_pending else s.token_ids[-1] for s in seqs]
+        slots = self._slots(seqs, rows, row_of)
+        tokens = steps.load_tokens(self._last_tokens, slots, self._put(host))
+        batch = steps.DecodeBatch(tokens, self._put(positions), self._tables(seqs, rows, width, row_of),
+                                  self._sampling(seqs, rows, row_of))
+        out, self.cache = steps.decode(self.params, self.cache, batch, st=self.st)
+        self._last_tokens = steps.store_tokens(self._last_tokens, slots, out.tokens)
+        return out
+
+    def warmup(self) -> None:
+        """Compile every (rows, tokens, block-table width) bucket now, with all-padding batches."""
+        ec, R = self.config, self.num_ranks
+        for width in self._ctx_buckets:
+            for rows in (R * b for b in ec.decode_buckets()):
+                self._decode([], rows, [], width)
+            for rows in (R * b for b in ec.prefill_row_buckets()):
+                for T in ec.prefill_token_buckets():
+                    self._prefill([], rows, [], T, width)
+        jax.block_until_ready((self.cache, self._last_tokens))
+
+    def run(self, step_fn, *args) -> Any:
+        """`step_fn(params, cache, *args) -> (result, cache)` on this runner's parameters and cache (donated)."""
+        result, self.cache = step_fn(self.params, self.cache, *args)
+        return result
+
+    def prompt_chunk(self, seq: Sequence, start: int, n: int) -> tuple[jax.Array, jax.Array, model.PageTables]:
+        """Tokens, positions and tables of `seq`'s positions `[start, start + n)` as row 0 of a prefill-shaped call
+        (the other ranks get one padding row each), for `Engine.run_prompt`."""
+        T = bucket(n, self.config.prefill_token_buckets())
+        rows = self.num_ranks
+        tokens = np.zeros((rows, T), np.int32)
+        positions = np.full((rows, T), -1, np.int32)
+        tokens[0, :n], positions[0, :n] = seq.token_ids[start:start + n], np.arange(start, start + n)
+        return self._put(tokens), self._put(positions), self._tables([seq], rows, self._width([start + n]))
+
+    # ---- packing -----------------------------------------------------------------------------------------------
+    def _rows(self, seqs: list[Sequence], buckets: tuple[int, ...]) -> tuple[int, list[int]]:
+        """Padded row count and each sequence's row. Rows are rank-major: rank `r` owns rows
+        `[r * rows/R, (r + 1) * rows/R)`, each rank's share padded to the same bucket."""
+        if self.num_ranks == 1:
+            return bucket(len(seqs), buckets), list(range(len(seqs)))
+        counts, where = [0] * self.num_ranks, []
+        for s in seqs:
+            where.append((s.pages.rank, counts[s.pages.rank]))
+            counts[s.pages.rank] += 1
+        per = bucket(max(max(counts), 1), buckets)
+        return self.num_ranks * per, [r * per + i for r, i in where]
+
+    def _put(self, x: np.ndarray) -> jax.Array:
+        """A host batch array onto the device(s): rows split over the attention ranks."""
+        if self.layout is None:
+            return jnp.asarray(x)
+        return jax.device_put(x, self.layout.named(self.layout.batch_spec(x.ndim)))
+
+    def _width(self, end_positions: list[int]) -> int:
+        pages = math.ceil(max(end_positions) / self.config.page_size)
+        return bucket(min(pages, self._ctx_buckets[-1]), self._ctx_buckets)
+
+    def _tables(self, seqs: list[Sequence], rows: int, width: int, row_of: list[int] | None = None
+                ) -> model.PageTables:
+        sliding = np.zeros((rows, width), np.int32)
+        full = np.zeros((rows, width), np.int32)
+        cached = np.zeros((rows,), np.int32)
+        for i, seq in zip(row_of or range(len(seqs)), seqs):
+            s, f = seq.pages.sliding[:width], seq.pages.full[:width]
+            sliding[i, :len(s)], full[i, :len(f)], cached[i] = s, f, seq.full_cached
+        return model.PageTables(self._put(sliding), self._put(full), self._put(cached))
+
+    def _sampling(self, seqs: list[Sequence], rows: int, row_of: list[int]) -> SamplingBatch:
+        temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
+        top_k, min_p = np.zeros(rows, np.int32), np.zeros(rows, np.float32)
+        keys, want = np.zeros((rows, 2), np.uint32), np.zeros(rows, bool)
+        for i, s in zip(row_of, seqs):
+            p = s.params
+            temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+            keys[i], want[i] = s.key, p.logprobs is not None
+        return SamplingBatch(*(self._put(a) for a in (temperature, top_k, top_p, min_p, keys, want)))
+
+    def _slots(self, seqs: list[Sequence], rows: int, row_of: list[int]) -> jax.Array:
+        slots = np.full((rows,), self._spare_slot, np.int32)
+        for i, s in zip(row_of, seqs):
+            slots[i] = s.slot
+        return self._put(slots)
