@@ -46,7 +46,8 @@ H200 = Device("gpu", "9.0", 132)
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """The kernel switches and launch settings of an engine (`EngineConfig.kernels`)."""
+    """The kernel switches and launch settings of an engine (`EngineConfig.kernels`). Row and token limits
+    (`*_rows`, `*_tokens`) may be 0: that kernel then never runs."""
     # "pallas" (the kernels), "reference" (pure JAX), or "auto": the kernels on GPUs, the reference elsewhere (the
     # Pallas-Triton kernels only lower for GPUs; anywhere else they would run interpreted).
     impl: str = "auto"
@@ -109,9 +110,10 @@ class KernelConfig:
         if self.mosaic not in (None, True, False):
             raise ValueError(f"kernels.mosaic={self.mosaic!r}: true, false or null (Hopper decides)")
         for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if f.type == "int" and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ValueError(f"kernels.{f.name}={v!r}: must be an integer >= 1")
+            v, least = getattr(self, f.name), 0 if f.name.endswith(("_rows", "_tokens")) else 1
+            if f.type == "int" and (not isinstance(v, int) or isinstance(v, bool) or v < least):
+                raise ValueError(f"kernels.{f.name}={v!r}: must be an integer >= {least}"
+                                 + (" (0: never)" if least == 0 else ""))
         if self.linear_gemv_rows > linear_decode.MAX_ROWS:
             raise ValueError(f"kernels.linear_gemv_rows={self.linear_gemv_rows}: the GEMV kernel takes at most "
                              f"{linear_decode.MAX_ROWS} rows")
