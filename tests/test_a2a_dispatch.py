@@ -76,6 +76,7 @@ def _run(layout, params, router_w, router_b, x, kw):
     return np.asarray(fn(x, router_w, router_b, experts, jnp.int32(1)))
 
 
+@pytest.mark.slow  # multi-device MoE at its worst-case routing
 @pytest.mark.parametrize("model,replicas,favour", [(2, 4, [0, 1]), (3, 2, [1, 0])])
 def test_all_to_all_drops_nothing_at_the_worst_case(small_checkpoint, monkeypatch, model, replicas, favour):
     """Every token routed to one device's experts fills its receive buffer exactly: the result equals one

@@ -25,6 +25,7 @@ def test_incomplete_settings_rejected(monkeypatch):
         distributed.initialize("127.0.0.1:1", 2, 3)
 
 
+@pytest.mark.slow  # two processes form one mesh
 def test_two_cpu_processes_form_one_mesh(small_checkpoint):
     """Two real processes on loopback, 4 CPU devices each: expert parallelism across 'hosts'."""
     with socket.socket() as s:

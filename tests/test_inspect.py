@@ -169,6 +169,7 @@ def test_rejects_bad_ids(wide):
         wide.inspect([1, 10**6])
 
 
+@pytest.mark.slow  # the whole model on the interpreted kernels
 def test_inspection_through_the_kernels(small_checkpoint):
     """With the Pallas kernels (interpreted on CPU) the inspected forward is still the serving one: its
     logits equal `logits`, and the routing matches the reference path's on a prompt without near-ties."""

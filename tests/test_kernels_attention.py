@@ -121,6 +121,7 @@ def test_new_token_attention_matches_reference(window, S, splits, sink_scale):
         np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.slow  # the whole model on the interpreted kernels
 def test_decode_step_takes_the_new_token_kernel_and_matches_reference(monkeypatch):
     """A bf16 decode step of the tiny model with the kernels: each layer runs `attention_new_token` (spied), and
     the hidden states and every written cache slot match the reference path's from the same cache."""

@@ -136,6 +136,7 @@ def test_demo_checkpoint_text_round_trip(tmp_path, monkeypatch):
     assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
 
 
+@pytest.mark.slow  # the CLI as subprocesses
 def test_cli_json_and_errors(small_checkpoint):
     cmd = [sys.executable, "-m", "gptoss_jax.generate", "--model", str(small_checkpoint), "--prompt-ids",
            "5,6,7", "--max-tokens", "4", "--json", "--dtype", "float32"]

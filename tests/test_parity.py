@@ -15,6 +15,8 @@ from gptoss_jax import LLM, SamplingParams
 from pallas_kernels import moe_reference
 from parity_configs import MIN_ROUTER_MARGIN, PARITY
 
+pytestmark = pytest.mark.slow  # transformers parity: both checkpoints, fp32 and bf16, the kernel path
+
 GOLDEN = Path(__file__).parent / "golden"
 
 

@@ -17,6 +17,8 @@ pytest.importorskip("starlette")
 
 from server_utils import Server, collect_chat_stream  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a real server process over HTTP
+
 # One decode and one prefill program: every shape bucket collapses to a single size.
 CONFIG = """
 max_num_seqs: 32

@@ -93,6 +93,7 @@ def single_device_run(small_checkpoint):
     ("low_latency", 8, 1, False, "all_to_all"),
     ("max_throughput", 8, 1, True, "all_to_all"), ("max_throughput", 4, 2, False, "all_to_all"),
     ("max_throughput", 3, 2, True, "all_to_all")])
+@pytest.mark.slow  # engines on simulated multi-device meshes
 def test_sharded_engine_matches_single_device(small_checkpoint, single_device_run, mode, model, replicas, generate,
                                               dispatch):
     """fp32, 4 experts over 8 or 3 devices (padded): logits to 1e-5 and 24 greedy tokens exactly."""
@@ -125,6 +126,7 @@ def test_sharded_engine_matches_single_device(small_checkpoint, single_device_ru
 
 @pytest.mark.parametrize("mode,model,replicas,dispatch,generate", [("low_latency", 2, 4, "all_gather", False),
                                                                    ("max_throughput", 3, 2, "all_to_all", True)])
+@pytest.mark.slow  # engines on simulated multi-device meshes
 def test_kernels_under_a_layout_match_single_device(small_checkpoint, single_device_run, monkeypatch, mode, model,
                                                     replicas, dispatch, generate):
     """The kernels (interpreted on CPU) under a layout: every kernel is traced per device on its own shard

@@ -1,0 +1,117 @@
+"""`pallas_kernels.choice.choose`: which kernel runs each operation of gpt-oss-20b and -120b at serving row counts, on
+an H100, an H200 and a CPU, and the `KernelConfig` that feeds it (no kernel runs here: the choice alone)."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import pytest
+
+from gptoss_jax import config, engine_config
+from pallas_kernels import KernelConfig
+from pallas_kernels.choice import CPU, H100, H200, Device, choose
+
+PALLAS = KernelConfig(impl="pallas")
+ROWS = (1, 4, 16, 64, 256, 16384)
+
+
+def _moe_shape(preset):
+    c = config.preset(preset)
+    return (c.hidden_size, c.intermediate_size, c.num_experts, c.experts_per_token)
+
+
+def _choices(op, preset, device, dtype=jnp.bfloat16, kernels=PALLAS, shape=None):
+    return [choose(op, T, shape or _moe_shape(preset), dtype, device, kernels).kernel for T in ROWS]
+
+
+@pytest.mark.parametrize("device", [H100, H200], ids=["h100", "h200"])
+def test_moe_on_hopper(device):
+    """bf16 on Hopper: the fused decode block to 4 tokens, the half-precision GEMV while experts average <= 2 rows,
+    the Mosaic kernels to 32 rows per expert, then dequantized dense GEMMs (the 20b's 32 experts on the grouped
+    Mosaic GEMMs, the 120b's 128 in Triton groups)."""
+    assert _choices("moe", "gpt-oss-20b", device) == ["route", "route", "gemv16", "mosaic", "mosaic", "grouped"]
+    assert _choices("moe", "gpt-oss-120b", device) == ["route", "route", "gemv16", "gemv16", "mosaic", "dense"]
+    assert _choices("experts", "gpt-oss-20b", device) == ["gemv16", "gemv16", "gemv16", "mosaic", "mosaic",
+                                                          "grouped"]
+
+
+def test_moe_without_mosaic():
+    """Before Hopper, or with `mosaic: false`, the Triton tensor-core kernels take the mid-batch; fp32 models run
+    the f32 GEMV at a token and never the fused block or the Mosaic kernels."""
+    no_mosaic = dataclasses.replace(PALLAS, mosaic=False)
+    assert _choices("moe", "gpt-oss-20b", H200, kernels=no_mosaic) == ["route", "route", "gemv16", "mma", "mma",
+                                                                       "dense"]
+    assert _choices("moe", "gpt-oss-20b", CPU) == ["route", "route", "gemv16", "mma", "mma", "dense"]
+    assert _choices("moe", "gpt-oss-120b", H200, dtype=jnp.float32) == ["gemv", "gemv", "gemv", "mma", "mma", "dense"]
+
+
+def test_reference_everywhere_off_gpu_by_default():
+    auto = KernelConfig()
+    for op, shape in (("moe", _moe_shape("gpt-oss-20b")), ("projection", (2880, 4096, 512, 512)),
+                      ("attention", (1, 64, 8, 64))):
+        assert set(_choices(op, None, CPU, kernels=auto, shape=shape)) == {"reference"}
+        assert "reference" not in _choices(op, None, H200, kernels=auto, shape=shape)[:1]
+    assert set(_choices("moe", "gpt-oss-20b", H200, kernels=KernelConfig(impl="reference"))) == {"reference"}
+
+
+@pytest.mark.parametrize("preset", ["gpt-oss-20b", "gpt-oss-120b"])
+def test_projections(preset):
+    """q/k/v (one input, three weights) and o: one row on the Triton GEMV (q, k and v in one launch), 2-256 rows
+    on the Mosaic kernel on Hopper, else the GEMV to 64 rows (fused to 16) and XLA's GEMM beyond."""
+    c = config.preset(preset)
+    qkv = (c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim)
+    o = (c.num_heads * c.head_dim, c.hidden_size)
+    for shape in (qkv, o):
+        assert _choices("projection", None, H200, shape=shape) == ["gemv", "mosaic", "mosaic", "mosaic", "mosaic",
+                                                                   "reference"]
+        assert _choices("projection", None, CPU, shape=shape) == ["gemv", "gemv", "gemv", "gemv", "reference",
+                                                                  "reference"]
+    fused = [choose("projection", T, qkv, jnp.bfloat16, CPU, PALLAS).kw["fuse"] for T in (1, 16, 17, 64)]
+    assert fused == [True, True, False, False]
+    # the Mosaic launch: one wave of the device's SMs, within shared memory (`linear_mosaic.config`)
+    launch = choose("projection", 256, qkv, jnp.bfloat16, H200, PALLAS).kw
+    assert set(launch) == {"splits", "stages"} and launch["splits"] >= 1 and 2 <= launch["stages"] <= 8
+    assert choose("projection", 4, qkv, jnp.float32, H200, PALLAS).kernel == "gemv"  # wgmma reads 16-bit operands
+
+
+@pytest.mark.parametrize("device", [H200, CPU], ids=["h200", "cpu"])
+def test_attention(device):
+    """Decode rows to `new_token_rows` (256) take the new-token kernel, more rows the paged decode kernel; prefill
+    chunks the flash kernel; all with the config's launch settings."""
+    heads = (64, 8, 64)
+    assert _choices("attention", None, device, shape=(1, *heads)) == ["new_token"] * 5 + ["paged"]
+    assert set(_choices("attention", None, device, shape=(512, *heads))) == {"flash"}
+    launch = choose("attention", 1, (1, *heads), jnp.bfloat16, device, dataclasses.replace(PALLAS, attention_stages=2))
+    assert launch.kw == dict(block_kv=64, num_stages=2, num_warps=4, split_programs=1024, max_splits=32)
+
+
+def test_config_fields_are_the_switches():
+    """Variants are configs: a threshold of 0 turns a kernel off, `for_device` resolves "auto"."""
+    shape = _moe_shape("gpt-oss-20b")
+    assert choose("moe", 1, shape, jnp.bfloat16, H200, dataclasses.replace(PALLAS, moe_route_max_tokens=0)).kernel \
+        == "gemv16"
+    assert choose("attention", 1, (1, 64, 8, 64), jnp.bfloat16, H200,
+                  dataclasses.replace(PALLAS, new_token_rows=0)).kernel == "paged"
+    resolved = KernelConfig().for_device(H100)
+    assert (resolved.impl, resolved.mosaic, resolved.device) == ("pallas", True, H100)
+    assert KernelConfig().for_device(CPU).impl == "reference"
+    assert KernelConfig().for_device(Device("gpu", "8.0", 108)).mosaic is False  # Ampere: no wgmma
+    hash(resolved)  # a static argument of the compiled steps
+
+
+def test_yaml_and_errors(tmp_path):
+    path = tmp_path / "e.yaml"
+    path.write_text("max_num_seqs: 4\nkernels:\n  mosaic: false\n  linear_stages: 2\n")
+    ec = engine_config.load(path)
+    assert ec.kernels == KernelConfig(mosaic=False, linear_stages=2)
+    path.write_text("kernels:\n  linear_stage: 2\n")
+    with pytest.raises(config.ConfigError, match=r"e\.yaml.*unknown kernel setting 'linear_stage'"):
+        engine_config.load(path)
+    path.write_text("kernels:\n  linear_block_k: 0\n")
+    with pytest.raises(config.ConfigError, match=r"e\.yaml.*kernels\.linear_block_k=0: must be an integer >= 1"):
+        engine_config.load(path)
+    with pytest.raises(ValueError, match="impl='triton'"):
+        KernelConfig(impl="triton")
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        KernelConfig(linear_gemv_rows=65)
+    with pytest.raises(ValueError, match="unknown operation"):
+        choose("norm", 1, (), jnp.bfloat16, CPU, PALLAS)
