@@ -38,6 +38,7 @@ def test_make_checkpoint_then_convert_then_restore(tmp_path):
     assert (direct.unembed == restored.unembed).all()
 
 
+@pytest.mark.slow  # a tool run: engines warmed up for two jobs
 def test_bench_throughput_smoke(tmp_path):
     """The throughput benchmark's whole path (random weights, jobs, latency run, JSON) on a tiny model."""
     _run("bench_throughput", "--smoke", "--out", tmp_path / "tp.json")
@@ -49,6 +50,7 @@ def test_bench_throughput_smoke(tmp_path):
         assert job["host_s"].get("compiles", 0) == 0, job["host_s"]  # warm-up compiled every program it ran
 
 
+@pytest.mark.slow  # a tool run on 8 simulated devices
 def test_bench_sharded_smoke(tmp_path):
     """The sharded benchmark on 8 simulated devices: random weights in the kernels' layout, both dispatches."""
     _run("bench_sharded", "--smoke", "--mode", "max_throughput", "--dispatch", "both", "--batch", "2", "--layers", "2",
