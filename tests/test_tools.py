@@ -1,25 +1,36 @@
+import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import jax.numpy as jnp
+import pytest
 
 from gptoss_jax import checkpoint
+from pallas_kernels import KernelConfig
 
 REPO = Path(__file__).resolve().parent.parent
+TOOLS = sorted(p.stem for p in (REPO / "tools").glob("*.py") if p.stem != "__init__")
+OPTIONAL = ("torch", "transformers")  # only on the machines whose tools need them (peer_transformers, make_golden)
 
 
-def _run(*args):
-    res = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
-    return res.stdout
+def _python(*args, check=True):
+    res = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert not check or res.returncode == 0, res.stderr
+    return res
+
+
+def _run(tool, *args):
+    """`python -m tools.TOOL ARGS` from the repository root -> its stdout."""
+    return _python("-m", f"tools.{tool}", *args).stdout
 
 
 def test_make_checkpoint_then_convert_then_restore(tmp_path):
     cfg = REPO / "tests" / "tiny_config.json"
-    _run(REPO / "tools" / "make_checkpoint.py", "--config", cfg, "--out", tmp_path / "ck", "--layout", "original")
+    _run("make_checkpoint", "--config", cfg, "--out", tmp_path / "ck", "--layout", "original")
     assert (tmp_path / "ck" / "original" / "model.safetensors").exists()
-    out = _run(REPO / "tools" / "convert_checkpoint.py", "--model", tmp_path / "ck", "--cache-dir", tmp_path / "cache")
+    out = _run("convert_checkpoint", "--model", tmp_path / "ck", "--cache-dir", tmp_path / "cache")
     assert "ready" in out and len(list((tmp_path / "cache").iterdir())) == 1
     _, direct = checkpoint.load_params(tmp_path / "ck", jnp.bfloat16, progress=False)
     _, restored = checkpoint.load(tmp_path / "ck", jnp.bfloat16, cache_dir=tmp_path / "cache", progress=False)
@@ -27,11 +38,10 @@ def test_make_checkpoint_then_convert_then_restore(tmp_path):
     assert (direct.unembed == restored.unembed).all()
 
 
+@pytest.mark.slow  # a tool run: engines warmed up for two jobs
 def test_bench_throughput_smoke(tmp_path):
     """The throughput benchmark's whole path (random weights, jobs, latency run, JSON) on a tiny model."""
-    import json
-
-    _run(REPO / "tools" / "bench_throughput.py", "--smoke", "--out", tmp_path / "tp.json")
+    _run("bench_throughput", "--smoke", "--out", tmp_path / "tp.json")
     result = json.loads((tmp_path / "tp.json").read_text())
     names = [j["job"] for j in result["jobs"]]
     assert names == ["throughput 24/16", "latency"]
@@ -40,12 +50,11 @@ def test_bench_throughput_smoke(tmp_path):
         assert job["host_s"].get("compiles", 0) == 0, job["host_s"]  # warm-up compiled every program it ran
 
 
+@pytest.mark.slow  # a tool run on 8 simulated devices
 def test_bench_sharded_smoke(tmp_path):
     """The sharded benchmark on 8 simulated devices: random weights in the kernels' layout, both dispatches."""
-    import json
-
-    _run(REPO / "tools" / "bench_sharded.py", "--smoke", "--mode", "max_throughput", "--dispatch", "both",
-         "--batch", "2", "--layers", "2", "--context", "64", "--json", tmp_path / "s.json")
+    _run("bench_sharded", "--smoke", "--mode", "max_throughput", "--dispatch", "both", "--batch", "2", "--layers", "2",
+         "--context", "64", "--json", tmp_path / "s.json")
     rows = json.loads((tmp_path / "s.json").read_text())["results"]
     assert [(r["mode"], r["dispatch"], r["impl"]) for r in rows] == [
         ("max_throughput", "all_gather", "pallas"), ("max_throughput", "all_to_all", "pallas")]
@@ -56,12 +65,11 @@ def test_bench_sharded_smoke(tmp_path):
 
 
 def test_inspect_kernels_lowers_the_decode_step_for_cuda_on_the_cpu():
-    """`tools/inspect_kernels.py` finds every Pallas-Triton kernel of the batch-1 decode step, with its grid and
+    """`tools.inspect_kernels` finds every Pallas-Triton kernel of the batch-1 decode step, with its grid and
     launch settings, and restores what it patched (its compile half needs the triton wheel and is not run here)."""
     import jax
 
-    sys.path.insert(0, str(REPO / "tools"))
-    import inspect_kernels
+    from tools import inspect_kernels
 
     kernels = inspect_kernels.step_kernels(str(REPO / "tests" / "tiny_config.json"), 1, 64)
     by_name = {}
@@ -78,11 +86,64 @@ def test_inspect_kernels_lowers_the_decode_step_for_cuda_on_the_cpu():
 def test_resident_programs_follow_the_sm_limits():
     """Registers (per warp, in units of 256), warps, programs and shared memory each bound the programs an SM holds:
     the figures session 14's ncu report gave for the gate/up GEMV (64 registers, 128 threads: 8 programs)."""
-    sys.path.insert(0, str(REPO / "tools"))
-    from inspect_kernels import resident_programs
+    from tools.inspect_kernels import resident_programs
 
     assert resident_programs(64, 4, 1024) == 8
     assert resident_programs(65, 4, 1024) == 7  # 72 registers allocated
     assert resident_programs(52, 4, 73728) == 3  # shared memory: 3 x (72 + 1) KB of 228 KB
     assert resident_programs(16, 1, 0) == 32  # the programs-per-SM limit
     assert resident_programs(32, 16, 0) == 4  # the warps limit
+
+
+# In a fresh interpreter: every tool imports as `tools.NAME` (a missing optional package aside) without touching a
+# device (each main() applies `runtime.prepare()` first), and every script's `--help` works.
+_IMPORT_AND_HELP = f"""
+import contextlib, importlib, io, sys
+from jax._src import xla_bridge
+for name in sys.argv[1:]:
+    try:
+        module = importlib.import_module("tools." + name)
+    except ModuleNotFoundError as e:
+        if e.name.split(".")[0] in {OPTIONAL!r}:
+            continue
+        raise
+    assert not xla_bridge.backends_are_initialized(), "importing tools." + name + " touched a device"
+    if not hasattr(module, "main"):  # shared code, no script
+        continue
+    sys.argv = ["tools." + name, "--help"]
+    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):
+        module.main()
+    assert out.getvalue().startswith("usage:"), name
+"""
+
+
+def test_tools_are_a_package_without_path_hacks():
+    """Scripts run as `python -m tools.NAME` from the repository root: none edits `sys.path` to find the packages
+    or each other."""
+    for name in TOOLS:
+        assert "sys.path" not in (REPO / "tools" / f"{name}.py").read_text(), f"tools/{name}.py edits sys.path"
+    _python("-c", _IMPORT_AND_HELP, *TOOLS)
+
+
+def test_variants_are_kernel_configs():
+    """`--variant NAME:field=value,...` replaces `KernelConfig` fields (values as Python literals, or as a config
+    file spells true / false / null); a field KernelConfig lacks, or a value it rejects, is an error naming it."""
+    from tools.common import parse_variant
+
+    base = KernelConfig(impl="pallas")
+    name, kernels = parse_variant("unfused:moe_route_max_tokens=0, mosaic=false,linear_stages=2", base)
+    assert name == "unfused"
+    assert kernels == dataclasses.replace(base, moe_route_max_tokens=0, mosaic=False, linear_stages=2)
+    assert parse_variant("tree", base) == ("tree", base)
+    assert parse_variant("ref:impl=reference,mosaic=None")[1] == KernelConfig(impl="reference", mosaic=None)
+    assert parse_variant("q:impl='pallas',mosaic=True")[1] == KernelConfig(impl="pallas", mosaic=True)
+    for spec, error in [("x:linear_stagez=2", "KernelConfig has no field 'linear_stagez'"),
+                        ("x:device=1", "no field 'device'"),  # detected, never configured
+                        ("x:linear_stages=0", "must be an integer >= 1"),  # KernelConfig's own check
+                        ("x:linear_stages=2+", "not a Python literal"),
+                        ("x:linear_stages", "is not field=value"),
+                        (":linear_stages=2", "expected NAME:")]:
+        with pytest.raises(ValueError, match=error):
+            parse_variant(spec)
+    res = _python("-m", "tools.ab_decode", "--variant", "x:no_such_field=1", check=False)
+    assert res.returncode == 2 and "no field 'no_such_field'" in res.stderr, res.stderr

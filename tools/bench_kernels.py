@@ -1,16 +1,18 @@
 """GPU timings of the Pallas kernels against ceilings measured in the same run and the best XLA paths.
 
-    PYTHONPATH=. python3 tools/bench_kernels.py [--quick] [--out FILE]
+    python -m tools.bench_kernels [--quick] [--out FILE]
 
 Ceilings: device copy bandwidth (XLA u32 `x + 1` over 2 GiB, and torch `copy_` when torch is there;
 bytes read + written) and bf16 matmul rate (8192^3 through XLA, and torch).  Every row prints time,
 achieved bandwidth or FLOP rate, the ratio to the ceiling, and the XLA path on the same problem.
 Decode MoE runs over `L` stacked layers (different weights and routing per layer, more bytes than
-L2) unrolled in one jit, so time per layer excludes host dispatch and L2 reuse.
+L2) unrolled in one jit, so time per layer excludes host dispatch and L2 reuse. MoE configurations are a
+kernel module's `experts` (`pallas_kernels._EXPERTS`: its slot dispatch, kernels and combine; one-row slots
+dispatch nothing) with launch settings: each decode sweep starts from what `choice.choose` picks without the
+Mosaic GPU kernels, each prefill sweep from what it picks on this GPU.
 """
 
 import argparse
-import statistics
 import sys
 import time
 
@@ -18,9 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import (attention_reference, flash_attention, linear_decode, linear_mosaic, moe_decode,
-                            moe_prefill, moe_reference, paged_attention)
-from tools import kernel_cases as kc
+import pallas_kernels
+from gptoss_jax import runtime
+from pallas_kernels import (KernelConfig, attention_reference, expert_format, flash_attention, linear_decode,
+                            linear_mosaic, moe_dense, moe_reference, paged_attention)
+from pallas_kernels.choice import Device, choose
+from tools import common, kernel_cases as kc
 
 LINES = []
 
@@ -55,77 +60,49 @@ def fastest(label, cfgs, make_run, args, per, line):
 
 
 def timeit(f, *args, n=10, reps=5):
-    out = f(*args)
-    jax.block_until_ready(out)
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(n):
-            out = f(*args)
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t) / n)
-    return statistics.median(ts)
+    """Seconds per call of `f(*args)`: `n` calls back to back per round, median of `reps` rounds."""
+    return common.timeit(lambda: f(*args), warmup=1, reps=reps, calls=n)
 
 
 def ceilings():
-    x = jax.random.bits(jax.random.PRNGKey(0), (512 * 1024 * 1024,), jnp.uint32)  # 2 GiB
-    f = jax.jit(lambda a: a + 1)
-    t = timeit(f, x, n=10)
-    bw_xla = 2 * x.nbytes / t
-    del x
-    bw_torch = 0.0
-    mm_torch = 0.0
+    bw_xla = common.copy_bandwidth(2 << 30, warmup=1, reps=5, calls=10)
+    mm_xla = common.matmul_rate(8192, warmup=1, reps=5, calls=10)
+    bw_torch = mm_torch = 0.0
     try:
-        import torch
-        a = torch.empty(512 * 1024 * 1024, dtype=torch.int32, device="cuda").random_()
-        b = torch.empty_like(a)
-        for _ in range(3):
-            b.copy_(a)
-        torch.cuda.synchronize()
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-        ts = []
-        for _ in range(5):
-            ev[0].record()
-            for _ in range(10):
-                b.copy_(a)
-            ev[1].record()
-            torch.cuda.synchronize()
-            ts.append(ev[0].elapsed_time(ev[1]) / 10 / 1e3)
-        bw_torch = 2 * a.numel() * 4 / statistics.median(ts)
-        del a, b
-        m = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-        for _ in range(3):
-            m @ m
-        torch.cuda.synchronize()
-        ev[0].record()
-        for _ in range(10):
-            m @ m
-        ev[1].record()
-        torch.cuda.synchronize()
-        mm_torch = 2 * 8192**3 / (ev[0].elapsed_time(ev[1]) / 10 / 1e3)
-        del m
-        torch.cuda.empty_cache()
+        bw_torch, mm_torch = common.torch_copy_bandwidth(2 << 30), common.torch_matmul_rate(8192)
     except Exception as e:  # noqa: BLE001
         log(f"(torch ceilings unavailable: {e!r})")
-    a = jax.random.normal(jax.random.PRNGKey(1), (8192, 8192), jnp.float32).astype(jnp.bfloat16)
-    t = timeit(jax.jit(lambda u, v: jnp.dot(u, v, preferred_element_type=jnp.float32).astype(jnp.bfloat16)), a, a)
-    mm_xla = 2 * 8192**3 / t
     log(f"copy bandwidth: XLA {bw_xla/1e12:.2f} TB/s, torch copy_ {bw_torch/1e12:.2f} TB/s; "
         f"bf16 matmul 8192^3: XLA {mm_xla/1e12:.0f} TFLOP/s, torch {mm_torch/1e12:.0f} TFLOP/s")
     return max(bw_xla, bw_torch), max(mm_xla, mm_torch)
+
+
+def chosen(kernels: KernelConfig, model: str, T: int) -> dict:
+    """The experts configuration `kernels` (resolved) picks for `T` tokens of `model`'s shape, as a dict with its
+    `kernel`."""
+    s = kc.SHAPES[model]
+    c = choose("experts", T, (s["D"], s["I"], s["E"], s["k"]), jnp.bfloat16, kernels.device, kernels)
+    return {"kernel": c.kernel, **c.launch}
+
+
+def run_experts(cfg: dict, x, idx, w, kexp):
+    """The MoE kernel module `cfg["kernel"]` names (`pallas_kernels._EXPERTS`), the rest of `cfg` its launch."""
+    launch = dict(cfg)
+    return pallas_kernels._EXPERTS[launch.pop("kernel")](x, idx, w, kexp, swiglu_limit=kc.LIMIT,
+                                                         swiglu_alpha=kc.ALPHA, **launch)
 
 
 def expert_bytes(D, I):
     return (2 * I * D // 2 + 2 * I * D // 32 + 2 * I * 2) + (D * I // 2 + D * I // 32 + D * 2)
 
 
-def bench_moe_decode(model, Ts, bw, configs, L):
+def bench_moe_decode(model, Ts, bw, configs, L, engine: KernelConfig):
+    """Each configuration of `configs(T)` against the kernel `engine` picks and XLA's gather path."""
     s = kc.SHAPES[model]
     E, D, I, k = s["E"], s["D"], s["I"], s["k"]
     # Separate arrays per layer: slicing a stacked [L, ...] array inside jit would copy the layer.
     ex = [kc.experts(jax.random.PRNGKey(20 + i), E, D, I) for i in range(L)]
-    kx = [jax.jit(moe_decode.prepare_experts)(e) for e in ex]
-    layer = lambda tree, i: tree[i]
+    kx = [jax.jit(expert_format.prepare_experts)(e) for e in ex]
     for T in Ts:
         xs, idxs, ws, uniq = [], [], [], 0
         for li in range(L):
@@ -134,45 +111,24 @@ def bench_moe_decode(model, Ts, bw, configs, L):
             xs.append(x), idxs.append(idx), ws.append(w)
             uniq += len(np.unique(np.asarray(idx)))
         nbytes = uniq * expert_bytes(D, I) / L
-        best = None
-        for cfg in configs(T, k, E):
-            disp = [moe_decode.dispatch(idxs[i], ws[i], E, cfg["block_m"]) for i in range(L)]
+        best = fastest(f"moe_decode {model} T={T}", configs(T),
+                       lambda cfg: jax.jit(lambda xs, kx, cfg=cfg: [run_experts(cfg, xs[i], idxs[i], ws[i], kx[i])
+                                                                    for i in range(L)]),
+                       (xs, kx), L,
+                       lambda t, cfg: f"  moe_decode {model} T={T:3d} experts {t*1e6:8.1f} us  {nbytes/t/1e12:5.2f} "
+                                      f"TB/s = {nbytes/t/bw*100:5.1f}% of copy  cfg={cfg}")
+        if best is None:
+            continue
 
-            @jax.jit
-            def run(xs, disp, kx, cfg=cfg):
-                outs = []
-                for i in range(L):
-                    if cfg["kernel"] == "gemv16":  # no dispatch: one program row per (token, expert) pair
-                        outs.append(moe_decode.experts_forward(xs[i], idxs[i], ws[i], layer(kx, i),
-                                                               swiglu_limit=kc.LIMIT, swiglu_alpha=kc.ALPHA, **cfg))
-                        continue
-                    tok, w, _, se, ss, sr = disp[i]
-                    outs.append(moe_decode.run_kernels(xs[i], tok, w, se, ss, sr, layer(kx, i),
-                                                       swiglu_limit=kc.LIMIT, swiglu_alpha=kc.ALPHA, **cfg))
-                return outs
-            t = timed(f"moe_decode {model} T={T} {cfg}", run, xs, disp, kx)
-            if t is None:
-                continue
-            t /= L
-            log(f"  moe_decode {model} T={T:3d} kernels-only {t*1e6:8.1f} us  {nbytes/t/1e12:5.2f} TB/s "
-                f"= {nbytes/t/bw*100:5.1f}% of copy  cfg={cfg}")
-            if best is None or t < best[0]:
-                best = (t, cfg)
-
-        def full_pallas(xs, kx, cfg=best[1]):
-            return [moe_decode.experts_forward(xs[i], idxs[i], ws[i], layer(kx, i), swiglu_limit=kc.LIMIT,
-                                               swiglu_alpha=kc.ALPHA, **cfg) for i in range(L)]
-        t_full = timeit(jax.jit(full_pallas), xs, kx) / L
-
-        def xla_ref(xs, ex):
-            outs = []
-            for i in range(L):
-                outs.append(_ref_experts(xs[i], idxs[i], ws[i], layer(ex, i)))
-            return outs
-        t_ref = timeit(jax.jit(xla_ref), xs, ex) / L
-        log(f"ROW moe_decode {model:4s} T={T:3d} | pallas kernels {best[0]*1e6:8.1f} us {nbytes/best[0]/1e12:5.2f} TB/s "
-            f"({nbytes/best[0]/bw*100:4.1f}% of {bw/1e12:.2f}) | pallas+dispatch {t_full*1e6:8.1f} us | "
-            f"XLA gather+dequant+einsum {t_ref*1e6:8.1f} us | bytes {nbytes/1e6:.1f} MB")
+        def as_chosen(xs, kx):
+            return [pallas_kernels.experts(xs[i], idxs[i], ws[i], kx[i], None, swiglu_limit=kc.LIMIT,
+                                           swiglu_alpha=kc.ALPHA, kernels=engine) for i in range(L)]
+        t_chosen = timeit(jax.jit(as_chosen), xs, kx) / L
+        t_ref = timeit(jax.jit(lambda xs, ex: [_ref_experts(xs[i], idxs[i], ws[i], ex[i]) for i in range(L)]),
+                       xs, ex) / L
+        log(f"ROW moe_decode {model:4s} T={T:3d} | pallas best {best[0]*1e6:8.1f} us {nbytes/best[0]/1e12:5.2f} TB/s "
+            f"({nbytes/best[0]/bw*100:4.1f}% of {bw/1e12:.2f}) | as chosen ({chosen(engine, model, T)['kernel']}) "
+            f"{t_chosen*1e6:8.1f} us | XLA gather+dequant+einsum {t_ref*1e6:8.1f} us | bytes {nbytes/1e6:.1f} MB")
     del ex, kx
 
 
@@ -219,17 +175,18 @@ def bench_moe_prefill(model, T, mm, configs, bw, ragged=True):
     s = kc.SHAPES[model]
     E, D, I, k = s["E"], s["D"], s["I"], s["k"]
     ex = kc.experts(jax.random.PRNGKey(6), E, D, I)
-    kx = jax.jit(moe_decode.prepare_experts)(ex)
+    kx = jax.jit(expert_format.prepare_experts)(ex)
     x, rw, rb = kc.router(jax.random.PRNGKey(7), E, D, T)
     idx, w, _ = moe_reference.route(x, rw, rb, k)
     flops = 2 * T * k * (D * 2 * I + I * D)
     nbytes = len(np.unique(np.asarray(idx))) * expert_bytes(D, I)
-    rate = lambda t: (f"{flops/t/1e12:6.1f} TFLOP/s = {flops/t/mm*100:5.1f}% of matmul, "
-                      f"{nbytes/t/1e12:5.2f} TB/s = {nbytes/t/bw*100:5.1f}% of copy")
+
+    def rate(t):
+        return (f"{flops/t/1e12:6.1f} TFLOP/s = {flops/t/mm*100:5.1f}% of matmul, "
+                f"{nbytes/t/1e12:5.2f} TB/s = {nbytes/t/bw*100:5.1f}% of copy")
     best = None
     for cfg in configs:
-        f = jax.jit(lambda x, idx, w, kx, cfg=cfg: moe_prefill.experts(
-            x, idx, w, kx, swiglu_limit=kc.LIMIT, swiglu_alpha=kc.ALPHA, **cfg))
+        f = jax.jit(lambda x, idx, w, kx, cfg=cfg: run_experts(cfg, x, idx, w, kx))
         t = timed(f"moe_prefill {model} T={T} {cfg}", f, x, idx, w, kx, n=5, reps=3)
         if t is None:
             continue
@@ -281,7 +238,8 @@ def bench_linear(bw, Ts, configs, L=8):
                            lambda cfg: jax.jit(lambda x, w, ls: [linear_decode.linear(x, w, b, ls[i], **cfg)
                                                                  for i in range(L)]),
                            (x, w, layers), L,
-                           lambda t, cfg: f"  linear {name} T={T:3d} {t*1e6:7.1f} us {nbytes/t/1e12:5.2f} TB/s cfg={cfg}")
+                           lambda t, cfg: f"  linear {name} T={T:3d} {t*1e6:7.1f} us {nbytes/t/1e12:5.2f} TB/s "
+                                          f"cfg={cfg}")
             t_stk = timeit(jax.jit(lambda x, w, ls: [linear_decode.reference(x, w, b, ls[i]) for i in range(L)]),
                            x, w, layers) / L
             t_sep = timeit(jax.jit(lambda x, ws: [jnp.einsum("ti,oi->to", x, wi, preferred_element_type=jnp.float32)
@@ -334,7 +292,7 @@ def bench_linear_mosaic(bw, mm, Ts, splits_opts, L=8):
         for T in Ts:
             x = jax.random.normal(jax.random.PRNGKey(T), (T, K), jnp.float32).astype(jnp.bfloat16)
             flops = 2 * T * sum(Os) * K
-            base = linear_mosaic.config(T, K, Os)
+            base = linear_mosaic.config(T, K, Os, Device.current().num_sms)
             cfgs = [base] + [dict(base, splits=s) for s in splits_opts if s != base["splits"] and (K // 64) % s == 0]
             best = fastest(f"linear_mosaic {name} T={T}", cfgs,
                            lambda cfg: jax.jit(lambda x, ws, ls: [linear_mosaic.linear_many(x, ws, bs, ls[i], **cfg)
@@ -345,19 +303,21 @@ def bench_linear_mosaic(bw, mm, Ts, splits_opts, L=8):
             t_tri = None
             if T <= linear_decode.MAX_ROWS:
                 t_tri = timeit(jax.jit(lambda x, ws, ls: [linear_decode.linear_many(x, ws, bs, ls[i])
-                                                          if T <= linear_decode.FUSE_ROWS else
+                                                          if T <= KernelConfig().linear_fuse_rows else
                                                           [linear_decode.linear(x, w, b, ls[i]) for w, b in zip(ws, bs)]
                                                           for i in range(L)]), x, ws, layers) / L
-            t_stk = timeit(jax.jit(lambda x, ws, ls: [[linear_decode.reference(x, w, b, ls[i]) for w, b in zip(ws, bs)]
-                                                      for i in range(L)]), x, ws, layers) / L
-            t_sep = timeit(jax.jit(lambda x, seps: [[jnp.einsum("ti,oi->to", x, s[i], preferred_element_type=jnp.float32)
+            t_stk = timeit(jax.jit(lambda x, ws, ls: [[linear_decode.reference(x, w, b, ls[i])
+                                                       for w, b in zip(ws, bs)] for i in range(L)]), x, ws, layers) / L
+            t_sep = timeit(jax.jit(lambda x, seps: [[jnp.einsum("ti,oi->to", x, s[i],
+                                                                preferred_element_type=jnp.float32)
                                                      for s in seps] for i in range(L)]), x, seps) / L
             tri = f"{t_tri*1e6:6.1f} us" if t_tri else "-"
             if best:
-                log(f"ROW linear_mosaic {name} [{'+'.join(map(str, Os))} x {K}] T={T:3d} | mosaic {best[0]*1e6:6.1f} us "
-                    f"{nbytes/best[0]/1e12:5.2f} TB/s ({nbytes/best[0]/bw*100:4.1f}% of copy {bw/1e12:.2f}; "
-                    f"{flops/best[0]/mm*100:4.1f}% of matmul) cfg={best[1]} | triton {tri} | XLA stacked {t_stk*1e6:6.1f} us "
-                    f"| XLA separate {t_sep*1e6:6.1f} us")
+                log(f"ROW linear_mosaic {name} [{'+'.join(map(str, Os))} x {K}] T={T:3d} | mosaic "
+                    f"{best[0]*1e6:6.1f} us {nbytes/best[0]/1e12:5.2f} TB/s "
+                    f"({nbytes/best[0]/bw*100:4.1f}% of copy {bw/1e12:.2f}; "
+                    f"{flops/best[0]/mm*100:4.1f}% of matmul) cfg={best[1]} | triton {tri} | XLA stacked "
+                    f"{t_stk*1e6:6.1f} us | XLA separate {t_sep*1e6:6.1f} us")
         del ws, seps
 
 
@@ -438,7 +398,8 @@ def bench_flash(mm, cases, cfgs):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    runtime.prepare()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="")
     ap.add_argument("--models", default="20b,120b", help="MoE shapes to run")
@@ -451,9 +412,11 @@ def main():
     only = set(args.only.split(",")) if args.only else {"linear", "linear_mosaic", "moe_decode", "paged", "flash",
                                                         "moe_prefill", "ragged"}
 
-    def dec_cfgs(T, k, E):
-        base = moe_decode.decode_config(T, k, E, half=True)
-        out = [base]
+    auto, triton = (KernelConfig(impl="pallas", mosaic=m).for_device() for m in (None, False))
+
+    def dec_cfgs(model, T):
+        k, E = kc.SHAPES[model]["k"], kc.SHAPES[model]["E"]
+        out = [chosen(triton, model, T)]
         if args.quick:
             return out
         g16 = dict(kernel="gemv16", block_m=1, block_n=16, block_k=512, block_n_down=16, num_warps=4,
@@ -479,7 +442,7 @@ def main():
                  dict(block_n=32, block_k=256, programs=1056, num_warps=4, num_stages=2)]
         bench_linear(bw, (1, 16, 64), lcfgs[:1] if args.quick else lcfgs)
         bench_linear_many(bw, lcfgs[:1] if args.quick else lcfgs)
-    if "linear_mosaic" in only and linear_mosaic.available():
+    if "linear_mosaic" in only and Device.current().hopper:
         bench_linear_mosaic(bw, mm, (1, 2, 8, 32, 64, 128, 256), () if args.quick else (1, 2, 3, 4, 5, 8, 9, 16))
     log(f"[{time.time()-t0:.0f}s]")
     if "moe_decode" in only:
@@ -487,7 +450,7 @@ def main():
             if args.tokens:
                 Ts = tuple(int(t) for t in args.tokens.split(","))
             if model in args.models.split(","):
-                bench_moe_decode(model, Ts, bw, dec_cfgs, L=L)
+                bench_moe_decode(model, Ts, bw, lambda T, model=model: dec_cfgs(model, T), L, auto)
     log(f"[{time.time()-t0:.0f}s]")
     if "paged" in only:
         bench_paged(bw, [(64, 8192, 2**31 - 1, 16), (64, 8192, 128, 16), (8, 32768, 2**31 - 1, 16)],
@@ -506,14 +469,15 @@ def main():
         def mma(bm, bn, bk, swap, warps, stages=3):
             return dict(kernel="mma", block_m=bm, block_n=bn, block_k=bk, block_n_down=bn, num_warps=warps,
                         num_stages=stages, swap=swap)
+
         def dense(bm, bn, bk, warps, stages=3):
             return dict(kernel="dense", block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
-                        group=32)
+                        group=moe_dense.GROUP)
         for T in (int(t) for t in args.prefill_tokens.split(",")):
             for model in args.models.split(","):
-                E = kc.SHAPES[model]["E"]
-                cfgs = [moe_prefill.auto_config(T, 4, E, jnp.bfloat16)] + (
-                    [dict(moe_prefill.DENSE_CONFIG), dense(128, 128, 64, 8, 4), mma(128, 64, 128, True, 4)] if T >= 4096
+                # from 64 rows per expert, the Pallas-Triton choice is the dense GEMMs' configuration
+                cfgs = [chosen(auto, model, T)] + (
+                    [chosen(triton, model, T), dense(128, 128, 64, 8, 4), mma(128, 64, 128, True, 4)] if T >= 4096
                     else [mma(64, 32, 256, False, 4), mma(32, 32, 256, False, 4), mma(64, 64, 128, True, 4),
                           mma(128, 64, 128, True, 4), dense(128, 128, 64, 8)])
                 bench_moe_prefill(model, T, mm, cfgs[:1] if args.quick else cfgs, bw, ragged=T >= 4096)

@@ -6,26 +6,20 @@ a full-vocabulary cumulative sum, a full sort), against the copy bandwidth measu
 At batch 256 the logits are 206 MB of fp32: a pass over them is ~0.1 ms at the copy bandwidth, so
 anything much slower than a few passes is the sampler, not the memory.
 
-    python tools/bench_sampling.py --batches 1,64,256 --out $OUT/sampling.json
+    python -m tools.bench_sampling --batches 1,64,256 --out $OUT/sampling.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from gptoss_jax import sampling  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import copy_bandwidth  # noqa: E402
-from bench_reference import timeit  # noqa: E402
+from gptoss_jax import runtime, sampling
+from tools.common import copy_bandwidth, timeit
 
 VOCAB = 201_088
 KINDS = {  # temperature, top_k, top_p, min_p
@@ -59,11 +53,12 @@ PIECES = {
 
 
 def main() -> None:
+    runtime.prepare()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--out", default="sampling.json")
     args = ap.parse_args()
-    result = {"device": jax.devices()[0].device_kind, "vocab": VOCAB, "copy_TBps": copy_bandwidth() / 1e12,
+    result = {"device": jax.devices()[0].device_kind, "vocab": VOCAB, "copy_TBps": copy_bandwidth(warmup=1) / 1e12,
               "measurements": []}
     print(f"copy bandwidth {result['copy_TBps']:.2f} TB/s", flush=True)
     sample = jax.jit(sampling.sample)
@@ -75,12 +70,12 @@ def main() -> None:
         for kind, (t, k, p, m) in KINDS.items():
             full = lambda v, dt=jnp.float32: jnp.full((B,), v, dt)  # noqa: E731
             argv = (logits, keys, full(t), full(k, jnp.int32), full(p), full(m))
-            ms = 1e3 * timeit(lambda: sample(*argv).block_until_ready(), warmup=2, reps=20)
+            ms = 1e3 * timeit(lambda: sample(*argv), warmup=2, reps=20)
             result["measurements"].append({"batch": B, "what": f"sample, {kind}", "ms": ms, "passes": ms / one_pass_ms})
             print(f"B={B:4d} sample, {kind:12s} {ms:8.3f} ms ({ms / one_pass_ms:6.1f} copy passes)", flush=True)
         for name, fn in PIECES.items():
             f = jax.jit(fn)
-            ms = 1e3 * timeit(lambda: f(logits).block_until_ready(), warmup=2, reps=20)
+            ms = 1e3 * timeit(lambda: f(logits), warmup=2, reps=20)
             result["measurements"].append({"batch": B, "what": name, "ms": ms, "passes": ms / one_pass_ms})
             print(f"B={B:4d} {name:20s} {ms:8.3f} ms ({ms / one_pass_ms:6.1f} copy passes)", flush=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

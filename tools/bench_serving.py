@@ -1,6 +1,6 @@
 """Load generator for any OpenAI-compatible server (this one, vLLM, SGLang, TRT-LLM, ...).
 
-    python tools/bench_serving.py --base-url http://127.0.0.1:8000 --num-prompts 200 --concurrency 32 \
+    python -m tools.bench_serving --base-url http://127.0.0.1:8000 --num-prompts 200 --concurrency 32 \
         --input-len 1024 --output-len 256 [--request-rate 8] [--endpoint chat|completions] [--json out.json]
 
 Sends streamed requests with synthetic prompts of about `--input-len` tokens, at most `--concurrency`
@@ -103,7 +103,8 @@ async def one_request(client: httpx.AsyncClient, args, prompt: str, out_len: int
 async def run(args) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.concurrency + 4, max_keepalive_connections=args.concurrency + 4)
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=args.timeout, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=args.timeout,
+                                 limits=limits) as client:
         if not args.model:
             r = await client.get("/v1/models")
             r.raise_for_status()
@@ -171,7 +172,8 @@ def main(argv=None) -> int:
     p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); default: all at once")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests/s (Poisson); default: all at once")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--range-ratio", type=float, default=0.0, help="output lengths uniform in len*(1±ratio)")

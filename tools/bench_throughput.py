@@ -7,10 +7,11 @@ profile. Latency: one request under the low_latency profile. Prints output token
 (time per output token after the first). Weights are random at the real shape, drawn on device in
 the kernels' layout.
 
-    python tools/bench_throughput.py --preset gpt-oss-20b --jobs 1024/1024x256,8192/1024x64 --out $OUT/tp.json
-    python tools/bench_throughput.py --smoke                                   # tiny model, CPU check
-    python tools/bench_throughput.py --jobs 1024/1024x512 --set max_num_seqs=512 --set max_prefill_seqs=8
-    python tools/bench_throughput.py --jobs 1024/1024x256 --skip latency --trace-step 300   # GPU idle time, host split
+    python -m tools.bench_throughput --preset gpt-oss-20b --jobs 1024/1024x256,8192/1024x64 --out $OUT/tp.json
+    python -m tools.bench_throughput --smoke                                   # tiny model, CPU check
+    python -m tools.bench_throughput --jobs 1024/1024x512 --set max_num_seqs=512 --set max_prefill_seqs=8
+    python -m tools.bench_throughput --jobs 1024/1024x256 --set 'kernels={moe_route_max_tokens: 0}'
+    python -m tools.bench_throughput --jobs 1024/1024x256 --skip latency --trace-step 300   # GPU idle time, host split
 """
 
 from __future__ import annotations
@@ -19,35 +20,26 @@ import argparse
 import collections
 import contextlib
 import dataclasses
-import functools
 import gc
 import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import jax
+import numpy as np
+import yaml
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import yaml  # noqa: E402
-
-import pallas_kernels  # noqa: E402
-from gptoss_jax import config, engine as engine_lib, engine_config  # noqa: E402
-from pallas_kernels import params as params_lib  # noqa: E402
-from gptoss_jax import steps as steps_lib  # noqa: E402
-from gptoss_jax.engine import Engine  # noqa: E402
-from gptoss_jax.random_weights import DEMO_CONFIG, random_params  # noqa: E402
-from gptoss_jax.sampling import SamplingParams  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import copy_bandwidth  # noqa: E402
-from profile_decode import summarize_trace  # noqa: E402
+from gptoss_jax import config, engine_config, runtime, steps as steps_lib
+from gptoss_jax.engine import Engine
+from gptoss_jax.random_weights import DEMO_CONFIG
+from gptoss_jax.sampling import SamplingParams
+from pallas_kernels import KernelConfig
+from pallas_kernels import params as params_lib
+from tools.common import copy_bandwidth, random_params, resolved, summarize_trace
 
 SMOKE = dict(DEMO_CONFIG, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, experts_per_token=2,
              vocab_size=512, hidden_size=64, intermediate_size=64, head_dim=16, num_attention_heads=4,
@@ -55,49 +47,62 @@ SMOKE = dict(DEMO_CONFIG, num_hidden_layers=2, num_local_experts=4, num_experts_
 
 
 @contextlib.contextmanager
-def host_timers(engine: Engine):
-    """Seconds the engine's host loop spends per part, summed while the block runs (wraps this engine's
-    methods and, until the block ends, the engine module's device-to-host read and the compiled steps):
-    `schedule`; `launch` (building a call's inputs and dispatching it, of which `dispatch_decode` and
-    `dispatch_prefill` are the jit calls); `collect` (reading a call's tokens and applying them, of which
-    `wait` blocks on the device). With async scheduling a device-bound loop waits; a host-bound one, or
-    one whose dispatch blocks, does not. Also `compile` (XLA compilations inside the block, in seconds,
-    and `compiles`, their count): after warm-up there should be none, and a program compiled again
-    (say, for an argument that came back committed) does not show in `steps.TRACES`."""
-    totals: collections.Counter = collections.Counter()
-
-    def timed(name, fn):
-        @functools.wraps(fn)
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                totals[name] += time.perf_counter() - t
-        return wrapper
-
-    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
-    engine._launch = timed("launch", engine._launch)
-    engine._collect = timed("collect", engine._collect)
-    patched = [(engine_lib, "_to_host", "wait"), (steps_lib, "decode", "dispatch_decode"),
-               (steps_lib, "prefill", "dispatch_prefill")]
-    originals = [getattr(mod, name) for mod, name, _ in patched]
-    for (mod, name, part), fn in zip(patched, originals):
-        setattr(mod, name, timed(part, fn))
+def _timer(totals: collections.Counter, part: str):
+    t0 = time.perf_counter()
     try:
-        with steps_lib.compilations() as compiled:
-            yield totals
+        yield
     finally:
-        totals["compile"] += sum(seconds for _, seconds in compiled)
-        totals["compiles"] += len(compiled)
-        for (mod, name, _), fn in zip(patched, originals):
-            setattr(mod, name, fn)
+        totals[part] += time.perf_counter() - t0
 
 
-def run_job(engine: Engine, prompts: list[list[int]], output_len: int, trace: tuple[int, str] | None = None) -> dict:
+class _Timed:
+    """`obj` with the methods named in `parts` (method name -> part) timed into `totals`; the rest passes through."""
+
+    def __init__(self, obj, totals: collections.Counter, **parts: str):
+        self._obj, self._totals, self._parts = obj, totals, parts
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._obj, name)
+        if name not in self._parts:
+            return attr
+
+        def timed(*args, **kwargs):
+            with _timer(self._totals, self._parts[name]):
+                return attr(*args, **kwargs)
+        return timed
+
+
+class TimedEngine(Engine):
+    """The engine with its host loop timed by part (seconds, in `timers`): `schedule`; `launch` (building a step's
+    calls and dispatching them, of which `dispatch_prefill` / `dispatch_decode` are the model runner's calls:
+    packing the inputs, and the jit calls); `collect` (reading a step's tokens and applying them, of which `wait`
+    blocks on the device). With async scheduling a device-bound loop waits; a host-bound one, or one whose
+    dispatch blocks, does not. Only this engine's own methods and members are wrapped (after its warm-up)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.timers: collections.Counter = collections.Counter()
+        self.scheduler = _Timed(self.scheduler, self.timers, schedule="schedule")
+        self.runner = _Timed(self.runner, self.timers, prefill="dispatch_prefill", decode="dispatch_decode")
+
+    def _launch(self, work):
+        with _timer(self.timers, "launch"):
+            return super()._launch(work)
+
+    def _collect(self, call):
+        with _timer(self.timers, "collect"):
+            with _timer(self.timers, "wait"):
+                jax.block_until_ready((call.prefill_out, call.decode_out))
+            return super()._collect(call)
+
+
+def run_job(engine: TimedEngine, prompts: list[list[int]], output_len: int,
+            trace: tuple[int, str] | None = None) -> dict:
     """`trace=(step, dir)`: a `jax.profiler` trace of engine steps `step` to `step + 7` (fewer if the job
     ends first), summed per GPU kernel into the result (pick a step in the decode phase to see the
-    device's idle time there)."""
+    device's idle time there). `host_s`: the engine's `timers`, and `compile` (seconds of XLA compilation during
+    the job) with `compiles` (their count): after warm-up there should be none, and a program compiled again
+    (say, for an argument that came back committed) does not show in `steps.TRACES`."""
     sp = SamplingParams(temperature=1.0, max_tokens=output_len, stop_token_ids=[], seed=0)
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
@@ -107,12 +112,12 @@ def run_job(engine: Engine, prompts: list[list[int]], output_len: int, trace: tu
     traced, t_trace = None, None
 
     def stop_trace():  # after 8 steps, or when the job ends sooner
-        jax.block_until_ready(engine.cache)
+        jax.block_until_ready(engine.runner.cache)
         jax.profiler.stop_trace()
         return {"first_step": trace[0], "steps": len(steps) - trace[0],
                 "wall_us": (time.perf_counter() - t_trace) * 1e6}
 
-    with host_timers(engine) as timers:
+    with steps_lib.compilations() as compiled:
         while engine.has_unfinished_requests():
             if trace and len(steps) == trace[0]:
                 jax.profiler.start_trace(trace[1], create_perfetto_trace=True)
@@ -139,7 +144,8 @@ def run_job(engine: Engine, prompts: list[list[int]], output_len: int, trace: tu
     stats = engine.stats()
     if traced:
         traced["threads"] = summarize_trace(trace[1])
-    return {"host_s": dict(timers), "trace": traced, "requests": len(prompts), "input_len": len(prompts[0]),
+    host = dict(engine.timers, compile=sum(seconds for _, seconds in compiled), compiles=len(compiled))
+    return {"host_s": host, "trace": traced, "requests": len(prompts), "input_len": len(prompts[0]),
             "output_len": output_len,
             "seconds": elapsed, "output_tokens": n_out, "output_tok_s": n_out / elapsed,
             "total_tok_s": (n_out + sum(map(len, prompts))) / elapsed,
@@ -152,6 +158,7 @@ def run_job(engine: Engine, prompts: list[list[int]], output_len: int, trace: tu
 
 
 def main() -> None:
+    runtime.prepare()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="gpt-oss-20b")
     ap.add_argument("--smoke", action="store_true", help="tiny model and job, for a CPU check of the script")
@@ -165,7 +172,8 @@ def main() -> None:
     ap.add_argument("--impl", choices=["pallas", "reference"], default=None, help="default: pallas on GPU")
     ap.add_argument("--skip", choices=["throughput", "latency"], help="leave out those jobs")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="engine setting for the throughput jobs, over the profile (repeatable)")
+                    help="engine setting (YAML value) for the throughput jobs, over the profile (repeatable); "
+                    "kernel settings: 'kernels={FIELD: VALUE, ...}'")
     ap.add_argument("--trace-step", type=int, default=0,
                     help="trace 8 engine steps of each throughput job from this one (0: no trace)")
     ap.add_argument("--out", default="throughput.json")
@@ -196,14 +204,14 @@ def main() -> None:
     # the GPU machine's copy of the tree can report a stale HEAD: say the commit there with GPTOSS_JAX_COMMIT
     commit = os.environ.get("GPTOSS_JAX_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    kernels = resolved(KernelConfig(impl=args.impl or "auto"))
     result = {"preset": "smoke" if args.smoke else args.preset, "device": jax.devices()[0].device_kind,
-              "jax": jax.__version__, "commit": commit or "unknown", "impl": args.impl or pallas_kernels.default_impl(),
-              "jobs": []}
+              "jax": jax.__version__, "commit": commit or "unknown", "impl": kernels.impl, "jobs": []}
     if not args.smoke:  # the ceiling, measured in the same run
-        result["copy_TBps"] = copy_bandwidth() / 1e12
+        result["copy_TBps"] = copy_bandwidth(warmup=1) / 1e12
         print(f"copy bandwidth {result['copy_TBps']:.2f} TB/s", flush=True)
     t0 = time.perf_counter()
-    params = random_params(cfg, jnp.bfloat16, impl=result["impl"])
+    params = random_params(cfg, kernels)
     jax.block_until_ready(params)
     result["param_bytes"] = params_lib.nbytes(params)
     print(f"random weights: {result['param_bytes'] / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f}s", flush=True)
@@ -217,7 +225,7 @@ def main() -> None:
         # One block-table width, and prefill buckets from the prompt length up: a short fixed set of
         # programs to compile, and no prompt padded past its own length.
         chunk = engine_config.load(profile, **job_settings).prefill_chunk_size
-        engine = Engine(loaded=(cfg, params), config=profile, impl=args.impl,
+        engine = TimedEngine(loaded=(cfg, params), config=profile, impl=args.impl,
                         **{**job_settings, "max_model_len": max_len, "min_context_bucket": max_len,
                            "warmup": True, "min_prefill_bucket": min(input_len, chunk)})
         warm = time.perf_counter() - t0

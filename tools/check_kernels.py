@@ -1,21 +1,24 @@
 """GPU correctness of the Pallas kernels against the pure-JAX references on fresh random inputs.
 
-    PYTHONPATH=. python3 tools/check_kernels.py [--seed N]
+    python -m tools.check_kernels [--seed N]
 
 Prints one row per case: kernel, shape, relative L2 error vs reference, finite, pass (< 2e-2; both
-sides are bf16 so ~1e-3..5e-3 is expected).
+sides are bf16 so ~1e-3..5e-3 is expected). MoE cases run the kernel `choice.choose` picks for their rows on
+this GPU (`auto`), or on it without the Mosaic GPU kernels (`triton`), with some launch settings replaced.
 """
 
 import argparse
-import functools
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import (attention_reference, flash_attention, linear_decode, linear_mosaic, moe_decode,
-                            moe_prefill, moe_reference, paged_attention)
+import pallas_kernels
+from gptoss_jax import runtime
+from pallas_kernels import (KernelConfig, attention_reference, expert_format, flash_attention, linear_decode,
+                            linear_mosaic, moe_reference, paged_attention)
+from pallas_kernels.choice import Device, choose
 from tools import kernel_cases as kc
 
 TOL = 2e-2
@@ -71,7 +74,8 @@ def check_linear_mosaic(key):
     cases = [(T, (4096, 512, 512), 2880) for T in (1, 5, 64, 100, 256)]
     cases += [(T, (2880,), 4096) for T in (1, 64, 256)] + [(37, (200, 64), 640)]
     for T, Os, K in cases:
-        for cfg in (linear_mosaic.config(T, K, Os), dict(splits=K // linear_mosaic.TILE_K, stages=2)):
+        for cfg in (linear_mosaic.config(T, K, Os, Device.current().num_sms),
+                    dict(splits=K // linear_mosaic.TILE_K, stages=2)):
             key, kx, kw, kb = jax.random.split(key, 4)
             L = 24
             x = jax.random.normal(kx, (T, K), jnp.float32).astype(jnp.bfloat16)
@@ -88,54 +92,65 @@ def check_linear_mosaic(key):
     return rows
 
 
+def moe(kernels: KernelConfig, **override):
+    """`moe_reference.moe`'s signature on the kernels: routing, then the experts on the kernel `kernels` chooses for
+    the rows, with `override` replacing the kernel or launch settings it names -> (out, kernel that ran)."""
+    def run(x, rw, rb, kexp, *, top_k, swiglu_limit, swiglu_alpha):
+        idx, w, _ = moe_reference.route(x, rw, rb, top_k)
+        D, I, E = x.shape[1], kexp.gu_words.shape[-2], rw.shape[0]
+        c = choose("experts", x.shape[0], (D, I, E, top_k), x.dtype, kernels.device, kernels)
+        launch = c.kw | override
+        kernel = launch.pop("kernel", c.kernel)
+        return pallas_kernels._EXPERTS[kernel](x, idx, w, kexp, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha,
+                                               **launch), kernel
+    return run
+
+
 def main():
-    ap = argparse.ArgumentParser()
+    runtime.prepare()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     args = ap.parse_args()
     key = jax.random.PRNGKey(args.seed)
     rows = []
     print(f"device: {jax.devices()[0].device_kind}  seed {args.seed}")
 
+    # the kernel the engine would run on this GPU, and the Pallas-Triton kernels alone
+    auto, triton = (KernelConfig(impl="pallas", mosaic=m).for_device() for m in (None, False))
     for name, (model, T, empty, fn) in {
-        "moe_decode": ("20b", 1, (), moe_decode.moe),
-        "moe_decode ": ("20b", 3, (0, 5), moe_decode.moe),
-        "moe_decode  ": ("20b", 17, (1,), moe_decode.moe),
-        "moe_decode   ": ("120b", 5, (7,), moe_decode.moe),
-        "moe_decode nopf": ("120b", 2, (), functools.partial(moe_decode.moe, prefetch=False, block_k=256)),
-        "moe_decode gemv f32": ("20b", 2, (4,), functools.partial(moe_decode.moe, kernel="gemv", block_m=1)),
-        "moe_decode gemv f32 bm2": ("120b", 9, (), functools.partial(moe_decode.moe, kernel="gemv", block_m=2,
-                                                                      prefetch=False)),
-        "moe_decode gemv16": ("20b", 1, (), functools.partial(moe_decode.moe, kernel="gemv16", block_m=1)),
-        "moe_decode gemv16 ": ("20b", 17, (1,), functools.partial(moe_decode.moe, kernel="gemv16", block_m=1)),
-        "moe_decode gemv16  ": ("120b", 5, (7,), functools.partial(moe_decode.moe, kernel="gemv16", block_m=1,
-                                                                   block_k=256, prefetch=False)),
-        "moe_decode gemv16 bm4": ("20b", 40, (3,), functools.partial(moe_decode.moe, kernel="gemv16", block_m=4,
-                                                                      block_k=512)),
-        "moe_decode gemv16 bm2": ("120b", 33, (), functools.partial(moe_decode.moe, kernel="gemv16", block_m=2,
-                                                                    block_k=1024, prefetch=False)),
-        "moe_prefill": ("20b", 777, (2, 9), moe_prefill.moe),  # 97 rows per expert: grouped GEMMs on Hopper
-        "moe_prefill  ": ("20b", 4099, (0, 5, 31), moe_prefill.moe),  # grouped, first and last expert empty
-        "moe_prefill dense 20b": ("20b", 777, (2, 9), functools.partial(moe_prefill.moe, **moe_prefill.DENSE_CONFIG)),
-        "moe_prefill ": ("120b", 1001, (), moe_prefill.moe),  # 31 rows per expert: Mosaic on Hopper
-        "moe_prefill mma": ("120b", 1001, (), functools.partial(moe_prefill.moe, **moe_decode.decode_config(
-            1001, 4, 128, half=True))),  # the Triton fused mma kernels at the same size
-        "moe_prefill dense": ("120b", 2305, (4, 100), moe_prefill.moe),  # 4 expert groups
+        "moe_decode": ("20b", 1, (), moe(triton)),
+        "moe_decode ": ("20b", 3, (0, 5), moe(triton)),
+        "moe_decode  ": ("20b", 17, (1,), moe(triton)),
+        "moe_decode   ": ("120b", 5, (7,), moe(triton)),
+        "moe_decode nopf": ("120b", 2, (), moe(triton, prefetch=False, block_k=256)),
+        "moe_decode gemv f32": ("20b", 2, (4,), moe(triton, kernel="gemv", block_m=1)),
+        "moe_decode gemv f32 bm2": ("120b", 9, (), moe(triton, kernel="gemv", block_m=2, prefetch=False)),
+        "moe_decode gemv16": ("20b", 1, (), moe(triton, kernel="gemv16", block_m=1)),
+        "moe_decode gemv16 ": ("20b", 17, (1,), moe(triton, kernel="gemv16", block_m=1)),
+        "moe_decode gemv16  ": ("120b", 5, (7,), moe(triton, kernel="gemv16", block_m=1, block_k=256, prefetch=False)),
+        "moe_decode gemv16 bm4": ("20b", 40, (3,), moe(triton, kernel="gemv16", block_m=4, block_k=512)),
+        "moe_decode gemv16 bm2": ("120b", 33, (), moe(triton, kernel="gemv16", block_m=2, block_k=1024,
+                                                      prefetch=False)),
+        "moe_prefill": ("20b", 777, (2, 9), moe(auto)),  # 97 rows per expert: grouped GEMMs on Hopper
+        "moe_prefill  ": ("20b", 4099, (0, 5, 31), moe(auto)),  # grouped, first and last expert empty
+        "moe_prefill dense 20b": ("20b", 777, (2, 9), moe(auto, kernel="dense")),
+        "moe_prefill ": ("120b", 1001, (), moe(auto)),  # 31 rows per expert: Mosaic on Hopper
+        "moe_prefill mma": ("120b", 1001, (), moe(triton, kernel="mma")),  # the Triton fused mma kernels, same size
+        "moe_prefill dense": ("120b", 2305, (4, 100), moe(auto)),  # 4 expert groups
         # Mosaic GPU mid-batch kernels (picked on Hopper from 2 to 32 rows per expert)
-        "moe_mosaic": ("20b", 64, (3,), moe_prefill.moe),  # 8 rows per expert: 16-row slots
-        "moe_mosaic ": ("120b", 333, (5,), moe_prefill.moe),  # 10.4 rows per expert: 32-row slots
-        "moe_mosaic bm8": ("20b", 100, (), functools.partial(moe_prefill.moe, kernel="mosaic", block_m=8,
-                                                              stages=3)),  # many experts in several slots
+        "moe_mosaic": ("20b", 64, (3,), moe(auto)),  # 8 rows per expert: 16-row slots
+        "moe_mosaic ": ("120b", 333, (5,), moe(auto)),  # 10.4 rows per expert: 32-row slots
+        "moe_mosaic bm8": ("20b", 100, (), moe(auto, kernel="mosaic", block_m=8, stages=3)),  # experts in several slots
     }.items():
         s = kc.SHAPES[model]
         key, k1, k2 = jax.random.split(key, 3)
         ex = kc.experts(k1, s["E"], s["D"], s["I"])
         x, rw, rb = kc.router(k2, s["E"], s["D"], T, empty=empty)
         ref = moe_reference.moe(x, rw, rb, ex, top_k=s["k"], swiglu_limit=kc.LIMIT, swiglu_alpha=kc.ALPHA)
-        kx = jax.jit(moe_decode.prepare_experts)(ex)
-        out = fn(x, rw, rb, kx, top_k=s["k"], swiglu_limit=kc.LIMIT, swiglu_alpha=kc.ALPHA)
+        kx = jax.jit(expert_format.prepare_experts)(ex)
+        out, kernel = fn(x, rw, rb, kx, top_k=s["k"], swiglu_limit=kc.LIMIT, swiglu_alpha=kc.ALPHA)
         e, fin = rel(out, ref)
-        picked = moe_prefill.auto_config(T, s["k"], s["E"], x.dtype)["kernel"] if fn is moe_prefill.moe else ""
-        rows.append((name.strip(), f"{model} T={T} empty={list(empty)} {picked}", e, fin))
+        rows.append((name.strip(), f"{model} T={T} empty={list(empty)} {kernel}", e, fin))
         print(*rows[-1], flush=True)
         del ex, kx
 
@@ -196,7 +211,7 @@ def main():
         rows.append((name.strip(), f"T={T} O={O} K={K} layer {L - 1} of {L}", e, fin))
         print(*rows[-1], flush=True)
     rows += check_linear_many(key)
-    if linear_mosaic.available():
+    if Device.current().hopper:
         rows += check_linear_mosaic(key)
 
     print(f"\n{'kernel':14s} {'case':70s} {'rel_err':>9s} finite pass")

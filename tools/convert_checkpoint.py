@@ -1,6 +1,6 @@
 """Convert a safetensors checkpoint to an orbax checkpoint of `Params`, so later starts skip conversion.
 
-    python tools/convert_checkpoint.py --model /models/gpt-oss-20b --cache-dir /models/converted
+    python -m tools.convert_checkpoint --model /models/gpt-oss-20b --cache-dir /models/converted
 
 Afterwards `LLM(model, cache_dir=...)` and `--cache-dir` restore the converted parameters directly.
 The cache key covers the source files (names, sizes, mtimes), the dtype and the expert layout
@@ -9,25 +9,25 @@ rather than restored stale.
 """
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import jax.numpy as jnp
 
-import jax.numpy as jnp  # noqa: E402
-
-import pallas_kernels  # noqa: E402
-from gptoss_jax import checkpoint  # noqa: E402
+from gptoss_jax import checkpoint, runtime
+from pallas_kernels import IMPLS, KernelConfig
 
 
 def main(argv=None) -> None:
+    runtime.prepare()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--cache-dir", required=True)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    ap.add_argument("--impl", choices=pallas_kernels.IMPLS, default=pallas_kernels.default_impl())
+    ap.add_argument("--impl", choices=IMPLS, default=None, help="expert layout (default: what this machine's engine "
+                    "runs)")
     args = ap.parse_args(argv)
+    args.impl = args.impl or KernelConfig().for_device().impl
     t0 = time.perf_counter()
     dtype = jnp.dtype(args.dtype)
     checkpoint.load(args.model, dtype, impl=args.impl, cache_dir=args.cache_dir)

@@ -8,25 +8,25 @@
 #   bash tools/gpu_suite.sh throughput gpt-oss-20b   # offline 1k/1k and 8k/1k jobs + batch-1 latency
 # Logs and JSON results go to $OUT; the lines printed are the summaries.
 set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
+export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 case "${1:-}" in
 parity)
   python3 -m pytest -q -p no:cacheprovider tests/test_parity.py > "$OUT/parity.txt" 2>&1
   tail -n 4 "$OUT/parity.txt"
-  python3 tools/peer_transformers.py --preset gpt-oss-20b --batch 1,64 --prompt-len 1024 --new-tokens 32 \
+  python3 -m tools.peer_transformers --preset gpt-oss-20b --batch 1,64 --prompt-len 1024 --new-tokens 32 \
     --out "$OUT/peer_transformers.json" > "$OUT/peer.txt" 2>&1
   grep transformers "$OUT/peer.txt"
   ;;
 perf)
-  python3 tools/bench_decode.py --presets gpt-oss-20b --batches 1,16,64,256 --reference "" \
+  python3 -m tools.bench_decode --presets gpt-oss-20b --batches 1,16,64,256 --reference "" \
     --out "$OUT/decode_20b.json" > "$OUT/decode_20b.txt" 2>&1
   grep -hE "TPOT|copy|skipped|Error" "$OUT"/decode_20b.txt
   ;&
 serve)
   python3 -m pip install -q --no-index --find-links wheels openai-harmony starlette uvicorn pydantic 2>&1 | tail -2
-  python3 tools/make_checkpoint.py --preset gpt-oss-20b --out /tmp/ck20 > /dev/null 2>&1
+  python3 -m tools.make_checkpoint --preset gpt-oss-20b --out /tmp/ck20 > /dev/null 2>&1
   TIKTOKEN_ENCODINGS_BASE=wheels python3 -m gptoss_jax.serve --model /tmp/ck20 --port 8000 \
     --config configs/max_throughput.yaml > "$OUT/server.txt" 2>&1 &
   for _ in $(seq 1 150); do
@@ -34,43 +34,43 @@ serve)
   done
   for c in 1 64; do
     n=$([ "$c" = 1 ] && echo 4 || echo 128)
-    python3 tools/bench_serving.py --base-url http://127.0.0.1:8000 --concurrency $c --num-prompts $n \
+    python3 -m tools.bench_serving --base-url http://127.0.0.1:8000 --concurrency $c --num-prompts $n \
       --input-len 1024 --output-len 128 --json "$OUT/serving_c$c.json" > "$OUT/serving_c$c.txt" 2>&1
     tail -n 14 "$OUT/serving_c$c.txt"
   done
   kill %1; wait
-  python3 tools/bench_decode.py --presets gpt-oss-120b --batches 1,64 --reference "" \
+  python3 -m tools.bench_decode --presets gpt-oss-120b --batches 1,64 --reference "" \
     --out "$OUT/decode_120b.json" > "$OUT/decode_120b.txt" 2>&1
   grep -hE "TPOT|copy|skipped|Error" "$OUT"/decode_120b.txt
   [ "${1}" = serve ] && exit 0
-  python3 tools/bench_throughput.py --preset gpt-oss-20b --skip throughput --out "$OUT/engine_latency_20b.json" \
+  python3 -m tools.bench_throughput --preset gpt-oss-20b --skip throughput --out "$OUT/engine_latency_20b.json" \
     > "$OUT/engine.txt" 2>&1
   grep -E "^\[|Error" "$OUT/engine.txt"
   ;;
 profile)
-  timeout 240 python3 tools/profile_decode.py --batch 1,64 --out "$OUT/prof_base.json" > "$OUT/prof_base.txt" 2>&1
+  timeout 240 python3 -m tools.profile_decode --batch 1,64 --out "$OUT/prof_base.json" > "$OUT/prof_base.txt" 2>&1
   grep -hE "^\[|events/token|Error" "$OUT/prof_base.txt"
-  timeout 150 python3 tools/bench_decode.py --presets gpt-oss-120b --batches 1,64 --contexts 1024 --reference "" \
+  timeout 150 python3 -m tools.bench_decode --presets gpt-oss-120b --batches 1,64 --contexts 1024 --reference "" \
     --out "$OUT/decode_120b.json" > "$OUT/decode_120b.txt" 2>&1
   grep -hE "TPOT|copy|skipped|Error" "$OUT/decode_120b.txt"
-  XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL timeout 120 python3 tools/profile_decode.py --batch 1 \
+  XLA_FLAGS=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL timeout 120 python3 -m tools.profile_decode --batch 1 \
     --label cmdbuf --out "$OUT/prof_cmdbuf.json" > "$OUT/prof_cmdbuf.txt" 2>&1
   grep -hE "^\[|Error" "$OUT/prof_cmdbuf.txt"
-  XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true timeout 80 python3 tools/profile_decode.py --batch 1 --label dsf \
+  XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true timeout 80 python3 -m tools.profile_decode --batch 1 --label dsf \
     --out "$OUT/prof_dsf.json" > "$OUT/prof_dsf.txt" 2>&1
   grep -hE "^\[|events/token|Error" "$OUT/prof_dsf.txt"
   ;;
 sweep)
-  timeout 330 python3 tools/bench_decode.py --presets gpt-oss-20b,gpt-oss-120b --reference 1,64 \
+  timeout 330 python3 -m tools.bench_decode --presets gpt-oss-20b,gpt-oss-120b --reference 1,64 \
     --out "$OUT/decode_sweep.json" > "$OUT/decode_sweep.txt" 2>&1
   grep -hE "TPOT|copy|skipped|Error" "$OUT/decode_sweep.txt"
-  timeout 60 python3 tools/profile_decode.py --batch 1 --out "$OUT/profile_b1.json" > "$OUT/profile_b1.txt" 2>&1
+  timeout 60 python3 -m tools.profile_decode --batch 1 --out "$OUT/profile_b1.json" > "$OUT/profile_b1.txt" 2>&1
   grep -hE "^\[|events/token|Error" "$OUT/profile_b1.txt"
   timeout 200 python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning tests/test_parity.py > "$OUT/parity.txt" 2>&1
   tail -n 3 "$OUT/parity.txt"
   ;;
 throughput)
-  python3 tools/bench_throughput.py --preset "${2:-gpt-oss-20b}" --out "$OUT/throughput_${2:-gpt-oss-20b}.json" \
+  python3 -m tools.bench_throughput --preset "${2:-gpt-oss-20b}" --out "$OUT/throughput_${2:-gpt-oss-20b}.json" \
     > "$OUT/throughput.txt" 2>&1
   grep -E "^\[|Error|random" "$OUT/throughput.txt"
   ;;

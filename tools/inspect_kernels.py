@@ -6,8 +6,7 @@ the `triton` wheel (`pip install -e '.[inspect]'`: its compiler and bundled CUDA
 reported: grid, warps, pipeline stages, registers a thread, spill (local-memory) bytes, shared memory, the
 programs one SM holds at once, and the waves its grid takes on the H200's 132 SMs:
 
-    python tools/inspect_kernels.py --preset gpt-oss-20b --batch 1 \\
-        --variant stages2:pallas_kernels.linear_decode.NUM_STAGES=2
+    python -m tools.inspect_kernels --preset gpt-oss-20b --batch 1 --variant stages2:linear_stages=2
 
 Why: at batch 1 a kernel's registers decide how many of its programs are resident (session 14's ncu report: 64
 registers, 128 threads, 8 programs an SM); a change that adds work to a kernel can push it into a second wave
@@ -16,7 +15,8 @@ or into spills, and that shows here before any GPU time is spent. It does not ti
 The GPU machine compiles the same Triton IR with XLA's own Triton and CUDA 13's ptxas; the wheel's compiler
 may allocate a few registers differently, so read the numbers as estimates of the same code, and compare
 variants within one run. Mosaic GPU kernels (Hopper's batch >= 2 projections and mid-batch MoE) are not lowered
-here: the tool treats the target as having no Mosaic path, which matches the GPU at batch 1.
+here: the kernel config is an H200's with `mosaic=false` (a variant's fields replace that base's), which matches
+the GPU at batch 1.
 """
 
 from __future__ import annotations
@@ -30,21 +30,18 @@ import math
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import jax
+from jax._src.pallas.triton import gpu_info, pallas_call_registration
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax._src.pallas.triton import gpu_info, pallas_call_registration  # noqa: E402
+from pallas_kernels import KernelConfig
+from pallas_kernels.choice import H200
+from tools.common import decode_step, model_config, param_shapes, parse_variants
 
-from ab_decode import parse_variant  # noqa: E402
-from bench_decode import NUM_TOP, model_config, row_tokens, synthetic_state  # noqa: E402
-from gptoss_jax import checkpoint, steps  # noqa: E402
-from pallas_kernels import linear_mosaic, moe_mosaic  # noqa: E402
+# Lowered for an H200 without the Mosaic GPU kernels (their lowering needs the GPU).
+BASE = KernelConfig(impl="pallas", mosaic=False)
 
 # H200 (sm_90) per-SM limits that bound how many programs are resident at once.
 SMS, SM_REGS, SM_WARPS, SM_PROGRAMS, SM_SHARED, PROGRAM_SHARED_RESERVED = 132, 65536, 64, 32, 233472, 1024
@@ -60,17 +57,17 @@ def resident_programs(regs: int, warps: int, shared: int) -> int:
 
 @contextlib.contextmanager
 def lowering_for_hopper():
-    """Trace and lower as on an H200: the kernels' `interpret` default and `default_impl` ask
-    `jax.default_backend()`; the Triton lowering asks for the device's compute capability; no Mosaic path."""
-    saved = (jax.default_backend, pallas_call_registration.gpu_info_lib.get_gpu_info, moe_mosaic.available)
+    """Trace and lower as on an H200 (jax's own functions, patched while the block runs): the kernels'
+    `interpret` default asks `jax.default_backend()`; the Triton lowering asks for the device's compute
+    capability. Which kernels run is the kernel config's (`for_device(H200)`)."""
+    saved = (jax.default_backend, pallas_call_registration.gpu_info_lib.get_gpu_info)
     hopper = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
     jax.default_backend = lambda: "gpu"
     pallas_call_registration.gpu_info_lib.get_gpu_info = lambda: hopper
-    moe_mosaic.available = lambda: False
     try:
         yield
     finally:
-        jax.default_backend, pallas_call_registration.gpu_info_lib.get_gpu_info, moe_mosaic.available = saved
+        jax.default_backend, pallas_call_registration.gpu_info_lib.get_gpu_info = saved
 
 
 @contextlib.contextmanager
@@ -96,20 +93,15 @@ def capture_triton_modules(out: list[dict]):
         lowering.lower_jaxpr_to_triton_module = original
 
 
-def step_kernels(preset: str, batch: int, context: int) -> list[dict]:
-    """The distinct Pallas-Triton kernels of one decode step (`steps.decode`, as the engine compiles it)."""
+def step_kernels(preset: str, batch: int, context: int, kernels: KernelConfig = BASE) -> list[dict]:
+    """The distinct Pallas-Triton kernels of one decode step (`steps.decode`, as the engine compiles it) under
+    `kernels` (resolved for an H200 here), lowered for CUDA from abstract inputs."""
     cfg = model_config(preset)
-    params = checkpoint.device_shapes(cfg, jnp.bfloat16, "pallas")
-    cache, tables = jax.eval_shape(lambda: synthetic_state(cfg, batch, context, jnp.bfloat16))
-    sp = steps.SamplingBatch(temperature_B=jnp.zeros(batch), top_k_B=jnp.zeros(batch, jnp.int32),
-                             top_p_B=jnp.ones(batch), min_p_B=jnp.zeros(batch),
-                             keys_B2=jnp.zeros((batch, 2), jnp.uint32), want_logprobs_B=jnp.zeros(batch, bool))
-    tokens, positions = row_tokens(cfg, batch), jnp.full(batch, context, jnp.int32)
+    step = decode_step(param_shapes(cfg, "pallas"), cfg, batch, context, kernels.for_device(H200))
     found: list[dict] = []
-    jax.clear_caches()  # module constants are not part of jit's cache keys: trace and lower afresh
+    jax.clear_caches()  # every kernel lowers afresh, so that the spy sees it
     with lowering_for_hopper(), capture_triton_modules(found):
-        steps.decode.trace(params, cache, tokens, positions, tables, sp, cfg=cfg, impl="pallas", num_steps=1,
-                           num_top=NUM_TOP).lower(lowering_platforms=("cuda",))
+        step.lower(lowering_platforms=("cuda",))
     unique = {}
     for k in found:
         unique.setdefault((k["ir"], k["grid"], k["num_warps"], k["num_stages"]), k)
@@ -146,29 +138,24 @@ def main() -> None:
     ap.add_argument("--preset", default="gpt-oss-20b", help="preset name or HF config.json path")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--variant", action="append", default=[], help="name:module.ATTR=value[,...] (repeatable)")
+    ap.add_argument("--variant", action="append", default=[], help="NAME:field=value[,...]: KernelConfig fields "
+                    "over the base (repeatable)")
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args()
+    variants = [("tree", BASE)] + parse_variants(ap, args.variant, BASE)
     if importlib.util.find_spec("triton") is None:
         raise SystemExit("inspect_kernels needs the triton wheel: pip install -e '.[inspect]'")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, sets in [("tree", [])] + [parse_variant(v) for v in args.variant]:
-            saved = [(m, a, getattr(m, a)) for m, a, _ in sets]
-            for m, a, v in sets:
-                setattr(m, a, v)
-            try:
-                kernels = step_kernels(args.preset, args.batch, args.context)
-            finally:
-                for m, a, v in saved:
-                    setattr(m, a, v)
-            print(f"\n{name}: {args.preset}, batch {args.batch}, context {args.context}: {len(kernels)} kernels")
-            if args.batch >= linear_mosaic.MIN_ROWS:
+        for name, kernels in variants:
+            found = step_kernels(args.preset, args.batch, args.context, kernels)
+            print(f"\n{name}: {args.preset}, batch {args.batch}, context {args.context}: {len(found)} kernels")
+            if args.batch >= kernels.linear_mosaic_rows:
                 print("(on Hopper this batch runs the q/k/v and o projections in Mosaic GPU, not the decode_linear "
                       "kernels below)")
             print(f"{'kernel':40} {'grid':>16} {'warps':>5} {'stages':>6} {'regs':>5} {'spill B':>7} "
                   f"{'smem B':>7} {'per SM':>6} {'waves':>6}")
-            for k in kernels:
+            for k in found:
                 r = dict(variant=name, **compile_sm90(k, Path(tmp)))
                 rows.append(r)
                 print(f"{r['name'][:40]:40} {'x'.join(map(str, r['grid'])):>16} {r['num_warps']:>5} "

@@ -1,4 +1,4 @@
-"""Random inputs shared by tools/check_kernels.py and tools/bench_kernels.py (device-side generation)."""
+"""Random inputs shared by tools.check_kernels and tools.bench_kernels (device-side generation)."""
 
 import jax
 import jax.numpy as jnp
@@ -10,13 +10,12 @@ SHAPES = {"20b": dict(E=32, D=2880, I=2880, k=4), "120b": dict(E=128, D=2880, I=
 LIMIT, ALPHA = 7.0, 1.702
 
 
-def experts(key, E, D, I, dtype=jnp.bfloat16, layers=None):
-    """Random MXFP4 experts with realistic E8M0 scales (2^-9 .. 2^-3); `layers` adds a leading axis."""
-    lead = () if layers is None else (layers,)
+def experts(key, E, D, I, dtype=jnp.bfloat16):
+    """Random MXFP4 experts with realistic E8M0 scales (2^-9 .. 2^-3)."""
     ks = jax.random.split(key, 6)
-    u8 = lambda k, *s: jax.random.bits(k, lead + s, jnp.uint8)
-    sc = lambda k, *s: jax.random.randint(k, lead + s, 118, 125, jnp.int32).astype(jnp.uint8)
-    nrm = lambda k, *s: (jax.random.normal(k, lead + s, jnp.float32) * 0.5).astype(dtype)
+    u8 = lambda k, *s: jax.random.bits(k, s, jnp.uint8)  # noqa: E731
+    sc = lambda k, *s: jax.random.randint(k, s, 118, 125, jnp.int32).astype(jnp.uint8)  # noqa: E731
+    nrm = lambda k, *s: (jax.random.normal(k, s, jnp.float32) * 0.5).astype(dtype)  # noqa: E731
     return Experts(gate_up_blocks=u8(ks[0], E, 2 * I, D // 32, 16), gate_up_scales=sc(ks[1], E, 2 * I, D // 32),
                    gate_up_bias=nrm(ks[2], E, 2 * I), down_blocks=u8(ks[3], E, D, I // 32, 16),
                    down_scales=sc(ks[4], E, D, I // 32), down_bias=nrm(ks[5], E, D))
@@ -30,11 +29,11 @@ def router(key, E, D, T, dtype=jnp.bfloat16, empty=()):
     return x, rw, rb
 
 
-def paged(key, B, N, K, H, S, ctxs, sink_scale=1.0, dtype=jnp.bfloat16, extra_pages=0):
+def paged(key, B, N, K, H, S, ctxs, sink_scale=1.0, dtype=jnp.bfloat16):
     """Random page pool, shuffled block tables, positions ctx-1 (ctx 0 -> padded row, pos -1)."""
     rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 2**30)))
     M = max(1, max((c + S - 1) // S for c in ctxs))
-    P = B * M + 1 + extra_pages
+    P = B * M + 1
     ks = jax.random.split(key, 4)
     kp = jax.random.normal(ks[0], (P, S, K, H), jnp.float32).astype(dtype)
     vp = jax.random.normal(ks[1], (P, S, K, H), jnp.float32).astype(dtype)

@@ -1,7 +1,7 @@
 """Write a random gpt-oss checkpoint of any size in the exact published layout.
 
-    python tools/make_checkpoint.py --preset gpt-oss-20b --out /tmp/gpt-oss-20b-random
-    python tools/make_checkpoint.py --config my_config.json --out DIR --layout original
+    python -m tools.make_checkpoint --preset gpt-oss-20b --out /tmp/gpt-oss-20b-random
+    python -m tools.make_checkpoint --config my_config.json --out DIR --layout original
 
 MXFP4 expert blocks/scales, bf16 elsewhere, sharded with an index past --max-shard-gb. Streams one
 tensor at a time, so the 120b shape needs little host memory.
@@ -9,12 +9,9 @@ tensor at a time, so the 120b shape needs little host memory.
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from gptoss_jax import config, random_weights  # noqa: E402
+from gptoss_jax import config, random_weights
 
 
 def main(argv=None) -> None:

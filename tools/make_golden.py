@@ -8,7 +8,7 @@ expert weights.  The parity test then only needs numpy and the .npz file.
 
 Run it with the separate transformers venv (not the project's JAX env):
 
-    /work/venvs/hf311/bin/python tools/make_golden.py \\
+    /work/venvs/hf311/bin/python -m tools.make_golden \\
         --checkpoint DIR --out golden.npz [--seq-len 40] [--greedy-tokens 24] \\
         [--seed 0] [--prompt-ids 1,2,3]
 

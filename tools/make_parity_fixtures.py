@@ -1,22 +1,20 @@
 """Regenerate tests/golden/*.npz: transformers' logits for each tiny checkpoint in tests/parity_configs.py.
 
 Writes each checkpoint with our random-checkpoint writer (same seed as the tests), then runs
-`tools/make_golden.py` under a Python that has torch + transformers (default: /work/venvs/hf311):
+`tools.make_golden` under a Python that has torch + transformers (default: /work/venvs/hf311):
 
-    .venv/bin/python tools/make_parity_fixtures.py [--hf-python PATH]
+    .venv/bin/python -m tools.make_parity_fixtures [--hf-python PATH]
 """
 
 import argparse
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+from gptoss_jax import random_weights
+from tests.parity_configs import PARITY
 
-from gptoss_jax import random_weights  # noqa: E402
-from parity_configs import PARITY  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
@@ -30,9 +28,10 @@ def main() -> None:
         for name, spec in PARITY.items():
             ckpt = random_weights.write_checkpoint(Path(tmp) / name, spec["config"], seed=spec["seed"],
                                                    sink_scale=spec["sink_scale"], progress=False)
-            subprocess.run([args.hf_python, str(REPO / "tools" / "make_golden.py"), "--checkpoint", str(ckpt),
+            subprocess.run([args.hf_python, "-m", "tools.make_golden", "--checkpoint", str(ckpt),
                             "--out", str(out_dir / f"{name}.npz"), "--seq-len", str(spec["seq_len"]),
-                            "--greedy-tokens", str(args.greedy_tokens), "--seed", str(spec["seed"])], check=True)
+                            "--greedy-tokens", str(args.greedy_tokens), "--seed", str(spec["seed"])], cwd=REPO,
+                           check=True)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ default gpt-oss path (eager attention, its own expert implementation). Greedy `g
 and in total, prefill time, and time per output token. Run it in its own process (JAX and torch
 would otherwise compete for GPU memory):
 
-    python tools/peer_transformers.py --preset gpt-oss-20b --batch 1,64 --out peer.json
+    python -m tools.peer_transformers --preset gpt-oss-20b --batch 1,64 --out peer.json
 """
 
 import argparse

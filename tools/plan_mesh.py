@@ -1,17 +1,17 @@
 """Plan a device mesh without devices or weights: lower and compile the engine's decode and prefill steps
 for an abstract mesh of N devices, then report per-device memory and every collective with its bytes.
 
-    python tools/plan_mesh.py --preset gpt-oss-120b --devices 72 --mode max_throughput [--replicas 1]
+    python -m tools.plan_mesh --preset gpt-oss-120b --devices 72 --mode max_throughput [--replicas 1]
         [--batch 64] [--context 8192] [--prefill-tokens 2048] [--layers 36] [--json out.json]
 
-Runs on CPU: the mesh is `--devices` simulated host devices (XLA_FLAGS is set before jax is imported);
-parameters, KV pools and inputs are `jax.ShapeDtypeStruct`s carrying their shardings, so nothing is
-allocated. Shapes:
+Runs on CPU: the mesh is `--devices` simulated host devices (set before any device is touched);
+parameters, KV pools and inputs are `jax.ShapeDtypeStruct`s carrying their shardings (`tools.common`'s
+steps), so nothing is allocated. Shapes:
 
 * `--batch` sequences per attention rank (a replica group in low_latency, a device in max_throughput),
   each with `--context` tokens of KV cache (pages of 16) plus the sliding window pages; decode runs one
   token per sequence (`num_steps=1`, greedy sampling included). Prefill: one row per rank with a
-  `--prefill-tokens` chunk.
+  `--prefill-tokens` chunk, the last of its `--context` tokens.
 * Memory: parameter and KV bytes per device are exact (sharded shapes); `temp` is XLA's temporary
   buffer size for the step on one device (CPU compiler: a guide to the GPU figure, not equal to it).
 * Collectives: parsed from the compiled per-device HLO, each multiplied by how often it runs (while-loop
@@ -28,47 +28,19 @@ layer count: parameter and KV bytes analytically, collectives per layer pair fro
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
-import os
 import re
-import sys
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 
-def _args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="gpt-oss-120b")
-    ap.add_argument("--devices", type=int, required=True, help="devices in the mesh (replicas x model)")
-    ap.add_argument("--replicas", type=int, default=1)
-    ap.add_argument("--mode", choices=("low_latency", "max_throughput"), default="low_latency")
-    ap.add_argument("--batch", type=int, default=64, help="decode sequences per attention rank")
-    ap.add_argument("--context", type=int, default=8192, help="KV tokens per sequence")
-    ap.add_argument("--prefill-tokens", type=int, default=2048, help="prefill chunk per rank (one row)")
-    ap.add_argument("--layers", type=int, default=None, help="compile this many layers (even)")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--steps", default="decode,prefill")
-    ap.add_argument("--json", default=None, help="write the results here")
-    ap.add_argument("--hlo-dir", default=None, help="also dump the compiled HLO text here")
-    return ap.parse_args(argv)
-
-
-ARGS = _args()
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + f" --xla_force_host_platform_device_count={ARGS.devices}").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import dataclasses  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-
-from gptoss_jax import config as config_lib, kv_cache, model, steps  # noqa: E402
-from pallas_kernels import params as params_lib  # noqa: E402
-from sharding.rules import make_layout  # noqa: E402
+from pallas_kernels import REFERENCE
+from sharding.rules import make_layout
+from tools.common import decode_step, model_config, param_shapes, prefill_step
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4,
@@ -173,80 +145,52 @@ def parse_collectives(hlo: str, num_devices: int) -> list[dict]:
     return out
 
 
-def abstract_inputs(cfg, layout, dtype, rows_per_rank: int, T: int, context: int, page_size: int = 16):
-    R = layout.num_ranks
-    B = R * rows_per_rank
-    M = math.ceil(context / page_size)
-    n_full = rows_per_rank * M + 1
-    n_sliding = kv_cache.pool_sizes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 2, cfg.sliding_window,
-                                    page_size, rows_per_rank, T, None, context)[1]
-    shapes = layout.padded_shapes(params_lib.shapes(cfg, dtype))
-    shard = layout.param_shardings(cfg.num_kv_heads, shapes)
-    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shard)
-    cache_shapes = jax.eval_shape(lambda: model.PagedKVCache.zeros(cfg, R * n_sliding, R * n_full, page_size, dtype))
-    cs = layout.cache_sharding(cfg.num_kv_heads)
-    cache = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=cs), cache_shapes)
-
-    def rows(shape, dt=jnp.int32):
-        return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(layout.mesh, layout.batch_spec(len(shape))))
-
-    tables = model.PageTables(rows((B, M)), rows((B, M)), rows((B,)))
-    sp = steps.SamplingBatch(rows((B,), jnp.float32), rows((B,)), rows((B,), jnp.float32), rows((B,), jnp.float32),
-                             rows((B, 2), jnp.uint32), rows((B,), jnp.bool_))
-    return params, cache, tables, sp, rows, B, (n_full, n_sliding)
-
-
 def plan(args) -> dict:
-    cfg = config_lib.preset(args.preset)
-    full_layers = cfg.num_layers
-    if args.layers:
-        cfg = _with_layers(cfg, args.layers)
+    full = model_config(args.preset)
+    cfg = dataclasses.replace(full, num_layers=args.layers) if args.layers else full
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
     if args.devices % args.replicas:
         raise SystemExit(f"--devices {args.devices} is not a multiple of --replicas {args.replicas}")
     layout = make_layout(args.devices // args.replicas, args.replicas, args.mode)
     R = layout.num_ranks
+
+    def abstract_step(kind: str, c):
+        params = param_shapes(c, "reference", dtype, layout)
+        if kind == "decode":
+            return decode_step(params, c, args.batch, args.context - 1, REFERENCE, layout=layout, num_top=1)
+        T = args.prefill_tokens
+        return prefill_step(params, c, 1, T, REFERENCE, start=max(0, args.context - T), layout=layout, num_top=1)
+
     result = dict(preset=args.preset, devices=args.devices, replicas=args.replicas, model=layout.model_size,
-                  mode=args.mode, ranks=R, layers_compiled=cfg.num_layers, layers=full_layers,
-                  experts_padded=layout.padded_shapes(params_lib.shapes(cfg, dtype)).layers.experts.down_bias.shape[1],
+                  mode=args.mode, ranks=R, layers_compiled=cfg.num_layers, layers=full.num_layers,
+                  experts_padded=param_shapes(cfg, "reference", dtype, layout).layers.experts.down_bias.shape[1],
                   batch_per_rank=args.batch, context=args.context, prefill_tokens=args.prefill_tokens, steps={})
-    scale_layers = full_layers / cfg.num_layers
-    for step in args.steps.split(","):
-        rows_per_rank, T = (args.batch, 1) if step == "decode" else (1, args.prefill_tokens)
-        params, cache, tables, sp, rows, B, pools = abstract_inputs(cfg, layout, dtype, rows_per_rank, T, args.context)
+    scale_layers = full.num_layers / cfg.num_layers
+    for kind in args.steps.split(","):
+        step = abstract_step(kind, cfg)
+        B, T = step.batch.tables.full_BM.shape[0], 1 if kind == "decode" else args.prefill_tokens
         t0 = time.time()
-        if step == "decode":
-            lowered = steps.decode.lower(params, cache, rows((B,)), rows((B,)), tables, sp, cfg=cfg, impl="reference",
-                                         layout=layout, num_steps=1, num_top=1)
-        else:
-            lowered = steps.prefill.lower(params, cache, rows((B, T)), rows((B, T)), tables, rows((B,)), sp, cfg=cfg,
-                                          impl="reference", layout=layout, num_top=1)
-        compiled = lowered.compile()
+        compiled = step.lower().compile()
         seconds = time.time() - t0
         hlo = compiled.as_text()
         if args.hlo_dir:
             Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
-            (Path(args.hlo_dir) / f"{args.preset}-{args.mode}-{args.devices}-{step}.hlo.txt").write_text(hlo)
+            (Path(args.hlo_dir) / f"{args.preset}-{args.mode}-{args.devices}-{kind}.hlo.txt").write_text(hlo)
         mem = compiled.memory_analysis()
         colls = parse_collectives(hlo, args.devices)
-        pairs = cfg.num_layers // 2
-        for c in colls:  # per layer pair (inside the layer scan) vs once per step
-            c["per_layer_pair"] = "/layers/while/body" in c["where_full"]
-        full_pairs = full_layers // 2
-        for c in colls:  # inside a lax.cond branch (logprobs, the sampler's full-sort path): not every step
-            c["conditional"] = "cond/branch" in c["where_full"]
+        pairs, full_pairs = cfg.num_layers // 2, full.num_layers // 2
+        for c in colls:
+            c["per_layer_pair"] = "/layers/while/body" in c["where_full"]  # inside the layer scan, or once per step
+            c["conditional"] = "cond/branch" in c["where_full"]  # a lax.cond branch (logprobs...): not every step
             c["runs_full_model"] = c["runs"] // pairs * full_pairs if c["per_layer_pair"] else c["runs"]
         total_sent = sum(c["sent"] * c["runs_full_model"] for c in colls if not c["conditional"])
         cond_sent = sum(c["sent"] * c["runs_full_model"] for c in colls if c["conditional"])
         tokens_per_device = B * T / R  # a device works for its rank's tokens
-        full_params = per_device_bytes(abstract_inputs(_with_layers(cfg, full_layers), layout, dtype, rows_per_rank,
-                                                       T, args.context)[0])
-        full_cache = per_device_bytes(abstract_inputs(_with_layers(cfg, full_layers), layout, dtype, rows_per_rank,
-                                                      T, args.context)[1])
-        result["steps"][step] = dict(
-            compile_s=round(seconds, 1), global_batch=B, tokens=B * T, pages_per_rank=dict(full=pools[0],
-                                                                                           sliding=pools[1]),
-            param_bytes_per_device=full_params, kv_bytes_per_device=full_cache,
+        whole = abstract_step(kind, full)  # memory of every layer, compiled or not
+        result["steps"][kind] = dict(
+            compile_s=round(seconds, 1), global_batch=B, tokens=B * T,
+            pages_per_rank=dict(full=step.pages[0], sliding=step.pages[1]),
+            param_bytes_per_device=per_device_bytes(whole.params), kv_bytes_per_device=per_device_bytes(whole.cache),
             temp_bytes_per_device=int(mem.temp_size_in_bytes) if mem else None,
             argument_bytes_per_device_compiled=int(mem.argument_size_in_bytes) if mem else None,
             collectives=colls, sent_bytes_per_device=int(total_sent), conditional_sent_bytes=int(cond_sent),
@@ -255,19 +199,18 @@ def plan(args) -> dict:
     return result
 
 
-def _with_layers(cfg, n):
-    return dataclasses.replace(cfg, num_layers=n)
+def _gb(b: float) -> str:
+    return f"{b / 1e9:.2f} GB"
 
 
 def report(r: dict) -> None:
-    gb = lambda b: f"{b / 1e9:.2f} GB"
     print(f"{r['preset']}: {r['devices']} devices = {r['replicas']} replicas x {r['model']} model, {r['mode']}, "
           f"{r['ranks']} attention ranks, experts padded to {r['experts_padded']}, "
           f"compiled {r['layers_compiled']}/{r['layers']} layers")
     for step, s in r["steps"].items():
         print(f"  {step}: global batch {s['global_batch']} ({s['tokens']} tokens), compile {s['compile_s']} s")
-        print(f"    per device: params {gb(s['param_bytes_per_device'])}, KV {gb(s['kv_bytes_per_device'])}, "
-              f"temp {gb(s['temp_bytes_per_device'] or 0)} (compiled {r['layers_compiled']} layers)")
+        print(f"    per device: params {_gb(s['param_bytes_per_device'])}, KV {_gb(s['kv_bytes_per_device'])}, "
+              f"temp {_gb(s['temp_bytes_per_device'] or 0)} (compiled {r['layers_compiled']} layers)")
         agg: dict[tuple, list] = {}
         for c in s["collectives"]:
             key = (c["kind"], c["group"], c["bytes"], c["per_layer_pair"], c["conditional"])
@@ -282,9 +225,30 @@ def report(r: dict) -> None:
               f"{per_tok / 1e3 if per_tok else 0:.1f} KB")
 
 
-if __name__ == "__main__":
-    res = plan(ARGS)
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="gpt-oss-120b", help="preset name or a HF config.json path")
+    ap.add_argument("--devices", type=int, required=True, help="devices in the mesh (replicas x model)")
+    ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--mode", choices=("low_latency", "max_throughput"), default="low_latency")
+    ap.add_argument("--batch", type=int, default=64, help="decode sequences per attention rank")
+    ap.add_argument("--context", type=int, default=8192, help="KV tokens per sequence")
+    ap.add_argument("--prefill-tokens", type=int, default=2048, help="prefill chunk per rank (one row)")
+    ap.add_argument("--layers", type=int, default=None, help="compile this many layers (even)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--steps", default="decode,prefill")
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--hlo-dir", default=None, help="also dump the compiled HLO text here")
+    args = ap.parse_args(argv)
+    if not jax.config.jax_platforms:  # before anything touches a device
+        jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", args.devices)
+    res = plan(args)
     report(res)
-    if ARGS.json:
-        Path(ARGS.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(ARGS.json).write_text(json.dumps(res, indent=1))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
