@@ -171,7 +171,7 @@ class AsyncEngine:
         try:
             await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
-            stream.close()   # the add may still land: the abort queued after it removes it
+            stream.close()  # the add may still land: the abort queued after it removes it
             raise
         except BaseException:
             stream.finished = True
@@ -209,8 +209,11 @@ def stats_dict(stats: Any) -> dict:
         return dataclasses.asdict(stats)
     if isinstance(stats, dict):
         return dict(stats)
-    return {k: getattr(stats, k) for k in dir(stats) if not k.startswith("_")
-            and isinstance(getattr(stats, k, None), (int, float))}
+    return {
+        k: getattr(stats, k)
+        for k in dir(stats)
+        if not k.startswith("_") and isinstance(getattr(stats, k, None), (int, float))
+    }
 
 
 class RequestStream:
@@ -231,7 +234,7 @@ class RequestStream:
             raise StopAsyncIteration
         out = await self.queue.get()
         if isinstance(out, BaseException):
-            self.finished = True     # the engine is gone; nothing to abort
+            self.finished = True  # the engine is gone; nothing to abort
             raise out
         if out.finished:
             self.finished = True

@@ -57,8 +57,7 @@ def read_requests(path: Path, engine: Engine, defaults: dict) -> list[tuple[str,
     return out
 
 
-def run(engine: Engine, input_path: str | Path, output_path: str | Path, defaults: dict, progress: bool = True
-        ) -> dict:
+def run(engine: Engine, input_path: str | Path, output_path: str | Path, defaults: dict, progress: bool = True) -> dict:
     """Generate every request of `input_path` not yet in `output_path`; returns a throughput summary."""
     output_path = Path(output_path)
     requests = read_requests(Path(input_path), engine, defaults)
@@ -88,13 +87,18 @@ def run(engine: Engine, input_path: str | Path, output_path: str | Path, default
                 ids, sp = prompts[o.request_id]
                 toks = tokens.pop(o.request_id)
                 n_out += len(toks)
-                record = {"id": o.request_id, "token_ids": toks, "finish_reason": o.finish_reason,
-                          "stop_reason": o.stop_reason, "num_prompt_tokens": len(ids),
-                          "num_cached_prompt_tokens": o.num_cached_prompt_tokens}
+                record = {
+                    "id": o.request_id,
+                    "token_ids": toks,
+                    "finish_reason": o.finish_reason,
+                    "stop_reason": o.stop_reason,
+                    "num_prompt_tokens": len(ids),
+                    "num_cached_prompt_tokens": o.num_cached_prompt_tokens,
+                }
                 if engine.tokenizer is not None:
                     text = engine.tokenizer.decode(toks)
                     if isinstance(o.stop_reason, str):
-                        text = text[:find_stop_string(text, (o.stop_reason,))[0]]
+                        text = text[: find_stop_string(text, (o.stop_reason,))[0]]
                     record["text"] = text
                 if sp.logprobs is not None:
                     record["logprobs"] = logprobs[o.request_id]
@@ -104,7 +108,12 @@ def run(engine: Engine, input_path: str | Path, output_path: str | Path, default
                 bar.set_postfix(out_tok_s=f"{n_out / (time.perf_counter() - t0):.0f}")
     elapsed = time.perf_counter() - t0
     n_in = sum(len(ids) for ids, _ in prompts.values())
-    return {"requests": len(todo), "skipped": len(requests) - len(todo), "input_tokens": n_in,
-            "output_tokens": n_out, "seconds": round(elapsed, 3),
-            "output_tokens_per_s": round(n_out / elapsed, 1) if elapsed > 0 else None,
-            "total_tokens_per_s": round((n_in + n_out) / elapsed, 1) if elapsed > 0 else None}
+    return {
+        "requests": len(todo),
+        "skipped": len(requests) - len(todo),
+        "input_tokens": n_in,
+        "output_tokens": n_out,
+        "seconds": round(elapsed, 3),
+        "output_tokens_per_s": round(n_out / elapsed, 1) if elapsed > 0 else None,
+        "total_tokens_per_s": round((n_in + n_out) / elapsed, 1) if elapsed > 0 else None,
+    }

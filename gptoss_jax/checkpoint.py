@@ -20,9 +20,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 import pallas_kernels
-from pallas_kernels import params as params_lib
 from gptoss_jax.config import ModelConfig, load_config
 from gptoss_jax.safetensors_io import Reader
+from pallas_kernels import params as params_lib
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +46,19 @@ LAYER_TENSORS = [
     (("mlp_norm",), "model.layers.{l}.post_attention_layernorm.weight", "block.{l}.mlp.norm.scale"),
     (("router_w",), "model.layers.{l}.mlp.router.weight", "block.{l}.mlp.gate.weight"),
     (("router_b",), "model.layers.{l}.mlp.router.bias", "block.{l}.mlp.gate.bias"),
-    (("experts", "gate_up_blocks"), "model.layers.{l}.mlp.experts.gate_up_proj_blocks",
-     "block.{l}.mlp.mlp1_weight.blocks"),
-    (("experts", "gate_up_scales"), "model.layers.{l}.mlp.experts.gate_up_proj_scales",
-     "block.{l}.mlp.mlp1_weight.scales"),
+    (
+        ("experts", "gate_up_blocks"),
+        "model.layers.{l}.mlp.experts.gate_up_proj_blocks",
+        "block.{l}.mlp.mlp1_weight.blocks",
+    ),
+    (
+        ("experts", "gate_up_scales"),
+        "model.layers.{l}.mlp.experts.gate_up_proj_scales",
+        "block.{l}.mlp.mlp1_weight.scales",
+    ),
     (("experts", "gate_up_bias"), "model.layers.{l}.mlp.experts.gate_up_proj_bias", "block.{l}.mlp.mlp1_bias"),
-    (("experts", "down_blocks"), "model.layers.{l}.mlp.experts.down_proj_blocks",
-     "block.{l}.mlp.mlp2_weight.blocks"),
-    (("experts", "down_scales"), "model.layers.{l}.mlp.experts.down_proj_scales",
-     "block.{l}.mlp.mlp2_weight.scales"),
+    (("experts", "down_blocks"), "model.layers.{l}.mlp.experts.down_proj_blocks", "block.{l}.mlp.mlp2_weight.blocks"),
+    (("experts", "down_scales"), "model.layers.{l}.mlp.experts.down_proj_scales", "block.{l}.mlp.mlp2_weight.scales"),
     (("experts", "down_bias"), "model.layers.{l}.mlp.experts.down_proj_bias", "block.{l}.mlp.mlp2_bias"),
 ]
 GLOBAL_TENSORS = [
@@ -70,6 +74,7 @@ PACKED_FIELDS = {"gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales
 @dataclasses.dataclass(frozen=True)
 class Target:
     """Where (part of) a file tensor goes: a Params field, a layer (or None), and a row range."""
+
     field: tuple[str, ...]
     layer: int | None
     rows: tuple[int, int] | None = None
@@ -124,8 +129,9 @@ def device_shapes(cfg: ModelConfig, dtype, impl: str) -> params_lib.Params:
     return shapes.replace(layers=shapes.layers.replace(experts=experts))
 
 
-def load_params(path: str | Path, dtype=jnp.bfloat16, *, impl: str = "reference", progress: bool = True
-                ) -> tuple[ModelConfig, params_lib.Params]:
+def load_params(
+    path: str | Path, dtype=jnp.bfloat16, *, impl: str = "reference", progress: bool = True
+) -> tuple[ModelConfig, params_lib.Params]:
     """Read a checkpoint folder into device `Params` (float weights in `dtype`, experts packed).
 
     Experts come out in the layout `impl` reads, converted tensor by tensor as they are read (a 120b
@@ -138,8 +144,11 @@ def load_params(path: str | Path, dtype=jnp.bfloat16, *, impl: str = "reference"
     targets = tensor_targets(cfg, layout)
     pending = {(t.field, t.layer) for ts in targets.values() for t in ts}
     where: dict[tuple, str] = {}
-    layered = {f: jnp.zeros(params_lib.get_field(dev_shapes, f).shape, params_lib.get_field(dev_shapes, f).dtype)
-               for f in params_lib.field_paths(dev_shapes) if f[0] == "layers"}
+    layered = {
+        f: jnp.zeros(params_lib.get_field(dev_shapes, f).shape, params_lib.get_field(dev_shapes, f).dtype)
+        for f in params_lib.field_paths(dev_shapes)
+        if f[0] == "layers"
+    }
     flat: dict[tuple, jax.Array] = {}
     unknown = []
     total = sum(f.stat().st_size for f in files)
@@ -157,7 +166,7 @@ def load_params(path: str | Path, dtype=jnp.bfloat16, *, impl: str = "reference"
                     want = params_lib.get_field(shapes, full)
                     want_shape = want.shape[1:] if t.layer is not None else want.shape
                     _check_tensor(name, file, reader.dtype_name(name), array.shape, want_shape, t, full)
-                    part = array[t.rows[0]:t.rows[1]] if t.rows else array
+                    part = array[t.rows[0] : t.rows[1]] if t.rows else array
                     if (t.field, t.layer) in where:
                         raise CheckpointError(f"{file}: tensor '{name}' also appears in {where[(t.field, t.layer)]}")
                     where[(t.field, t.layer)] = str(file)
@@ -174,8 +183,9 @@ def load_params(path: str | Path, dtype=jnp.bfloat16, *, impl: str = "reference"
         log.warning("%s: ignored %d tensors not used by gpt-oss, e.g. %s", path, len(unknown), unknown[:3])
     if pending:
         names = sorted(n for n, ts in targets.items() for t in ts if (t.field, t.layer) in pending)
-        raise CheckpointError(f"{path}: missing {len(names)} tensor(s), e.g. {names[:5]} "
-                              f"(searched {[f.name for f in files]})")
+        raise CheckpointError(
+            f"{path}: missing {len(names)} tensor(s), e.g. {names[:5]} (searched {[f.name for f in files]})"
+        )
     tree = dev_shapes
     for field, value in {**layered, **flat}.items():
         tree = params_lib.with_field(tree, field, value)
@@ -193,11 +203,14 @@ def _check_tensor(name, file, dtype_name, shape, want_shape, t: Target, field) -
     else:
         ok = tuple(shape) == tuple(want_shape)
     if not ok:
-        raise CheckpointError(f"{file}: tensor '{name}' has shape {list(shape)}, expected {list(want_shape)}"
-                              + (f" rows {t.rows} of the fused tensor" if t.rows else ""))
+        raise CheckpointError(
+            f"{file}: tensor '{name}' has shape {list(shape)}, expected {list(want_shape)}"
+            + (f" rows {t.rows} of the fused tensor" if t.rows else "")
+        )
 
 
 # ---- orbax cache of converted parameters -------------------------------------------------------
+
 
 def fingerprint(path: Path, dtype, impl: str = "reference") -> str:
     """Identifies a checkpoint's files, the load dtype and the expert layout, so a stale cache is never restored."""
@@ -209,8 +222,14 @@ def fingerprint(path: Path, dtype, impl: str = "reference") -> str:
     return h.hexdigest()[:16]
 
 
-def load(path: str | Path, dtype=jnp.bfloat16, *, impl: str = "reference", cache_dir: str | Path | None = None,
-         progress: bool = True) -> tuple[ModelConfig, params_lib.Params]:
+def load(
+    path: str | Path,
+    dtype=jnp.bfloat16,
+    *,
+    impl: str = "reference",
+    cache_dir: str | Path | None = None,
+    progress: bool = True,
+) -> tuple[ModelConfig, params_lib.Params]:
     """`load_params`, restoring from / saving to an orbax cache under `cache_dir` when given."""
     path = Path(path)
     if cache_dir is None:
@@ -232,8 +251,10 @@ def load(path: str | Path, dtype=jnp.bfloat16, *, impl: str = "reference", cache
 
 # ---- sharded loading: each device reads only its slice ---------------------------------------------
 
-def load_params_sharded(path: str | Path, dtype, layout, *, progress: bool = True
-                        ) -> tuple[ModelConfig, params_lib.Params]:
+
+def load_params_sharded(
+    path: str | Path, dtype, layout, *, progress: bool = True
+) -> tuple[ModelConfig, params_lib.Params]:
     """`load_params` straight into the placement of `layout` (a `sharding.rules.Layout`): every leaf is
     built with `jax.make_array_from_callback`, so each device copies only its own slice out of the
     memory-mapped safetensors (in a multi-host job each host reads only what its devices hold). The
@@ -252,28 +273,41 @@ def load_params_sharded(path: str | Path, dtype, layout, *, progress: bool = Tru
             for t in targets.get(name, []):
                 full = ("layers",) + t.field if t.layer is not None else t.field
                 want = params_lib.get_field(plain, full)
-                _check_tensor(name, file, reader.dtype_name(name), reader.shape(name),
-                              want.shape[1:] if t.layer is not None else want.shape, t, full)
+                _check_tensor(
+                    name,
+                    file,
+                    reader.dtype_name(name),
+                    reader.shape(name),
+                    want.shape[1:] if t.layer is not None else want.shape,
+                    t,
+                    full,
+                )
                 if (full, t.layer) in src:
                     raise CheckpointError(f"{file}: tensor '{name}' also appears in {src[(full, t.layer)][0].path}")
                 src[(full, t.layer)] = (reader, name, t.rows)
-    missing = sorted(n for n, ts in targets.items() for t in ts
-                     if ((("layers",) + t.field if t.layer is not None else t.field), t.layer) not in src)
+    missing = sorted(
+        n
+        for n, ts in targets.items()
+        for t in ts
+        if ((("layers",) + t.field if t.layer is not None else t.field), t.layer) not in src
+    )
     if missing:
-        raise CheckpointError(f"{path}: missing {len(missing)} tensor(s), e.g. {missing[:5]} "
-                              f"(searched {[f.name for f in files]})")
+        raise CheckpointError(
+            f"{path}: missing {len(missing)} tensor(s), e.g. {missing[:5]} (searched {[f.name for f in files]})"
+        )
 
     def source(full, layer):
         reader, name, rows = src[(full, layer)]
         a = reader.get(name)
-        return a[rows[0]:rows[1]] if rows else a
+        return a[rows[0] : rows[1]] if rows else a
 
     def build(full):
         sds, sharding = params_lib.get_field(shapes, full), params_lib.get_field(shardings, full)
         np_dtype = np.dtype(sds.dtype)
         if full[0] != "layers":
-            return jax.make_array_from_callback(sds.shape, sharding,
-                                                lambda idx: np.asarray(source(full, None)[idx]).astype(np_dtype))
+            return jax.make_array_from_callback(
+                sds.shape, sharding, lambda idx: np.asarray(source(full, None)[idx]).astype(np_dtype)
+            )
         num_real = params_lib.get_field(plain, full).shape[1] if full[1] == "experts" else None
 
         def per_device(idx):
@@ -286,7 +320,7 @@ def load_params_sharded(path: str | Path, dtype, layout, *, progress: bool = Tru
                 if num_real is not None:  # padded expert axis: ids >= num_real are zero experts
                     lo, hi, _ = rest[0].indices(sds.shape[1])
                     real = a[(slice(min(lo, num_real), min(hi, num_real)),) + rest[1:]]
-                    out[j, :real.shape[0]] = real
+                    out[j, : real.shape[0]] = real
                 else:
                     out[j] = a[rest]
             return out

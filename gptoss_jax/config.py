@@ -50,11 +50,10 @@ class ModelConfig:
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
-                f"num_attention_heads={self.num_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_kv_heads}")
+                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
+            )
         if self.experts_per_token > self.num_experts:
-            raise ConfigError(
-                f"experts_per_token={self.experts_per_token} exceeds num_experts={self.num_experts}")
+            raise ConfigError(f"experts_per_token={self.experts_per_token} exceeds num_experts={self.num_experts}")
         for name in ("hidden_size", "intermediate_size"):
             if getattr(self, name) % 32:
                 raise ConfigError(f"{name}={getattr(self, name)} must be a multiple of 32 (MXFP4 block)")
@@ -139,8 +138,7 @@ def from_hf_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
     theta = rope.get("rope_theta", raw.get("rope_theta"))
     if theta is None:
         raise ConfigError(f"{source}: missing required key 'rope_theta' (top level or in rope_parameters)")
-    original_max = rope.get("original_max_position_embeddings",
-                            raw.get("initial_context_length", 4096))
+    original_max = rope.get("original_max_position_embeddings", raw.get("initial_context_length", 4096))
     if rope_type == "yarn":
         factor = float(_require(rope, "factor", f"{source} rope_scaling"))
     else:
@@ -149,8 +147,10 @@ def from_hf_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
     if layer_types is not None:
         expected = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(len(layer_types))]
         if list(layer_types) != expected:
-            raise ConfigError(f"{source}: layer_types {layer_types} differ from gpt-oss's alternating "
-                              "sliding/full pattern starting with sliding at layer 0")
+            raise ConfigError(
+                f"{source}: layer_types {layer_types} differ from gpt-oss's alternating "
+                "sliding/full pattern starting with sliding at layer 0"
+            )
     return ModelConfig(
         **fields,
         head_dim=int(raw.get("head_dim", h // nq)),
@@ -190,8 +190,10 @@ def load_config(path: str | Path) -> ModelConfig:
     """Config from a checkpoint folder (HF `config.json`, else `original/config.json`) or a json file."""
     path = Path(path)
     if path.is_dir():
-        for candidate, reader in ((path / "config.json", from_hf_dict),
-                                  (path / "original" / "config.json", from_original_dict)):
+        for candidate, reader in (
+            (path / "config.json", from_hf_dict),
+            (path / "original" / "config.json", from_original_dict),
+        ):
             if candidate.exists():
                 return reader(_read_json(candidate), str(candidate))
         raise ConfigError(f"{path}: no config.json or original/config.json found")

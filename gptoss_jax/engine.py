@@ -18,13 +18,15 @@ import logging
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Sequence as Seq
+from typing import Any
+from typing import Sequence as Seq
 
 import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from gptoss_jax import checkpoint, demo, engine_config, kv_cache, runtime, steps, tokenizer as tokenizer_lib
+from gptoss_jax import checkpoint, demo, engine_config, kv_cache, runtime, steps
+from gptoss_jax import tokenizer as tokenizer_lib
 from gptoss_jax.config import ModelConfig
 from gptoss_jax.engine_config import EngineConfig
 from gptoss_jax.runner import ModelRunner
@@ -44,8 +46,8 @@ class StepOutput:
     request_id: str
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None         # "stop" | "length" | "abort"
-    stop_reason: int | str | None     # the stop token id (not in the output) or stop string
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None  # the stop token id (not in the output) or stop string
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None
     num_prompt_tokens: int
     num_cached_prompt_tokens: int
@@ -59,15 +61,16 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
-    num_compiles: int      # process-wide compiled step programs
+    num_compiles: int  # process-wide compiled step programs
 
 
 @dataclasses.dataclass
 class _Call:
     """A dispatched step whose sampled tokens the host has not read yet. Entries carry the sequence's
     epoch at dispatch: a sequence that left the batch since (finished, aborted, preempted) is skipped."""
+
     prefills: list[tuple[Sequence, int, int, bool]]  # sequence, row, epoch, chunk ends the prompt
-    decodes: list[tuple[Sequence, int, int]]          # sequence, row, epoch
+    decodes: list[tuple[Sequence, int, int]]  # sequence, row, epoch
     prefill_out: Sampled | None
     decode_out: Sampled | None
 
@@ -77,11 +80,21 @@ class Engine:
     `loaded=(model_config, params)` uses parameters already on device. `config` is an `EngineConfig`, a
     YAML path or a profile name ('low_latency', 'max_throughput'); `overrides` replace its fields."""
 
-    def __init__(self, model: str | os.PathLike | None = None, *, dtype: str = "bfloat16",
-                 config: EngineConfig | str | os.PathLike | None = None, tokenizer: Any = None,
-                 impl: str | None = None, seed: int = 0, loaded: tuple[ModelConfig, Params] | None = None,
-                 cache_dir: str | os.PathLike | None = None, progress: bool = True, layout=None,
-                 **overrides: Any):
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        *,
+        dtype: str = "bfloat16",
+        config: EngineConfig | str | os.PathLike | None = None,
+        tokenizer: Any = None,
+        impl: str | None = None,
+        seed: int = 0,
+        loaded: tuple[ModelConfig, Params] | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        progress: bool = True,
+        layout=None,
+        **overrides: Any,
+    ):
         runtime.prepare()
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
@@ -96,11 +109,13 @@ class Engine:
         if loaded is None:
             self.model_path: Path | None = Path(model) if model is not None else demo.checkpoint_path()
             if layout is not None and cache_dir is None:  # each device reads only its slice, experts padded
-                self.model_config, params = checkpoint.load_params_sharded(self.model_path, DTYPES[dtype], layout,
-                                                                           progress=progress)
+                self.model_config, params = checkpoint.load_params_sharded(
+                    self.model_path, DTYPES[dtype], layout, progress=progress
+                )
             else:
-                self.model_config, params = checkpoint.load(self.model_path, DTYPES[dtype], impl=self.kernels.impl,
-                                                            cache_dir=cache_dir, progress=progress)
+                self.model_config, params = checkpoint.load(
+                    self.model_path, DTYPES[dtype], impl=self.kernels.impl, cache_dir=cache_dir, progress=progress
+                )
                 if layout is not None:
                     params = layout.shard_params(params, self.model_config.num_kv_heads)
         else:
@@ -111,15 +126,25 @@ class Engine:
         params = pallas_kernels.prepare_params(params, self.kernels)  # sharded: each device its experts
         self.tokenizer = tokenizer
         if isinstance(tokenizer, (str, os.PathLike)) or (
-                tokenizer is None and self.model_config.vocab_size == tokenizer_lib.VOCAB_SIZE):
+            tokenizer is None and self.model_config.vocab_size == tokenizer_lib.VOCAB_SIZE
+        ):
             self.tokenizer = tokenizer_lib.load(tokenizer, self.model_path)
 
         mc = self.model_config
         self.runner = ModelRunner(mc, params, ec, self.kernels, layout)
-        kv_args = (self.runner.num_pages_full, self.runner.num_pages_sliding, ec.page_size, mc.sliding_window,
-                   (mc.num_layers + 1) // 2, ec.enable_prefix_caching)
-        self.kv = (kv_cache.KVCacheManager(*kv_args) if self.num_ranks == 1
-                   else kv_cache.RankedKVCacheManager(self.num_ranks, *kv_args))
+        kv_args = (
+            self.runner.num_pages_full,
+            self.runner.num_pages_sliding,
+            ec.page_size,
+            mc.sliding_window,
+            (mc.num_layers + 1) // 2,
+            ec.enable_prefix_caching,
+        )
+        self.kv = (
+            kv_cache.KVCacheManager(*kv_args)
+            if self.num_ranks == 1
+            else kv_cache.RankedKVCacheManager(self.num_ranks, *kv_args)
+        )
         self.max_model_len = self.runner.max_model_len
         self.scheduler = Scheduler(ec, self.kv)
         self._in_flight: _Call | None = None
@@ -145,18 +170,24 @@ class Engine:
             raise ValueError(f"request {request_id}: empty prompt")
         bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
-            raise ValueError(f"request {request_id}: token id {bad[0]} is outside the vocabulary "
-                             f"[0, {self.model_config.vocab_size})")
+            raise ValueError(
+                f"request {request_id}: token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size})"
+            )
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"request {request_id}: prompt has {len(ids)} tokens; the context limit is "
-                             f"{self.max_model_len} (max_model_len) including at least one generated token")
+            raise ValueError(
+                f"request {request_id}: prompt has {len(ids)} tokens; the context limit is "
+                f"{self.max_model_len} (max_model_len) including at least one generated token"
+            )
         sp = sampling_params
         if sp.logprobs is not None and sp.logprobs > self.config.max_logprobs:
-            raise ValueError(f"SamplingParams.logprobs={sp.logprobs}: at most max_logprobs="
-                             f"{self.config.max_logprobs} are served")
+            raise ValueError(
+                f"SamplingParams.logprobs={sp.logprobs}: at most max_logprobs={self.config.max_logprobs} are served"
+            )
         if sp.stop and self.tokenizer is None:
-            raise ValueError(f"SamplingParams.stop={list(sp.stop)!r}: stop strings need a tokenizer, and this "
-                             "model has none (use stop_token_ids)")
+            raise ValueError(
+                f"SamplingParams.stop={list(sp.stop)!r}: stop strings need a tokenizer, and this "
+                "model has none (use stop_token_ids)"
+            )
         seed = sp.seed if sp.seed is not None else int(self._rng.integers(2**31))
         key = ((seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF)
         seq = Sequence(request_id, ids, len(ids), sp, key, min(len(ids) + sp.max_tokens, self.max_model_len))
@@ -169,8 +200,9 @@ class Engine:
         if seq is None:
             return
         self.scheduler.remove(seq)
-        self._aborted.append(StepOutput(request_id, [], True, "abort", None, None, seq.num_prompt_tokens,
-                                        seq.num_cached_prompt_tokens))
+        self._aborted.append(
+            StepOutput(request_id, [], True, "abort", None, None, seq.num_prompt_tokens, seq.num_cached_prompt_tokens)
+        )
 
     def close(self) -> None:
         """Free the KV cache's device memory now (a new engine in the same process sizes its cache from
@@ -181,9 +213,15 @@ class Engine:
         return bool(self._requests) or bool(self._aborted)
 
     def stats(self) -> EngineStats:
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage(),
-                           self.scheduler.num_preemptions, self._prompt_tokens, self._generation_tokens,
-                           sum(steps.TRACES.values()))
+        return EngineStats(
+            len(self.scheduler.running),
+            len(self.scheduler.waiting),
+            self.kv.usage(),
+            self.scheduler.num_preemptions,
+            self._prompt_tokens,
+            self._generation_tokens,
+            sum(steps.TRACES.values()),
+        )
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -204,9 +242,15 @@ class Engine:
         """Enqueue this step's prefill and decode calls (neither waits for the other)."""
         pre = self.runner.prefill(work.prefills) if work.prefills else (None, [])
         dec = self.runner.decode(work.decodes) if work.decodes else (None, [])
-        call = _Call([(c.seq, row, c.seq.epoch, c.start + c.num_tokens == len(c.seq.token_ids))
-                      for row, c in zip(pre[1], work.prefills)],
-                     [(seq, row, seq.epoch) for row, seq in zip(dec[1], work.decodes)], pre[0], dec[0])
+        call = _Call(
+            [
+                (c.seq, row, c.seq.epoch, c.start + c.num_tokens == len(c.seq.token_ids))
+                for row, c in zip(pre[1], work.prefills)
+            ],
+            [(seq, row, seq.epoch) for row, seq in zip(dec[1], work.decodes)],
+            pre[0],
+            dec[0],
+        )
         self.scheduler.launched(work)
         return call
 
@@ -238,7 +282,7 @@ class Engine:
                 break
             seq.token_ids.append(tok)
             new.append(tok)
-            lps.append((lp, top[:sp.logprobs]))
+            lps.append((lp, top[: sp.logprobs]))
             if sp.stop:
                 stop_reason = self._stop_string(seq, tok)
                 if stop_reason is not None:
@@ -253,9 +297,16 @@ class Engine:
         else:
             self.scheduler.remove(seq)
             del self._requests[seq.request_id]
-        return StepOutput(seq.request_id, new, reason is not None, reason, stop_reason,
-                          lps if sp.logprobs is not None else None, seq.num_prompt_tokens,
-                          seq.num_cached_prompt_tokens)
+        return StepOutput(
+            seq.request_id,
+            new,
+            reason is not None,
+            reason,
+            stop_reason,
+            lps if sp.logprobs is not None else None,
+            seq.num_prompt_tokens,
+            seq.num_cached_prompt_tokens,
+        )
 
     def _stop_string(self, seq: Sequence, tok: int) -> str | None:
         before = len(seq.text_bytes.decode("utf-8", errors="replace"))

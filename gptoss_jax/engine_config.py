@@ -21,23 +21,23 @@ from pallas_kernels import KernelConfig
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    max_num_seqs: int = 64                 # sequences in the running batch
-    max_num_batched_tokens: int = 2048     # tokens computed per step (decode rows count one each)
-    prefill_chunk_size: int = 512          # most prompt tokens of one sequence per step
-    max_prefill_seqs: int = 4              # sequences packed into one prefill call
-    decode_steps_per_call: int = 1         # tokens per decode call, sampled on device (multi-step)
-    async_scheduling: bool = True          # schedule and dispatch a step before reading the previous one
+    max_num_seqs: int = 64  # sequences in the running batch
+    max_num_batched_tokens: int = 2048  # tokens computed per step (decode rows count one each)
+    prefill_chunk_size: int = 512  # most prompt tokens of one sequence per step
+    max_prefill_seqs: int = 4  # sequences packed into one prefill call
+    decode_steps_per_call: int = 1  # tokens per decode call, sampled on device (multi-step)
+    async_scheduling: bool = True  # schedule and dispatch a step before reading the previous one
     page_size: int = 16
     kv_cache_memory_fraction: float = 0.9  # of free device memory after the weights
-    num_pages: int | None = None           # full-layer pages, overrides the memory fraction
-    kv_cache_tokens: int | None = None     # same, in tokens
+    num_pages: int | None = None  # full-layer pages, overrides the memory fraction
+    kv_cache_tokens: int | None = None  # same, in tokens
     enable_prefix_caching: bool = True
-    max_model_len: int | None = None       # default: the model's limit, capped by the cache
+    max_model_len: int | None = None  # default: the model's limit, capped by the cache
     decode_batch_buckets: tuple[int, ...] | None = None  # default: powers of two up to max_num_seqs
-    min_prefill_bucket: int = 16           # smallest padded prefill chunk
-    min_context_bucket: int = 1024         # smallest padded block-table width, in tokens
-    max_logprobs: int = 20                 # largest `SamplingParams.logprobs` accepted
-    warmup: bool = False                   # compile every bucket at start-up
+    min_prefill_bucket: int = 16  # smallest padded prefill chunk
+    min_context_bucket: int = 1024  # smallest padded block-table width, in tokens
+    max_logprobs: int = 20  # largest `SamplingParams.logprobs` accepted
+    warmup: bool = False  # compile every bucket at start-up
     # Devices (docs/SCALING.md): a (replicas x model_parallel) mesh. `parallel_mode` 'low_latency'
     # splits attention heads over model_parallel, 'max_throughput' gives every device its own sequences;
     # experts are split over model_parallel in both. KV page counts above are per attention rank.
@@ -58,8 +58,16 @@ class EngineConfig:
                 raise ConfigError(str(e)) from None
         if not isinstance(self.kernels, KernelConfig):
             raise ConfigError(f"EngineConfig.kernels={self.kernels!r}: a mapping of kernel settings")
-        positive = ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "max_prefill_seqs",
-                    "decode_steps_per_call", "page_size", "min_prefill_bucket", "min_context_bucket")
+        positive = (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "prefill_chunk_size",
+            "max_prefill_seqs",
+            "decode_steps_per_call",
+            "page_size",
+            "min_prefill_bucket",
+            "min_context_bucket",
+        )
         for name in positive:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -74,13 +82,17 @@ class EngineConfig:
         if not isinstance(f, (int, float)) or not 0 < f <= 1:
             raise ConfigError(f"EngineConfig.kv_cache_memory_fraction={f!r}: must be in (0, 1]")
         if self.prefill_chunk_size > self.max_num_batched_tokens:
-            raise ConfigError(f"EngineConfig.prefill_chunk_size={self.prefill_chunk_size} exceeds "
-                              f"max_num_batched_tokens={self.max_num_batched_tokens}")
+            raise ConfigError(
+                f"EngineConfig.prefill_chunk_size={self.prefill_chunk_size} exceeds "
+                f"max_num_batched_tokens={self.max_num_batched_tokens}"
+            )
         if self.decode_batch_buckets is not None:
             b = self.decode_batch_buckets
             if not b or any(not isinstance(x, int) or x < 1 for x in b) or max(b) < self.max_num_seqs:
-                raise ConfigError(f"EngineConfig.decode_batch_buckets={b!r}: positive integers whose largest "
-                                  f"is at least max_num_seqs={self.max_num_seqs}")
+                raise ConfigError(
+                    f"EngineConfig.decode_batch_buckets={b!r}: positive integers whose largest "
+                    f"is at least max_num_seqs={self.max_num_seqs}"
+                )
             object.__setattr__(self, "decode_batch_buckets", tuple(sorted(set(b))))
         for name in ("model_parallel", "replicas"):
             v = getattr(self, name)

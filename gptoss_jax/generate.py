@@ -54,11 +54,23 @@ def main(argv=None) -> int:
             print(f"error: --prompt-ids must be comma-separated integers, got {args.prompt_ids!r}", file=sys.stderr)
             return 2
     try:
-        sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                            seed=args.seed, max_tokens=args.max_tokens)
+        sp = SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            seed=args.seed,
+            max_tokens=args.max_tokens,
+        )
         t0 = time.perf_counter()
-        llm = LLM(args.model, dtype=args.dtype, tokenizer=args.tokenizer, cache_dir=args.cache_dir,
-                  progress=not args.json, engine_config=args.engine_config)
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            tokenizer=args.tokenizer,
+            cache_dir=args.cache_dir,
+            progress=not args.json,
+            engine_config=args.engine_config,
+        )
         t1 = time.perf_counter()
         if ids is not None:
             out = llm.generate(prompt_token_ids=[ids], sampling_params=sp, use_tqdm=not args.json)[0]
@@ -70,22 +82,42 @@ def main(argv=None) -> int:
         return 1
     c = out.outputs[0]
     if args.json:
-        print(json.dumps({"model": str(llm.model_path), "prompt_token_ids": out.prompt_token_ids,
-                          "token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason,
-                          "load_s": round(t1 - t0, 3), "generate_s": round(t2 - t1, 3)}))
+        print(
+            json.dumps(
+                {
+                    "model": str(llm.model_path),
+                    "prompt_token_ids": out.prompt_token_ids,
+                    "token_ids": c.token_ids,
+                    "text": c.text,
+                    "finish_reason": c.finish_reason,
+                    "load_s": round(t1 - t0, 3),
+                    "generate_s": round(t2 - t1, 3),
+                }
+            )
+        )
     else:
         print(c.text if c.text is not None else " ".join(map(str, c.token_ids)))
-        print(f"[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}, load {t1 - t0:.1f}s, "
-              f"generate {t2 - t1:.1f}s]", file=sys.stderr)
+        print(
+            f"[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}, load {t1 - t0:.1f}s, "
+            f"generate {t2 - t1:.1f}s]",
+            file=sys.stderr,
+        )
     return 0
 
 
 def _batch(args) -> int:
-    defaults = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                    seed=args.seed, max_tokens=args.max_tokens)
+    defaults = dict(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+    )
     try:
-        engine = Engine(args.model, dtype=args.dtype, config=args.engine_config, tokenizer=args.tokenizer,
-                        cache_dir=args.cache_dir)
+        engine = Engine(
+            args.model, dtype=args.dtype, config=args.engine_config, tokenizer=args.tokenizer, cache_dir=args.cache_dir
+        )
         summary = batch.run(engine, args.input, args.output, defaults)
     except (ValueError, OSError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)

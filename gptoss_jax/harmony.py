@@ -21,11 +21,11 @@ from typing import Any, Iterable
 
 from gptoss_jax.tokenizer import CALL, CHANNEL, CONSTRAIN, END, ENDOFTEXT, MESSAGE, RETURN, START
 
-FIRST_SPECIAL = 199998            # o200k_harmony: every id >= this is a special token
-STOP_TOKENS = (RETURN, CALL, ENDOFTEXT)   # sampling stops: <|return|>, <|call|>, <|endoftext|> (safety net)
+FIRST_SPECIAL = 199998  # o200k_harmony: every id >= this is a special token
+STOP_TOKENS = (RETURN, CALL, ENDOFTEXT)  # sampling stops: <|return|>, <|call|>, <|endoftext|> (safety net)
 REASONING_EFFORTS = ("low", "medium", "high")
 DEFAULT_REASONING_EFFORT = "medium"
-MAX_HEADER_TOKENS = 48            # a header longer than this is treated as headerless text
+MAX_HEADER_TOKENS = 48  # a header longer than this is treated as headerless text
 
 
 class RenderError(ValueError):
@@ -44,11 +44,13 @@ def load_encoding():
     global _ENCODING
     if _ENCODING is None:
         import openai_harmony as oh
+
         base = os.environ.get("TIKTOKEN_ENCODINGS_BASE")
         if not base or not os.path.exists(os.path.join(base, "o200k_base.tiktoken")):
             raise RuntimeError(
                 "openai-harmony needs o200k_base.tiktoken offline: set TIKTOKEN_ENCODINGS_BASE to the folder "
-                f"holding it (currently {base!r})")
+                f"holding it (currently {base!r})"
+            )
         _ENCODING = oh.load_harmony_encoding(oh.HarmonyEncodingName.HARMONY_GPT_OSS)
     return _ENCODING
 
@@ -59,8 +61,9 @@ def parse_reasoning_effort(*candidates: tuple[str, Any]) -> str:
         if value is None:
             continue
         if not isinstance(value, str) or value.lower() not in REASONING_EFFORTS:
-            raise RenderError(f"Invalid value for '{param}': {value!r}. Supported values are 'low', 'medium' "
-                              "and 'high'.", param)
+            raise RenderError(
+                f"Invalid value for '{param}': {value!r}. Supported values are 'low', 'medium' and 'high'.", param
+            )
         return value.lower()
     return DEFAULT_REASONING_EFFORT
 
@@ -68,6 +71,7 @@ def parse_reasoning_effort(*candidates: tuple[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------------
 # Rendering
 # ---------------------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class Tool:
@@ -92,11 +96,14 @@ def _text_of(content: Any, param: str) -> str:
                 raise RenderError(f"{param}[{i}] must be an object", f"{param}[{i}]")
             kind = part.get("type")
             if kind in ("text", "input_text", "output_text", "reasoning_text", "summary_text") and isinstance(
-                    part.get("text"), str):
+                part.get("text"), str
+            ):
                 out.append(part["text"])
             else:
-                raise RenderError(f"{param}[{i}]: content part type {kind!r} is not supported by this model "
-                                  "(text only)", f"{param}[{i}].type")
+                raise RenderError(
+                    f"{param}[{i}]: content part type {kind!r} is not supported by this model (text only)",
+                    f"{param}[{i}].type",
+                )
         return "".join(out)
     raise RenderError(f"{param} must be a string or a list of content parts", param)
 
@@ -117,7 +124,9 @@ def parse_chat_tools(tools: Any, tool_choice: Any) -> list[Tool]:
             raise RenderError(f"tools[{i}]: invalid function name {name!r}", f"tools[{i}].function.name")
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
-            raise RenderError(f"tools[{i}]: 'parameters' must be a JSON schema object", f"tools[{i}].function.parameters")
+            raise RenderError(
+                f"tools[{i}]: 'parameters' must be a JSON schema object", f"tools[{i}].function.parameters"
+            )
         out.append(Tool(name, fn.get("description") or "", params))
     if tool_choice is None or tool_choice in ("auto", "required"):
         return out
@@ -135,12 +144,13 @@ def parse_chat_tools(tools: Any, tool_choice: Any) -> list[Tool]:
 @dataclasses.dataclass
 class _Msg:
     """One harmony message to render (our neutral form, converted to openai_harmony at the end)."""
-    role: str                      # system-instructions | user | assistant | tool
+
+    role: str  # system-instructions | user | assistant | tool
     text: str = ""
     channel: str | None = None
     recipient: str | None = None
     content_type: str | None = None
-    author: str | None = None      # tool messages: functions.NAME
+    author: str | None = None  # tool messages: functions.NAME
 
 
 class Renderer:
@@ -157,8 +167,9 @@ class Renderer:
             raise RenderError("'messages' must be a non-empty list", "messages")
         return self._render(self._chat_to_msgs(messages), tools, reasoning_effort)
 
-    def render_responses(self, input_: Any, instructions: str | None, tools: list[Tool],
-                         reasoning_effort: str) -> list[int]:
+    def render_responses(
+        self, input_: Any, instructions: str | None, tools: list[Tool], reasoning_effort: str
+    ) -> list[int]:
         msgs = []
         if instructions:
             msgs.append(_Msg("instructions", instructions))
@@ -172,8 +183,12 @@ class Renderer:
         # last assistant message that ended in a final answer (a tool loop in progress keeps its CoT).
         last_final = -1
         for i, m in enumerate(messages):
-            if isinstance(m, dict) and m.get("role") == "assistant" and not m.get("tool_calls") and \
-                    _text_of(m.get("content"), f"messages[{i}].content"):
+            if (
+                isinstance(m, dict)
+                and m.get("role") == "assistant"
+                and not m.get("tool_calls")
+                and _text_of(m.get("content"), f"messages[{i}].content")
+            ):
                 last_final = i
         out: list[_Msg] = []
         for i, m in enumerate(messages):
@@ -187,8 +202,14 @@ class Renderer:
                 out.append(_Msg("user", _text_of(m.get("content"), f"{p}.content")))
             elif role == "assistant":
                 text = _text_of(m.get("content"), f"{p}.content")
-                reasoning = next((m[k] for k in ("reasoning_content", "reasoning", "thinking")
-                                  if isinstance(m.get(k), str) and m[k]), None)
+                reasoning = next(
+                    (
+                        m[k]
+                        for k in ("reasoning_content", "reasoning", "thinking")
+                        if isinstance(m.get(k), str) and m[k]
+                    ),
+                    None,
+                )
                 tool_calls = m.get("tool_calls") or []
                 if not isinstance(tool_calls, list):
                     raise RenderError(f"{p}.tool_calls must be a list", f"{p}.tool_calls")
@@ -206,20 +227,38 @@ class Renderer:
                             args = json.dumps(args)
                         if isinstance(tc.get("id"), str):
                             call_names[tc["id"]] = fn["name"]
-                        out.append(_Msg("assistant", args, channel="commentary", recipient=f"functions.{fn['name']}",
-                                        content_type="<|constrain|>json"))
+                        out.append(
+                            _Msg(
+                                "assistant",
+                                args,
+                                channel="commentary",
+                                recipient=f"functions.{fn['name']}",
+                                content_type="<|constrain|>json",
+                            )
+                        )
                 elif text or not reasoning:
                     out.append(_Msg("assistant", text, channel="final"))
             elif role in ("tool", "function"):
                 name = m.get("name") or call_names.get(m.get("tool_call_id"))
                 if not isinstance(name, str):
-                    raise RenderError(f"{p}: cannot tell which function this result belongs to: give 'name' or a "
-                                      "'tool_call_id' of an earlier assistant tool call", f"{p}.tool_call_id")
-                out.append(_Msg("tool", _text_of(m.get("content"), f"{p}.content"), channel="commentary",
-                                recipient="assistant", author=f"functions.{name}"))
+                    raise RenderError(
+                        f"{p}: cannot tell which function this result belongs to: give 'name' or a "
+                        "'tool_call_id' of an earlier assistant tool call",
+                        f"{p}.tool_call_id",
+                    )
+                out.append(
+                    _Msg(
+                        "tool",
+                        _text_of(m.get("content"), f"{p}.content"),
+                        channel="commentary",
+                        recipient="assistant",
+                        author=f"functions.{name}",
+                    )
+                )
             else:
-                raise RenderError(f"{p}.role {role!r} is not one of system, developer, user, assistant, tool",
-                                  f"{p}.role")
+                raise RenderError(
+                    f"{p}.role {role!r} is not one of system, developer, user, assistant, tool", f"{p}.role"
+                )
         return out
 
     # ---- Responses input -> neutral messages ---------------------------------------------------
@@ -231,8 +270,14 @@ class Renderer:
         items = input_
         call_names: dict[str, str] = {}
         # Reasoning items are replayed only after the last assistant message while a tool loop is open.
-        last_assistant = max((i for i, it in enumerate(items) if isinstance(it, dict) and
-                              it.get("type", "message") == "message" and it.get("role") == "assistant"), default=-1)
+        last_assistant = max(
+            (
+                i
+                for i, it in enumerate(items)
+                if isinstance(it, dict) and it.get("type", "message") == "message" and it.get("role") == "assistant"
+            ),
+            default=-1,
+        )
         in_tool_loop = isinstance(items[-1], dict) and items[-1].get("type") == "function_call_output"
         out: list[_Msg] = []
         for i, it in enumerate(items):
@@ -261,15 +306,29 @@ class Renderer:
                 if not isinstance(name, str) or not isinstance(args, str):
                     raise RenderError(f"{p}: function_call needs string 'name' and 'arguments'", p)
                 call_names[it.get("call_id", "")] = name
-                out.append(_Msg("assistant", args, channel="commentary", recipient=f"functions.{name}",
-                                content_type="<|constrain|>json"))
+                out.append(
+                    _Msg(
+                        "assistant",
+                        args,
+                        channel="commentary",
+                        recipient=f"functions.{name}",
+                        content_type="<|constrain|>json",
+                    )
+                )
             elif kind == "function_call_output":
                 name = call_names.get(it.get("call_id", ""))
                 if name is None:
                     raise RenderError(f"{p}: call_id {it.get('call_id')!r} matches no earlier function_call", p)
                 output = it.get("output", "")
-                out.append(_Msg("tool", output if isinstance(output, str) else json.dumps(output),
-                                channel="commentary", recipient="assistant", author=f"functions.{name}"))
+                out.append(
+                    _Msg(
+                        "tool",
+                        output if isinstance(output, str) else json.dumps(output),
+                        channel="commentary",
+                        recipient="assistant",
+                        author=f"functions.{name}",
+                    )
+                )
             else:
                 raise RenderError(f"{p}.type {kind!r} is not supported", f"{p}.type")
         return out
@@ -280,7 +339,8 @@ class Renderer:
         from openai_harmony import ReasoningEffort, RenderConversationConfig
 
         system = oh.SystemContent.new().with_reasoning_effort(
-            {"low": ReasoningEffort.LOW, "medium": ReasoningEffort.MEDIUM, "high": ReasoningEffort.HIGH}[effort])
+            {"low": ReasoningEffort.LOW, "medium": ReasoningEffort.MEDIUM, "high": ReasoningEffort.HIGH}[effort]
+        )
         if self.conversation_start_date:
             system = system.with_conversation_start_date(self.conversation_start_date)
         if self.model_identity:
@@ -299,13 +359,17 @@ class Renderer:
             if instructions:
                 dev = dev.with_instructions(instructions)
             if tools:
-                dev = dev.with_function_tools([
-                    oh.ToolDescription.new(t.name, t.description, parameters=t.parameters) for t in tools])
+                dev = dev.with_function_tools(
+                    [oh.ToolDescription.new(t.name, t.description, parameters=t.parameters) for t in tools]
+                )
             out.append(oh.Message.from_role_and_content(oh.Role.DEVELOPER, dev))
         for m in msgs[k:]:
             if m.role == "instructions":
-                out.append(oh.Message.from_role_and_content(oh.Role.DEVELOPER,
-                                                            oh.DeveloperContent.new().with_instructions(m.text)))
+                out.append(
+                    oh.Message.from_role_and_content(
+                        oh.Role.DEVELOPER, oh.DeveloperContent.new().with_instructions(m.text)
+                    )
+                )
                 continue
             if m.role == "tool":
                 msg = oh.Message.from_author_and_content(oh.Author.new(oh.Role.TOOL, m.author), m.text)
@@ -319,17 +383,22 @@ class Renderer:
                 msg = msg.with_content_type(m.content_type)
             out.append(msg)
         convo = oh.Conversation.from_messages(out)
-        return list(self.enc.render_conversation_for_completion(
-            convo, oh.Role.ASSISTANT, RenderConversationConfig(auto_drop_analysis=False)))
+        return list(
+            self.enc.render_conversation_for_completion(
+                convo, oh.Role.ASSISTANT, RenderConversationConfig(auto_drop_analysis=False)
+            )
+        )
 
 
 # ---------------------------------------------------------------------------------------------------
 # Output parsing
 # ---------------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class Delta:
     """One piece of parsed output. kind: reasoning | content | tool_start | tool_args."""
+
     kind: str
     text: str = ""
     tool_index: int = -1
@@ -359,13 +428,13 @@ class OutputParser:
     def __init__(self, tokenizer, tool_names: Iterable[str] = ()):
         self.tok = tokenizer
         self.tool_names = set(tool_names)
-        self.state = "header"          # header | content | between
+        self.state = "header"  # header | content | between
         self.header: list[int] = []
-        self.kind: str | None = None   # destination of the current message's content
+        self.kind: str | None = None  # destination of the current message's content
         self.utf8 = _Utf8()
         self.num_tool_calls = 0
         self.num_reasoning_tokens = 0
-        self.last_token_kind: str | None = None   # what the last processed token was part of
+        self.last_token_kind: str | None = None  # what the last processed token was part of
 
     # ---- helpers -------------------------------------------------------------------------------
     def _bytes(self, t: int) -> bytes:
@@ -404,7 +473,7 @@ class OutputParser:
         self.utf8 = _Utf8()
         name = None
         if recipient and recipient.startswith("functions."):
-            name = recipient[len("functions."):]
+            name = recipient[len("functions.") :]
         elif recipient and recipient in self.tool_names:
             name = recipient
         if name:
@@ -413,7 +482,7 @@ class OutputParser:
             self.num_tool_calls += 1
             return [Delta("tool_start", tool_index=idx, name=name)]
         if recipient and recipient not in ("assistant", "user", "all"):
-            self.kind = "reasoning"    # a built-in tool call (browser.*, python): internal, not an answer
+            self.kind = "reasoning"  # a built-in tool call (browser.*, python): internal, not an answer
         else:
             self.kind = "reasoning" if channel == "analysis" else "content"
         return []
@@ -448,7 +517,7 @@ class OutputParser:
             self.last_token_kind = "header"
             if t == MESSAGE:
                 return self._classify()
-            if t == START:           # a restarted message: drop the partial header (keep plain text)
+            if t == START:  # a restarted message: drop the partial header (keep plain text)
                 return self._headerless_to_content()
             if t in (END, RETURN, CALL, ENDOFTEXT):
                 out = self._headerless_to_content()
@@ -477,7 +546,7 @@ class OutputParser:
                 return out
             self.last_token_kind = self.kind
             if t >= FIRST_SPECIAL:
-                return []            # stray control tokens never reach the text
+                return []  # stray control tokens never reach the text
             if self.kind == "reasoning":
                 self.num_reasoning_tokens += 1
             return self._emit(self.utf8.push(self._bytes(t)))

@@ -30,15 +30,16 @@ TRACES: collections.Counter[str] = collections.Counter()  # compilations of `_st
 class Inspection:
     """What every layer did with one token sequence (`L` layers, `T` tokens). Layer `l` is sliding-window
     when `sliding[l]` (gpt-oss: the even layers)."""
-    token_ids: np.ndarray       # i32 [T]
-    sliding: np.ndarray         # bool [L]
-    window: int                 # keys a sliding layer sees, the query included
-    router_logits: np.ndarray   # f32 [L, T, E] (router bias included)
-    expert_ids: np.ndarray      # i32 [L, T, k] chosen experts, best first (= top-k of router_logits)
+
+    token_ids: np.ndarray  # i32 [T]
+    sliding: np.ndarray  # bool [L]
+    window: int  # keys a sliding layer sees, the query included
+    router_logits: np.ndarray  # f32 [L, T, E] (router bias included)
+    expert_ids: np.ndarray  # i32 [L, T, k] chosen experts, best first (= top-k of router_logits)
     expert_weights: np.ndarray  # f32 [L, T, k] softmax over the k chosen logits
-    sink_mass: np.ndarray       # f32 [L, T, N] attention probability each head gives its sink, in [0, 1]
+    sink_mass: np.ndarray  # f32 [L, T, N] attention probability each head gives its sink, in [0, 1]
     hidden_states: np.ndarray | None = None  # f32 [L, T, D] residual stream after each layer
-    logits: np.ndarray | None = None         # f32 [T, V] next-token logits (as `LLM.logits`)
+    logits: np.ndarray | None = None  # f32 [T, V] next-token logits (as `LLM.logits`)
 
     @property
     def num_layers(self) -> int:
@@ -65,11 +66,21 @@ class Inspection:
 
 
 @functools.partial(jax.jit, static_argnames=("st", "opts", "with_logits"), donate_argnames=("cache",))
-def _step(params: Params, cache: model.PagedKVCache, tokens_BT: jax.Array, positions_BT: jax.Array,
-          tables: model.PageTables, *, st: StepConfig, opts: model.Inspect, with_logits: bool):
+def _step(
+    params: Params,
+    cache: model.PagedKVCache,
+    tokens_BT: jax.Array,
+    positions_BT: jax.Array,
+    tables: model.PageTables,
+    *,
+    st: StepConfig,
+    opts: model.Inspect,
+    with_logits: bool,
+):
     TRACES["inspect"] += 1
-    x, cache, rec = model.forward(params, cache, tokens_BT, positions_BT, tables, st.cfg, st.kernels, inspect=opts,
-                                  layout=st.layout)
+    x, cache, rec = model.forward(
+        params, cache, tokens_BT, positions_BT, tables, st.cfg, st.kernels, inspect=opts, layout=st.layout
+    )
     return (model.unembed(params, x) if with_logits else None), rec, cache
 
 
@@ -78,8 +89,9 @@ def run(engine, token_ids: Seq[int], *, hidden_states: bool = False, logits: boo
     chunks, buckets, tables, rows and layout as `Engine.prompt_logits`."""
     ids = [int(t) for t in token_ids]
     mc = engine.model_config
-    step = functools.partial(_step, st=engine.runner.st,
-                             opts=model.Inspect(hidden_states=hidden_states), with_logits=logits)
+    step = functools.partial(
+        _step, st=engine.runner.st, opts=model.Inspect(hidden_states=hidden_states), with_logits=logits
+    )
 
     def chunk(params, cache, tokens, positions, tables):
         lg, rec, cache = step(params, cache, tokens, positions, tables)
@@ -95,6 +107,10 @@ def run(engine, token_ids: Seq[int], *, hidden_states: bool = False, logits: boo
         token_ids=np.asarray(ids, np.int32),
         sliding=np.array([mc.is_sliding(l) for l in range(mc.num_layers)]),
         window=mc.sliding_window,
-        router_logits=cat("router_logits"), expert_ids=cat("expert_ids"), expert_weights=cat("expert_weights"),
-        sink_mass=cat("sink_mass"), hidden_states=cat("hidden_states") if hidden_states else None,
-        logits=np.concatenate([lg for lg, _ in chunks]) if logits else None)
+        router_logits=cat("router_logits"),
+        expert_ids=cat("expert_ids"),
+        expert_weights=cat("expert_weights"),
+        sink_mass=cat("sink_mass"),
+        hidden_states=cat("hidden_states") if hidden_states else None,
+        logits=np.concatenate([lg for lg, _ in chunks]) if logits else None,
+    )

@@ -88,18 +88,19 @@ def extend_hashes(hashes: list[int], token_ids: list[int], page_size: int, num_p
     """Chain-hash pages up to `num_pages`: equal hashes mean equal tokens and an equal prefix."""
     while len(hashes) < num_pages:
         i = len(hashes)
-        hashes.append(hash((hashes[-1] if hashes else 0, tuple(token_ids[i * page_size:(i + 1) * page_size]))))
+        hashes.append(hash((hashes[-1] if hashes else 0, tuple(token_ids[i * page_size : (i + 1) * page_size]))))
 
 
 @dataclasses.dataclass
 class SequencePages:
     """One sequence's block tables: entry `i` holds positions `[i*S, (i+1)*S)`. Sliding entries outside
     the window are `NULL_PAGE`."""
+
     full: list[int] = dataclasses.field(default_factory=list)
     sliding: list[int] = dataclasses.field(default_factory=list)
     hashes: list[int] = dataclasses.field(default_factory=list)  # of leading full pages (prefix caching)
     num_registered: int = 0  # leading full pages already offered to the prefix cache
-    sliding_start: int = 0   # sliding entries before this are all NULL_PAGE (slide() skips them)
+    sliding_start: int = 0  # sliding entries before this are all NULL_PAGE (slide() skips them)
     rank: int = 0  # the attention rank whose pool holds these pages (ids are rank-local)
 
 
@@ -108,8 +109,15 @@ class KVCacheManager:
 
     num_ranks = 1
 
-    def __init__(self, num_pages_full: int, num_pages_sliding: int, page_size: int, window: int,
-                 num_sliding_layers: int, enable_prefix_caching: bool):
+    def __init__(
+        self,
+        num_pages_full: int,
+        num_pages_sliding: int,
+        page_size: int,
+        window: int,
+        num_sliding_layers: int,
+        enable_prefix_caching: bool,
+    ):
         self.page_size = page_size
         self.window = window
         self.num_sliding_layers = num_sliding_layers
@@ -154,8 +162,9 @@ class KVCacheManager:
     def pages_needed(self, pages: SequencePages, first_query: int, end: int) -> tuple[int, int]:
         """New (full, sliding) pages to hold positions up to `end` for queries from `first_query`."""
         full = max(0, math.ceil(end / self.page_size) - len(pages.full))
-        sliding = sum(1 for i in self._sliding_range(first_query, end)
-                      if i >= len(pages.sliding) or pages.sliding[i] == NULL_PAGE)
+        sliding = sum(
+            1 for i in self._sliding_range(first_query, end) if i >= len(pages.sliding) or pages.sliding[i] == NULL_PAGE
+        )
         return full, sliding
 
     def can_allocate(self, pages: SequencePages, first_query: int, end: int) -> bool:
@@ -246,9 +255,18 @@ class RankedKVCacheManager:
         self.ranks[pages.rank].free(pages)
 
 
-def pool_sizes(num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int, window: int, page_size: int,
-               max_num_seqs: int, max_tokens_per_call: int, kv_bytes: int | None, full_tokens: int | None
-               ) -> tuple[int, int]:
+def pool_sizes(
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    itemsize: int,
+    window: int,
+    page_size: int,
+    max_num_seqs: int,
+    max_tokens_per_call: int,
+    kv_bytes: int | None,
+    full_tokens: int | None,
+) -> tuple[int, int]:
     """(full, sliding) pool sizes in pages, null page included.
 
     The sliding pool holds, for every sequence, the pages of one call's queries plus the window before
@@ -260,8 +278,10 @@ def pool_sizes(num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int,
         left = kv_bytes - num_sliding * page_bytes * ((num_layers + 1) // 2)
         per_full_page = page_bytes * max(1, num_layers // 2)
         if left < 2 * per_full_page:
-            raise ValueError(f"the KV cache budget ({kv_bytes / 2**20:.1f} MiB) does not cover the sliding-window "
-                             f"pages of max_num_seqs={max_num_seqs} sequences; lower max_num_seqs or raise "
-                             "kv_cache_memory_fraction")
+            raise ValueError(
+                f"the KV cache budget ({kv_bytes / 2**20:.1f} MiB) does not cover the sliding-window "
+                f"pages of max_num_seqs={max_num_seqs} sequences; lower max_num_seqs or raise "
+                "kv_cache_memory_fraction"
+            )
         return left // per_full_page, num_sliding
     return math.ceil(full_tokens / page_size) + 1, num_sliding

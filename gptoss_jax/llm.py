@@ -16,8 +16,8 @@ from tqdm.auto import tqdm
 
 from gptoss_jax import inspection
 from gptoss_jax.engine import DTYPES, Engine
-from gptoss_jax.inspection import Inspection
 from gptoss_jax.engine_config import EngineConfig
+from gptoss_jax.inspection import Inspection
 from gptoss_jax.sampling import SamplingParams, find_stop_string
 
 
@@ -26,9 +26,9 @@ class CompletionOutput:
     index: int
     text: str | None
     token_ids: list[int]
-    finish_reason: str          # "stop" (a stop token or string) or "length"
+    finish_reason: str  # "stop" (a stop token or string) or "length"
     stop_reason: int | str | None  # the stop token id (not in `token_ids`) or the stop string (not in `text`)
-    logprobs: list | None = None   # per token: (logprob, [(token_id, logprob), ...])
+    logprobs: list | None = None  # per token: (logprob, [(token_id, logprob), ...])
 
 
 @dataclasses.dataclass
@@ -42,16 +42,35 @@ class RequestOutput:
 class LLM:
     """A loaded gpt-oss model. `model=None` uses the built-in tiny demo checkpoint."""
 
-    def __init__(self, model: str | os.PathLike | None = None, dtype: str = "bfloat16", *,
-                 tokenizer: str | os.PathLike | None = None, max_model_len: int | None = None,
-                 cache_dir: str | os.PathLike | None = None, impl: str | None = None, seed: int = 0,
-                 progress: bool = True, engine_config: EngineConfig | str | None = None, **engine_overrides):
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        dtype: str = "bfloat16",
+        *,
+        tokenizer: str | os.PathLike | None = None,
+        max_model_len: int | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        impl: str | None = None,
+        seed: int = 0,
+        progress: bool = True,
+        engine_config: EngineConfig | str | None = None,
+        **engine_overrides,
+    ):
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
         if max_model_len is not None:
             engine_overrides["max_model_len"] = max_model_len
-        self.engine = Engine(model, dtype=dtype, config=engine_config, tokenizer=tokenizer, impl=impl, seed=seed,
-                             cache_dir=cache_dir, progress=progress, **engine_overrides)
+        self.engine = Engine(
+            model,
+            dtype=dtype,
+            config=engine_config,
+            tokenizer=tokenizer,
+            impl=impl,
+            seed=seed,
+            cache_dir=cache_dir,
+            progress=progress,
+            **engine_overrides,
+        )
         self.model_path = self.engine.model_path
         self.config = self.engine.model_config
         self.params = self.engine.params
@@ -62,8 +81,10 @@ class LLM:
     # ---- helpers -------------------------------------------------------------------------------
     def _encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError(f"{self.model_path} has a {self.config.vocab_size}-token vocabulary, not "
-                             "o200k_harmony's: pass prompt_token_ids instead of text prompts")
+            raise ValueError(
+                f"{self.model_path} has a {self.config.vocab_size}-token vocabulary, not "
+                "o200k_harmony's: pass prompt_token_ids instead of text prompts"
+            )
         return self.tokenizer.encode(prompt, allowed_special="all")
 
     def _decode_text(self, ids: list[int]) -> str | None:
@@ -77,8 +98,10 @@ class LLM:
         if bad:
             raise ValueError(f"{where}: token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"{where}: prompt has {len(ids)} tokens; the context limit is "
-                             f"{self.max_model_len} (max_model_len) including at least one generated token")
+            raise ValueError(
+                f"{where}: prompt has {len(ids)} tokens; the context limit is "
+                f"{self.max_model_len} (max_model_len) including at least one generated token"
+            )
         return ids
 
     # ---- public API ----------------------------------------------------------------------------
@@ -91,21 +114,29 @@ class LLM:
         attention mass each head gives its sink, optionally the residual stream after each layer and the
         logits. Same jitted model code, kernels and paged path as `logits`, with `model.Inspect` on; see
         `gptoss_jax.inspection`."""
-        return inspection.run(self.engine, self._check_ids(token_ids, "inspect"), hidden_states=hidden_states,
-                              logits=logits)
+        return inspection.run(
+            self.engine, self._check_ids(token_ids, "inspect"), hidden_states=hidden_states, logits=logits
+        )
 
-    def generate(self, prompts: str | Sequence[str] | None = None,
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 prompt_token_ids: Sequence[Sequence[int]] | None = None, use_tqdm: bool = True
-                 ) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """One `RequestOutput` per prompt, in order. Give text `prompts` or `prompt_token_ids`."""
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompts or prompt_token_ids")
         if isinstance(prompts, str):
             prompts = [prompts]
         texts = list(prompts) if prompts is not None else [None] * len(prompt_token_ids)
-        ids = ([self._check_ids(self._encode(p), f"prompt {i}") for i, p in enumerate(texts)] if prompts is not None
-               else [self._check_ids(p, f"prompt_token_ids[{i}]") for i, p in enumerate(prompt_token_ids)])
+        ids = (
+            [self._check_ids(self._encode(p), f"prompt {i}") for i, p in enumerate(texts)]
+            if prompts is not None
+            else [self._check_ids(p, f"prompt_token_ids[{i}]") for i, p in enumerate(prompt_token_ids)]
+        )
         if not ids:
             return []
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -118,8 +149,9 @@ class LLM:
         outs = self._run_batch(ids, params, use_tqdm)
         return [RequestOutput(t, i, [o], cached) for t, i, (o, cached) in zip(texts, ids, outs)]
 
-    def _run_batch(self, ids: list[list[int]], params: list[SamplingParams], use_tqdm: bool
-                   ) -> list[tuple[CompletionOutput, int]]:
+    def _run_batch(
+        self, ids: list[list[int]], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[tuple[CompletionOutput, int]]:
         rids = [f"llm-{self._next_id + i}" for i in range(len(ids))]
         self._next_id += len(ids)
         tokens: dict[str, list[int]] = {r: [] for r in rids}
@@ -147,7 +179,13 @@ class LLM:
             reason, stop_reason, cached = done[r]
             text = self._decode_text(tokens[r])
             if isinstance(stop_reason, str) and text is not None:
-                text = text[:find_stop_string(text, (stop_reason,))[0]]
-            outs.append((CompletionOutput(0, text, tokens[r], reason, stop_reason,
-                                          logprobs[r] if p.logprobs is not None else None), cached))
+                text = text[: find_stop_string(text, (stop_reason,))[0]]
+            outs.append(
+                (
+                    CompletionOutput(
+                        0, text, tokens[r], reason, stop_reason, logprobs[r] if p.logprobs is not None else None
+                    ),
+                    cached,
+                )
+            )
         return outs

@@ -30,19 +30,25 @@ class PagedKVCache:
 
     Position `p` of a sequence lives in page `table[p // page_size]`, slot `p % page_size`, of the
     pool of the layer's type."""
+
     k_sliding: jax.Array  # [Ls, Ps, S, K, H]
     v_sliding: jax.Array  # [Ls, Ps, S, K, H]
-    k_full: jax.Array     # [Lf, Pf, S, K, H]
-    v_full: jax.Array     # [Lf, Pf, S, K, H]
+    k_full: jax.Array  # [Lf, Pf, S, K, H]
+    v_full: jax.Array  # [Lf, Pf, S, K, H]
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, num_pages_sliding: int, num_pages_full: int, page_size: int,
-              dtype) -> "PagedKVCache":
+    def zeros(
+        cls, cfg: ModelConfig, num_pages_sliding: int, num_pages_full: int, page_size: int, dtype
+    ) -> "PagedKVCache":
         ls, lf = (cfg.num_layers + 1) // 2, cfg.num_layers // 2
         tail = (page_size, cfg.num_kv_heads, cfg.head_dim)
         s, f = (ls, num_pages_sliding) + tail, (lf, num_pages_full) + tail
-        return cls(k_sliding=jnp.zeros(s, dtype), v_sliding=jnp.zeros(s, dtype),
-                   k_full=jnp.zeros(f, dtype), v_full=jnp.zeros(f, dtype))
+        return cls(
+            k_sliding=jnp.zeros(s, dtype),
+            v_sliding=jnp.zeros(s, dtype),
+            k_full=jnp.zeros(f, dtype),
+            v_full=jnp.zeros(f, dtype),
+        )
 
     @property
     def page_size(self) -> int:
@@ -53,8 +59,9 @@ class PagedKVCache:
 class PageTables:
     """Where one call's tokens read and write. `full_cached_B`: positions below it are already in shared
     (prefix-cached) full-layer pages, so their full-layer writes go to the null page."""
+
     sliding_BM: jax.Array  # int32 [B, M]
-    full_BM: jax.Array     # int32 [B, M]
+    full_BM: jax.Array  # int32 [B, M]
     full_cached_B: jax.Array  # int32 [B]
 
 
@@ -66,16 +73,18 @@ class Inspect:
     records are side computations: the routing with `moe_reference.route` (what every MoE implementation
     calls) and the sink mass with the reference attention (kernels do not expose it), which costs a second
     attention pass. `inspect=None` (the default) traces exactly the serving program."""
+
     hidden_states: bool = False
 
 
 @struct.dataclass
 class LayerRecords:
     """Per-layer internals of one `forward(..., inspect=Inspect(...))`, stacked over layers in model order."""
-    router_logits: jax.Array   # f32 [L, B, T, E] (router bias included)
-    expert_ids: jax.Array      # i32 [L, B, T, k] the experts each token was sent to, best first
+
+    router_logits: jax.Array  # f32 [L, B, T, E] (router bias included)
+    expert_ids: jax.Array  # i32 [L, B, T, k] the experts each token was sent to, best first
     expert_weights: jax.Array  # f32 [L, B, T, k] softmax over the k chosen logits
-    sink_mass: jax.Array       # f32 [L, B, T, N] attention probability each head gives its sink
+    sink_mass: jax.Array  # f32 [L, B, T, N] attention probability each head gives its sink
     hidden_states: jax.Array | None  # f32 [L, B, T, D] residual stream after each layer, or None
 
 
@@ -84,10 +93,11 @@ class AttentionInputs:
     """What every attention layer of one type (sliding or full) reads in one call: where its tokens are, their RoPE
     tables, the block tables, and the (page, slot) each new token's K/V goes to (padding and already-cached tokens:
     the null page)."""
-    positions_BT: jax.Array   # i32 (-1: padding)
-    cos_BTF: jax.Array        # [B, T, H/2] in the model dtype, YaRN concentration included
+
+    positions_BT: jax.Array  # i32 (-1: padding)
+    cos_BTF: jax.Array  # [B, T, H/2] in the model dtype, YaRN concentration included
     sin_BTF: jax.Array
-    table_BM: jax.Array       # i32 pages of the layer type's pool
+    table_BM: jax.Array  # i32 pages of the layer type's pool
     write_page_BT: jax.Array  # i32
     write_slot_BT: jax.Array  # i32
 
@@ -96,27 +106,48 @@ class AttentionInputs:
 class AttentionOutputs:
     """One attention layer's result: its output projection, the pools with its K/V written, the new-token kernel's
     split counts (passed through where it does not run), and with `inspect` the sink mass."""
-    y_BTD: jax.Array              # f32
-    k_all: jax.Array              # [L, P, S, K, H] the layer type's pools, all layers
+
+    y_BTD: jax.Array  # f32
+    k_all: jax.Array  # [L, P, S, K, H] the layer type's pools, all layers
     v_all: jax.Array
-    done_BK: jax.Array | None     # i32 [B, K]; None inside a sharded block (the counts stay outside)
-    sink_BTN: jax.Array | None    # f32 attention probability each head gives its sink, with `inspect`
+    done_BK: jax.Array | None  # i32 [B, K]; None inside a sharded block (the counts stay outside)
+    sink_BTN: jax.Array | None  # f32 attention probability each head gives its sink, with `inspect`
 
 
-def _attention_inputs(table_BM: jax.Array, positions_BT: jax.Array, write_from_B: jax.Array, cos_BTF, sin_BTF,
-                      page_size: int) -> AttentionInputs:
+def _attention_inputs(
+    table_BM: jax.Array, positions_BT: jax.Array, write_from_B: jax.Array, cos_BTF, sin_BTF, page_size: int
+) -> AttentionInputs:
     """The inputs of a layer type: its table, and the (page, slot) each new token writes."""
     M = table_BM.shape[1]
     col = positions_BT // page_size
     ok = (positions_BT >= write_from_B[:, None]) & (positions_BT >= 0) & (col < M)
     page = jnp.take_along_axis(table_BM, jnp.clip(col, 0, M - 1), axis=1)
-    return AttentionInputs(positions_BT, cos_BTF, sin_BTF, table_BM, jnp.where(ok, page, NULL_PAGE),
-                           jnp.maximum(positions_BT, 0) % page_size)
+    return AttentionInputs(
+        positions_BT,
+        cos_BTF,
+        sin_BTF,
+        table_BM,
+        jnp.where(ok, page, NULL_PAGE),
+        jnp.maximum(positions_BT, 0) % page_size,
+    )
 
 
-def _attention(cfg: ModelConfig, stacked: dict, per_layer: dict, layer, idx, t_BTD, k_all, v_all,
-               inp: AttentionInputs, *, window: int, kernels: KernelConfig, inspect: bool,
-               heads_axis: str | None) -> AttentionOutputs:
+def _attention(
+    cfg: ModelConfig,
+    stacked: dict,
+    per_layer: dict,
+    layer,
+    idx,
+    t_BTD,
+    k_all,
+    v_all,
+    inp: AttentionInputs,
+    *,
+    window: int,
+    kernels: KernelConfig,
+    inspect: bool,
+    heads_axis: str | None,
+) -> AttentionOutputs:
     """One attention layer on the normed residual stream `t_BTD`: project, write the new K/V into layer `idx` of
     the pools, attend through the table. Runs on whatever heads and rows it is given: all of them on one device, a
     device's shard under a layout (`sharding.tensor_parallel`), where `heads_axis` names the mesh axis the heads
@@ -131,18 +162,22 @@ def _attention(cfg: ModelConfig, stacked: dict, per_layer: dict, layer, idx, t_B
     # q, k and v in one kernel launch for decode rows: k and v alone cost a launch's latency, not their bytes
     bs = [per_layer[f"{n}_b"] for n in "qkv"]
     ws = [stacked[f"{n}_w"] for n in "qkv"]
-    q, k, v = (y.astype(dtype).reshape(B, T, -1, H)
-               for y in pallas_kernels.linear_many(t_BTD.reshape(B * T, -1), ws, bs, layer, kernels=kernels))
+    q, k, v = (
+        y.astype(dtype).reshape(B, T, -1, H)
+        for y in pallas_kernels.linear_many(t_BTD.reshape(B * T, -1), ws, bs, layer, kernels=kernels)
+    )
     q, k = rope.apply(q, inp.cos_BTF, inp.sin_BTF), rope.apply(k, inp.cos_BTF, inp.sin_BTF)
     k_pool = k_pool.at[page_offset + inp.write_page_BT, inp.write_slot_BT].set(k)
     v_pool = v_pool.at[page_offset + inp.write_page_BT, inp.write_slot_BT].set(v)
     table = inp.table_BM + page_offset
-    o = pallas_kernels.attention(q, k_pool, v_pool, table, inp.positions_BT, per_layer["sinks"], window,
-                                 kernels=kernels)
+    o = pallas_kernels.attention(
+        q, k_pool, v_pool, table, inp.positions_BT, per_layer["sinks"], window, kernels=kernels
+    )
     sink = None
     if inspect:  # a side computation for the record: the output stays the serving implementation's
-        _, sink = attention_reference.attention(q, k_pool, v_pool, table, inp.positions_BT, per_layer["sinks"], window,
-                                                return_sink_mass=True)
+        _, sink = attention_reference.attention(
+            q, k_pool, v_pool, table, inp.positions_BT, per_layer["sinks"], window, return_sink_mass=True
+        )
     o_b = per_layer["o_b"]
     o_w = stacked["o_w"]
     o = o.reshape(B * T, -1)
@@ -151,25 +186,53 @@ def _attention(cfg: ModelConfig, stacked: dict, per_layer: dict, layer, idx, t_B
     else:  # this device's heads: a partial sum of the projection, the bias added once
         y = jax.lax.psum(pallas_kernels.linear(o, o_w, jnp.zeros_like(o_b), layer, kernels=kernels), heads_axis)
         y = y + o_b.astype(jnp.float32)
-    return AttentionOutputs(y.reshape(B, T, -1), k_pool.reshape(k_all.shape), v_pool.reshape(v_all.shape), None,
-                            sink)
+    return AttentionOutputs(y.reshape(B, T, -1), k_pool.reshape(k_all.shape), v_pool.reshape(v_all.shape), None, sink)
 
 
-def _attention_new_token(cfg: ModelConfig, stacked: dict, per_layer: dict, layer, idx, t_BTD, k_all, v_all, done_BK,
-                         inp: AttentionInputs, *, window: int, kernels: KernelConfig) -> AttentionOutputs:
+def _attention_new_token(
+    cfg: ModelConfig,
+    stacked: dict,
+    per_layer: dict,
+    layer,
+    idx,
+    t_BTD,
+    k_all,
+    v_all,
+    done_BK,
+    inp: AttentionInputs,
+    *,
+    window: int,
+    kernels: KernelConfig,
+) -> AttentionOutputs:
     """`_attention` for decode on one device with the kernels (`pallas_kernels.fuses_new_token`): the projections'
     epilogue, RoPE, the cache write and the merge of the sequence splits (counted in `done_BK`) ride in one kernel,
     which reads every layer's q/k/v biases and sinks in place (`stacked`) instead of slicing them per layer."""
     B = t_BTD.shape[0]
     k_pool, v_pool, page_offset = _flat_pools(k_all, v_all, idx)
     o, k_pool, v_pool, done_BK = pallas_kernels.attention_new_token(
-        t_BTD.reshape(B, -1), [stacked[f"{n}_w"] for n in "qkv"], [stacked[f"{n}_b"] for n in "qkv"], layer,
-        inp.cos_BTF[:, 0], inp.sin_BTF[:, 0], k_pool, v_pool, inp.table_BM, page_offset, inp.positions_BT[:, 0],
-        inp.write_page_BT[:, 0], inp.write_slot_BT[:, 0], stacked["sinks"], window, done_BK, null_page=NULL_PAGE,
-        kernels=kernels)
+        t_BTD.reshape(B, -1),
+        [stacked[f"{n}_w"] for n in "qkv"],
+        [stacked[f"{n}_b"] for n in "qkv"],
+        layer,
+        inp.cos_BTF[:, 0],
+        inp.sin_BTF[:, 0],
+        k_pool,
+        v_pool,
+        inp.table_BM,
+        page_offset,
+        inp.positions_BT[:, 0],
+        inp.write_page_BT[:, 0],
+        inp.write_slot_BT[:, 0],
+        stacked["sinks"],
+        window,
+        done_BK,
+        null_page=NULL_PAGE,
+        kernels=kernels,
+    )
     y = pallas_kernels.linear(o.reshape(B, -1), stacked["o_w"], per_layer["o_b"], layer, kernels=kernels)
-    return AttentionOutputs(y.reshape(B, 1, -1), k_pool.reshape(k_all.shape), v_pool.reshape(v_all.shape), done_BK,
-                            None)
+    return AttentionOutputs(
+        y.reshape(B, 1, -1), k_pool.reshape(k_all.shape), v_pool.reshape(v_all.shape), done_BK, None
+    )
 
 
 def _flat_pools(k_all, v_all, idx):
@@ -178,19 +241,38 @@ def _flat_pools(k_all, v_all, idx):
     return k_all.reshape(-1, *k_all.shape[2:]), v_all.reshape(-1, *v_all.shape[2:]), idx * k_all.shape[1]
 
 
-def _attention_block(cfg: ModelConfig, lp, dense_all, layer, idx, t_BTD, k_all, v_all, done_BK, inp: AttentionInputs,
-                     *, window: int, kernels: KernelConfig, inspect: bool, layout) -> AttentionOutputs:
+def _attention_block(
+    cfg: ModelConfig,
+    lp,
+    dense_all,
+    layer,
+    idx,
+    t_BTD,
+    k_all,
+    v_all,
+    done_BK,
+    inp: AttentionInputs,
+    *,
+    window: int,
+    kernels: KernelConfig,
+    inspect: bool,
+    layout,
+) -> AttentionOutputs:
     """One attention layer: the new-token kernel for decode on one device, else `_attention` on one device or per
     device under a `layout` (its rows, pages and heads)."""
     stacked = {n: getattr(dense_all, n) for n in tensor_parallel.STACKED}
     per_layer = {n: getattr(lp, n) for n in tensor_parallel.PER_LAYER}
     B, T, _ = t_BTD.shape
     q_shape = (B, T, cfg.num_heads, cfg.head_dim)
-    if layout is None and not inspect and pallas_kernels.fuses_new_token(q_shape, cfg.num_kv_heads, k_all.dtype,
-                                                                        kernels):
+    if (
+        layout is None
+        and not inspect
+        and pallas_kernels.fuses_new_token(q_shape, cfg.num_kv_heads, k_all.dtype, kernels)
+    ):
         stacked.update({n: getattr(dense_all, n) for n in ("q_b", "k_b", "v_b", "sinks")})
-        return _attention_new_token(cfg, stacked, per_layer, layer, idx, t_BTD, k_all, v_all, done_BK, inp,
-                                    window=window, kernels=kernels)
+        return _attention_new_token(
+            cfg, stacked, per_layer, layer, idx, t_BTD, k_all, v_all, done_BK, inp, window=window, kernels=kernels
+        )
     heads_axis = tensor_parallel.heads_axis(layout, cfg.num_kv_heads) if layout is not None else None
     block = functools.partial(_attention, cfg, window=window, kernels=kernels, inspect=inspect, heads_axis=heads_axis)
     if layout is not None:
@@ -200,8 +282,9 @@ def _attention_block(cfg: ModelConfig, lp, dense_all, layer, idx, t_BTD, k_all, 
     return block(stacked, per_layer, layer, idx, t_BTD, k_all, v_all, inp).replace(done_BK=done_BK)
 
 
-def _moe_block(cfg: ModelConfig, lp, dense_all, final_norm, layer, x_BTD, *, dtype, kernels: KernelConfig,
-               inspect: bool, layout):
+def _moe_block(
+    cfg: ModelConfig, lp, dense_all, final_norm, layer, x_BTD, *, dtype, kernels: KernelConfig, inspect: bool, layout
+):
     """The MoE layer with its residual add, and the next block's norm: (x `[B, T, D]` f32, its `rms_norm` with
     the gain of the attention after it or the final one), and with `inspect` its routing (logits, ids, weights)
     `[B, T, ...]` (else None).
@@ -220,12 +303,24 @@ def _moe_block(cfg: ModelConfig, lp, dense_all, final_norm, layer, x_BTD, *, dty
         idx, w, logits = moe_reference.route(t, lp.router_w, lp.router_b, cfg.experts_per_token)
         routing = tuple(r.reshape(B, T, -1) for r in (logits, idx, w))
     if layout is not None:  # experts split over `model` (padded), tokens as the ranks hold them
-        x = x + expert_parallel.moe(t, lp.router_w, lp.router_b, dense_all.experts, layer, layout=layout,
-                                    kernels=kernels, **kw).astype(jnp.float32)
+        x = x + expert_parallel.moe(
+            t, lp.router_w, lp.router_b, dense_all.experts, layer, layout=layout, kernels=kernels, **kw
+        ).astype(jnp.float32)
         t = rms_norm(x, pallas_kernels.next_gain(*gains, layer), eps, dtype)
     else:
-        x, t = pallas_kernels.moe_block(x, dense_all.mlp_norm, dense_all.router_w, dense_all.router_b,
-                                        dense_all.experts, layer, gains, eps=eps, dtype=dtype, kernels=kernels, **kw)
+        x, t = pallas_kernels.moe_block(
+            x,
+            dense_all.mlp_norm,
+            dense_all.router_w,
+            dense_all.router_b,
+            dense_all.experts,
+            layer,
+            gains,
+            eps=eps,
+            dtype=dtype,
+            kernels=kernels,
+            **kw,
+        )
     return x.reshape(B, T, D), t.reshape(B, T, D), routing
 
 
@@ -233,19 +328,29 @@ def _exact_in_fp32(fn):
     """fp32 is the exactness mode: without HIGHEST precision, GPUs (XLA and the Pallas-Triton kernels
     alike) run fp32 matmuls as TF32, ~1e-3 relative error. Resolved at trace time, so it reaches every
     dot of the program, kernels included."""
+
     @functools.wraps(fn)
     def wrapped(params, *args, **kwargs):
         if params.embed.dtype != jnp.float32:
             return fn(params, *args, **kwargs)
         with jax.default_matmul_precision("highest"):
             return fn(params, *args, **kwargs)
+
     return wrapped
 
 
 @_exact_in_fp32
-def forward(params: Params, cache: PagedKVCache, tokens_BT: jax.Array, positions_BT: jax.Array, tables: PageTables,
-            cfg: ModelConfig, kernels: KernelConfig = REFERENCE, inspect: Inspect | None = None, layout=None
-            ) -> tuple[jax.Array, PagedKVCache, LayerRecords | None]:
+def forward(
+    params: Params,
+    cache: PagedKVCache,
+    tokens_BT: jax.Array,
+    positions_BT: jax.Array,
+    tables: PageTables,
+    cfg: ModelConfig,
+    kernels: KernelConfig = REFERENCE,
+    inspect: Inspect | None = None,
+    layout=None,
+) -> tuple[jax.Array, PagedKVCache, LayerRecords | None]:
     """Run the layers on new tokens at `positions_BT` (-1 = padding), writing their K/V into `cache`.
 
     Returns the final-normed hidden states `[B, T, D]` (pass the rows you need to `unembed`), the updated cache,
@@ -263,7 +368,8 @@ def forward(params: Params, cache: PagedKVCache, tokens_BT: jax.Array, positions
     cos, sin = rope.cos_sin(cfg, jnp.maximum(positions_BT, 0), dtype)
     inputs = {  # per layer type: sliding layers never write into shared (prefix-cached) pages
         True: _attention_inputs(tables.sliding_BM, positions_BT, jnp.zeros_like(tables.full_cached_B), cos, sin, S),
-        False: _attention_inputs(tables.full_BM, positions_BT, tables.full_cached_B, cos, sin, S)}
+        False: _attention_inputs(tables.full_BM, positions_BT, tables.full_cached_B, cos, sin, S),
+    }
     windows = {True: cfg.sliding_window, False: FULL_WINDOW}
 
     def layer(x, t, caches, lp, idx, sliding: bool):  # t: x normed for this layer's attention
@@ -271,13 +377,28 @@ def forward(params: Params, cache: PagedKVCache, tokens_BT: jax.Array, positions
         n = 2 * idx + (0 if sliding else 1)  # the layer's index in model order
         with jax.named_scope("sliding_attention" if sliding else "full_attention"):
             k_all, v_all = pools[sliding]
-            out = _attention_block(cfg, lp, dense_all, n, idx, t, k_all, v_all, done, inputs[sliding],
-                                   window=windows[sliding], kernels=kernels, inspect=on, layout=layout)
+            out = _attention_block(
+                cfg,
+                lp,
+                dense_all,
+                n,
+                idx,
+                t,
+                k_all,
+                v_all,
+                done,
+                inputs[sliding],
+                window=windows[sliding],
+                kernels=kernels,
+                inspect=on,
+                layout=layout,
+            )
             pools = {**pools, sliding: (out.k_all, out.v_all)}
             x = pin(x + out.y_BTD)
         with jax.named_scope("moe"):
-            x, t, routing = _moe_block(cfg, lp, dense_all, params.final_norm, n, x, dtype=dtype, kernels=kernels,
-                                       inspect=on, layout=layout)
+            x, t, routing = _moe_block(
+                cfg, lp, dense_all, params.final_norm, n, x, dtype=dtype, kernels=kernels, inspect=on, layout=layout
+            )
             x, t = pin(x), pin(t)
         record = (*routing, out.sink_BTN, x if inspect.hidden_states else None) if on else None
         return x, t, (pools, out.done_BK), record
@@ -291,8 +412,10 @@ def forward(params: Params, cache: PagedKVCache, tokens_BT: jax.Array, positions
 
     pairs = cfg.num_layers // 2
     # The pools by layer type, and the new-token attention kernel's split counts: one zeroed buffer for all layers.
-    caches = ({True: (cache.k_sliding, cache.v_sliding), False: (cache.k_full, cache.v_full)},
-              jnp.zeros((tokens_BT.shape[0], cfg.num_kv_heads), jnp.int32))
+    caches = (
+        {True: (cache.k_sliding, cache.v_sliding), False: (cache.k_full, cache.v_full)},
+        jnp.zeros((tokens_BT.shape[0], cfg.num_kv_heads), jnp.int32),
+    )
     # The big per-layer weights are indexed inside the blocks (no copy), the rest is sliced by the scan.
     dense_all = params.layers
     # Each MoE block ends with the next block's norm (the kernels fuse it), so the first norm is taken here.
@@ -301,7 +424,7 @@ def forward(params: Params, cache: PagedKVCache, tokens_BT: jax.Array, positions
     records = []  # with `inspect`: per-layer records, stacked on a leading layer axis
     with jax.named_scope("layers"):
         if pairs:
-            stacked = jax.tree.map(lambda a: a[:2 * pairs].reshape(pairs, 2, *a.shape[1:]), scanned)
+            stacked = jax.tree.map(lambda a: a[: 2 * pairs].reshape(pairs, 2, *a.shape[1:]), scanned)
             (x, t, caches), ys = jax.lax.scan(pair, (x, t, caches), (stacked, jnp.arange(pairs)))
             if on:  # [pairs] of (sliding, full) -> [2 * pairs] in layer order
                 records.append(jax.tree.map(lambda a, b: jnp.stack([a, b], 1).reshape(2 * pairs, *a.shape[1:]), *ys))
@@ -313,8 +436,11 @@ def forward(params: Params, cache: PagedKVCache, tokens_BT: jax.Array, positions
     if layout is not None:  # the pools keep their placement from call to call (donated in place)
         pools = tuple(jax.lax.with_sharding_constraint(c, layout.cache_sharding(cfg.num_kv_heads)) for c in pools)
     # t: the last block's output, normed with the final gain
-    return t, PagedKVCache(*pools), (LayerRecords(*jax.tree.map(lambda *a: jnp.concatenate(a), *records)) if on
-                                     else None)
+    return (
+        t,
+        PagedKVCache(*pools),
+        (LayerRecords(*jax.tree.map(lambda *a: jnp.concatenate(a), *records)) if on else None),
+    )
 
 
 @_exact_in_fp32

@@ -19,26 +19,55 @@ from tqdm.auto import tqdm
 
 import pallas_kernels
 from gptoss_jax import checkpoint, safetensors_io
-from pallas_kernels import params as params_lib
 from gptoss_jax.config import from_hf_dict, from_original_dict
 from pallas_kernels import REFERENCE, KernelConfig
+from pallas_kernels import params as params_lib
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 # A small model with the real vocabulary, so the demo server handles real text.
 DEMO_CONFIG = {
-    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
-    "num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2, "experts_per_token": 2,
-    "vocab_size": 201088, "hidden_size": 64, "intermediate_size": 64, "head_dim": 16,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 128, "rope_theta": 150000,
-    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                     "original_max_position_embeddings": 4096, "truncate": False},
-    "initial_context_length": 4096, "max_position_embeddings": 131072, "swiglu_limit": 7.0,
-    "rms_norm_eps": 1e-05, "attention_bias": True, "tie_word_embeddings": False,
-    "layer_types": ["sliding_attention", "full_attention"], "eos_token_id": 200002, "pad_token_id": 199999,
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "num_hidden_layers": 2,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "experts_per_token": 2,
+    "vocab_size": 201088,
+    "hidden_size": 64,
+    "intermediate_size": 64,
+    "head_dim": 16,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "sliding_window": 128,
+    "rope_theta": 150000,
+    "rope_scaling": {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "original_max_position_embeddings": 4096,
+        "truncate": False,
+    },
+    "initial_context_length": 4096,
+    "max_position_embeddings": 131072,
+    "swiglu_limit": 7.0,
+    "rms_norm_eps": 1e-05,
+    "attention_bias": True,
+    "tie_word_embeddings": False,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "eos_token_id": 200002,
+    "pad_token_id": 199999,
     "torch_dtype": "bfloat16",
-    "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
+    "quantization_config": {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    },
 }
 
 
@@ -78,8 +107,16 @@ def _draw(rng: np.random.Generator, name: str, shape, dtype, sink_scale: float) 
     return x.astype(dtype)
 
 
-def write_checkpoint(path: str | Path, hf_config: dict, *, seed: int = 0, layout: str = "hf",
-                     max_shard_bytes: int = 4 << 30, sink_scale: float = 1.0, progress: bool = True) -> Path:
+def write_checkpoint(
+    path: str | Path,
+    hf_config: dict,
+    *,
+    seed: int = 0,
+    layout: str = "hf",
+    max_shard_bytes: int = 4 << 30,
+    sink_scale: float = 1.0,
+    progress: bool = True,
+) -> Path:
     """Write a random checkpoint for `hf_config` (a HF `config.json` dict) to folder `path`.
 
     `layout='hf'` writes `config.json` and `model.safetensors` (sharded with an index past
@@ -101,21 +138,27 @@ def write_checkpoint(path: str | Path, hf_config: dict, *, seed: int = 0, layout
         size += nbytes
     shards.append(current)
     rng = np.random.default_rng(seed)
-    names = ["model.safetensors"] if len(shards) == 1 else [
-        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     total = sum(int(np.prod(s[0])) * s[1].itemsize for s in specs.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"Writing {path.name}", disable=not progress) as bar:
         for fname, shard in zip(names, shards):
+
             def tensors(shard=shard):
                 for name, (shape, dtype) in shard.items():
                     x = _draw(rng, name, shape, dtype, sink_scale)
                     bar.update(x.nbytes)
                     yield name, x
+
             safetensors_io.write(folder / fname, tensors(), shard, metadata={"format": "pt"})
     if len(shards) > 1:
         weight_map = {n: f for f, shard in zip(names, shards) for n in shard}
         (folder / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+        )
     if layout == "hf":
         (folder / "config.json").write_text(json.dumps(hf_config, indent=2))
     else:
@@ -128,15 +171,21 @@ def to_original_config(hf: dict) -> dict:
     """The `original/config.json` equivalent of a HF config (crossed ntk naming included)."""
     rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     return {
-        "num_hidden_layers": hf["num_hidden_layers"], "num_experts": hf["num_local_experts"],
-        "experts_per_token": hf["num_experts_per_tok"], "vocab_size": hf["vocab_size"],
-        "hidden_size": hf["hidden_size"], "intermediate_size": hf["intermediate_size"],
-        "swiglu_limit": hf.get("swiglu_limit", 7.0), "head_dim": hf["head_dim"],
-        "num_attention_heads": hf["num_attention_heads"], "num_key_value_heads": hf["num_key_value_heads"],
+        "num_hidden_layers": hf["num_hidden_layers"],
+        "num_experts": hf["num_local_experts"],
+        "experts_per_token": hf["num_experts_per_tok"],
+        "vocab_size": hf["vocab_size"],
+        "hidden_size": hf["hidden_size"],
+        "intermediate_size": hf["intermediate_size"],
+        "swiglu_limit": hf.get("swiglu_limit", 7.0),
+        "head_dim": hf["head_dim"],
+        "num_attention_heads": hf["num_attention_heads"],
+        "num_key_value_heads": hf["num_key_value_heads"],
         "sliding_window": hf["sliding_window"],
         "initial_context_length": rope.get("original_max_position_embeddings", 4096),
         "rope_theta": rope.get("rope_theta", hf.get("rope_theta")),
-        "rope_scaling_factor": rope.get("factor", 1.0), "rope_ntk_alpha": rope.get("beta_slow", 1.0),
+        "rope_scaling_factor": rope.get("factor", 1.0),
+        "rope_ntk_alpha": rope.get("beta_slow", 1.0),
         "rope_ntk_beta": rope.get("beta_fast", 32.0),
     }
 

@@ -35,19 +35,23 @@ class ModelRunner:
     """The device side of one engine: `model_config`'s `params` (already placed), `kernels` resolved for the
     device, an optional `layout` (`sharding.rules.Layout`) and the engine `config`'s cache and bucket settings."""
 
-    def __init__(self, model_config: ModelConfig, params: Params, config: EngineConfig, kernels: KernelConfig,
-                 layout=None):
+    def __init__(
+        self, model_config: ModelConfig, params: Params, config: EngineConfig, kernels: KernelConfig, layout=None
+    ):
         mc, ec = model_config, config
         self.model_config, self.params, self.config, self.layout = mc, params, ec, layout
         self.num_ranks = layout.num_ranks if layout is not None else 1
         self.dtype = params.embed.dtype
-        self.st = steps.StepConfig(mc, kernels, layout, num_top=max(1, ec.max_logprobs),
-                                   num_steps=ec.decode_steps_per_call)
+        self.st = steps.StepConfig(
+            mc, kernels, layout, num_top=max(1, ec.max_logprobs), num_steps=ec.decode_steps_per_call
+        )
         self.num_pages_full, self.num_pages_sliding = self._pool_sizes()
         capacity = (self.num_pages_full - 1) * ec.page_size
         if ec.max_model_len and ec.max_model_len > capacity:
-            raise ValueError(f"max_model_len={ec.max_model_len} exceeds the KV cache capacity of {capacity} tokens "
-                             f"({self.num_pages_full - 1} pages of {ec.page_size})")
+            raise ValueError(
+                f"max_model_len={ec.max_model_len} exceeds the KV cache capacity of {capacity} tokens "
+                f"({self.num_pages_full - 1} pages of {ec.page_size})"
+            )
         self.max_model_len = min(ec.max_model_len or mc.max_position_embeddings, capacity)
         self._ctx_buckets = ec.context_buckets(self.max_model_len)
         R, n_full, n_sliding = self.num_ranks, self.num_pages_full, self.num_pages_sliding
@@ -55,14 +59,21 @@ class ModelRunner:
         # are committed whenever an input is (parameters the caller placed, say), so an uncommitted first
         # cache would make warm-up compile programs that real calls then compile again.
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        self.cache = jax.jit(lambda: model.PagedKVCache.zeros(mc, R * n_sliding, R * n_full, ec.page_size, self.dtype),
-                             out_shardings=one if layout is None else layout.cache_sharding(mc.num_kv_heads))()
+        self.cache = jax.jit(
+            lambda: model.PagedKVCache.zeros(mc, R * n_sliding, R * n_full, ec.page_size, self.dtype),
+            out_shardings=one if layout is None else layout.cache_sharding(mc.num_kv_heads),
+        )()
         # Last sampled token per sequence slot; the extra slot takes padding rows' writes.
         self._spare_slot = ec.max_num_seqs
         last = np.zeros(ec.max_num_seqs + 1, np.int32)
         self._last_tokens = jax.device_put(last, one if layout is None else layout.named(P()))
-        log.info("KV cache: %d full-layer pages, %d sliding pages of %d tokens; max_model_len %d", n_full, n_sliding,
-                 ec.page_size, self.max_model_len)
+        log.info(
+            "KV cache: %d full-layer pages, %d sliding pages of %d tokens; max_model_len %d",
+            n_full,
+            n_sliding,
+            ec.page_size,
+            self.max_model_len,
+        )
 
     @property
     def kernels(self) -> KernelConfig:
@@ -80,9 +91,18 @@ class ModelRunner:
             else:
                 kv_bytes = CPU_KV_BYTES
         full_tokens = ec.kv_cache_tokens if ec.num_pages is None else (ec.num_pages - 1) * ec.page_size
-        return kv_cache.pool_sizes(mc.num_layers, mc.num_kv_heads, mc.head_dim, jnp.dtype(self.dtype).itemsize,
-                                   mc.sliding_window, ec.page_size, ec.max_num_seqs,
-                                   max(ec.prefill_chunk_size, ec.decode_steps_per_call), kv_bytes, full_tokens)
+        return kv_cache.pool_sizes(
+            mc.num_layers,
+            mc.num_kv_heads,
+            mc.head_dim,
+            jnp.dtype(self.dtype).itemsize,
+            mc.sliding_window,
+            ec.page_size,
+            ec.max_num_seqs,
+            max(ec.prefill_chunk_size, ec.decode_steps_per_call),
+            kv_bytes,
+            full_tokens,
+        )
 
     def close(self) -> None:
         """Free the KV cache's device memory now (a new engine in the same process sizes its cache from free
@@ -111,11 +131,16 @@ class ModelRunner:
         positions = np.full((rows, T), -1, np.int32)
         last = np.zeros((rows,), np.int32)
         for i, c in zip(row_of, chunks):
-            tokens[i, :c.num_tokens] = c.seq.token_ids[c.start:c.start + c.num_tokens]
-            positions[i, :c.num_tokens] = np.arange(c.start, c.start + c.num_tokens)
+            tokens[i, : c.num_tokens] = c.seq.token_ids[c.start : c.start + c.num_tokens]
+            positions[i, : c.num_tokens] = np.arange(c.start, c.start + c.num_tokens)
             last[i] = c.num_tokens - 1
-        batch = steps.PrefillBatch(self._put(tokens), self._put(positions), self._tables(seqs, rows, width, row_of),
-                                   self._put(last), self._sampling(seqs, rows, row_of))
+        batch = steps.PrefillBatch(
+            self._put(tokens),
+            self._put(positions),
+            self._tables(seqs, rows, width, row_of),
+            self._put(last),
+            self._sampling(seqs, rows, row_of),
+        )
         out, self.cache = steps.prefill(self.params, self.cache, batch, st=self.st)
         self._last_tokens = steps.store_tokens(self._last_tokens, self._slots(seqs, rows, row_of), out.tokens)
         return out
@@ -128,8 +153,9 @@ class ModelRunner:
         host[row_of] = [-1 if s.num_pending else s.token_ids[-1] for s in seqs]
         slots = self._slots(seqs, rows, row_of)
         tokens = steps.load_tokens(self._last_tokens, slots, self._put(host))
-        batch = steps.DecodeBatch(tokens, self._put(positions), self._tables(seqs, rows, width, row_of),
-                                  self._sampling(seqs, rows, row_of))
+        batch = steps.DecodeBatch(
+            tokens, self._put(positions), self._tables(seqs, rows, width, row_of), self._sampling(seqs, rows, row_of)
+        )
         out, self.cache = steps.decode(self.params, self.cache, batch, st=self.st)
         self._last_tokens = steps.store_tokens(self._last_tokens, slots, out.tokens)
         return out
@@ -157,7 +183,7 @@ class ModelRunner:
         rows = self.num_ranks
         tokens = np.zeros((rows, T), np.int32)
         positions = np.full((rows, T), -1, np.int32)
-        tokens[0, :n], positions[0, :n] = seq.token_ids[start:start + n], np.arange(start, start + n)
+        tokens[0, :n], positions[0, :n] = seq.token_ids[start : start + n], np.arange(start, start + n)
         return self._put(tokens), self._put(positions), self._tables([seq], rows, self._width([start + n]))
 
     # ---- packing -----------------------------------------------------------------------------------------------
@@ -183,14 +209,13 @@ class ModelRunner:
         pages = math.ceil(max(end_positions) / self.config.page_size)
         return bucket(min(pages, self._ctx_buckets[-1]), self._ctx_buckets)
 
-    def _tables(self, seqs: list[Sequence], rows: int, width: int, row_of: list[int] | None = None
-                ) -> model.PageTables:
+    def _tables(self, seqs: list[Sequence], rows: int, width: int, row_of: list[int] | None = None) -> model.PageTables:
         sliding = np.zeros((rows, width), np.int32)
         full = np.zeros((rows, width), np.int32)
         cached = np.zeros((rows,), np.int32)
         for i, seq in zip(row_of or range(len(seqs)), seqs):
             s, f = seq.pages.sliding[:width], seq.pages.full[:width]
-            sliding[i, :len(s)], full[i, :len(f)], cached[i] = s, f, seq.full_cached
+            sliding[i, : len(s)], full[i, : len(f)], cached[i] = s, f, seq.full_cached
         return model.PageTables(self._put(sliding), self._put(full), self._put(cached))
 
     def _sampling(self, seqs: list[Sequence], rows: int, row_of: list[int]) -> SamplingBatch:

@@ -20,8 +20,10 @@ def prepare() -> None:
     if "XLA_PYTHON_CLIENT_MEM_FRACTION" in os.environ:
         return
     if xla_bridge.backends_are_initialized():
-        log.info("JAX's backends started before gptoss_jax.runtime.prepare(): the GPU memory pool keeps JAX's default "
-                 "size; set XLA_PYTHON_CLIENT_MEM_FRACTION=%s before the first JAX call for the engine's",
-                 GPU_MEMORY_FRACTION)
+        log.info(
+            "JAX's backends started before gptoss_jax.runtime.prepare(): the GPU memory pool keeps JAX's default "
+            "size; set XLA_PYTHON_CLIENT_MEM_FRACTION=%s before the first JAX call for the engine's",
+            GPU_MEMORY_FRACTION,
+        )
         return
     os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = GPU_MEMORY_FRACTION

@@ -14,9 +14,15 @@ import ml_dtypes
 import numpy as np
 
 DTYPES = {
-    "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16), "F32": np.dtype(np.float32),
-    "F64": np.dtype(np.float64), "U8": np.dtype(np.uint8), "I8": np.dtype(np.int8),
-    "I16": np.dtype(np.int16), "I32": np.dtype(np.int32), "I64": np.dtype(np.int64),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F16": np.dtype(np.float16),
+    "F32": np.dtype(np.float32),
+    "F64": np.dtype(np.float64),
+    "U8": np.dtype(np.uint8),
+    "I8": np.dtype(np.int8),
+    "I16": np.dtype(np.int16),
+    "I32": np.dtype(np.int32),
+    "I64": np.dtype(np.int64),
     "BOOL": np.dtype(np.bool_),
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
@@ -65,18 +71,21 @@ class Reader:
         begin, end = info["data_offsets"]
         count = int(np.prod(info["shape"], dtype=np.int64))
         if end - begin != count * dtype.itemsize:
-            raise SafetensorsError(f"{self.path}: tensor '{name}' has {end - begin} bytes, expected "
-                                   f"{count * dtype.itemsize} for shape {info['shape']} {info['dtype']}")
+            raise SafetensorsError(
+                f"{self.path}: tensor '{name}' has {end - begin} bytes, expected "
+                f"{count * dtype.itemsize} for shape {info['shape']} {info['dtype']}"
+            )
         if self._mmap is None:
             self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
         if self._data_start + end > self._mmap.size:
             raise SafetensorsError(f"{self.path}: truncated file (tensor '{name}' ends past the end)")
-        raw = self._mmap[self._data_start + begin:self._data_start + end]
+        raw = self._mmap[self._data_start + begin : self._data_start + end]
         return raw.view(dtype).reshape(info["shape"])
 
 
-def write(path: str | Path, tensors: Iterator[tuple[str, np.ndarray]] | list, specs: dict,
-          metadata: dict | None = None) -> None:
+def write(
+    path: str | Path, tensors: Iterator[tuple[str, np.ndarray]] | list, specs: dict, metadata: dict | None = None
+) -> None:
     """Write tensors to `path`. `specs[name] = (shape, dtype)` fixes the header up front, then
     `tensors` yields `(name, array)` in the same order, each written and dropped in turn."""
     offsets, header, pos = {}, {}, 0
@@ -95,8 +104,10 @@ def write(path: str | Path, tensors: Iterator[tuple[str, np.ndarray]] | list, sp
         for name, array in tensors:
             shape, dtype = specs[name]
             if tuple(array.shape) != tuple(shape) or array.dtype != np.dtype(dtype):
-                raise SafetensorsError(f"{path}: tensor '{name}' is {array.shape} {array.dtype}, "
-                                       f"header says {tuple(shape)} {np.dtype(dtype)}")
+                raise SafetensorsError(
+                    f"{path}: tensor '{name}' is {array.shape} {array.dtype}, "
+                    f"header says {tuple(shape)} {np.dtype(dtype)}"
+                )
             if f.tell() != len(blob) + 8 + offsets[name]:
                 raise SafetensorsError(f"{path}: tensor '{name}' written out of order")
             f.write(np.ascontiguousarray(array).tobytes())

@@ -20,6 +20,7 @@ class SamplingParams:
     disable those filters; `seed=None` draws from the engine's generator. `stop` strings end the
     output (the text excludes them; needs a tokenizer); `logprobs=n` returns each new token's
     log-probability and the `n` most likely alternatives (0 = the sampled token's only)."""
+
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -53,28 +54,30 @@ class SamplingParams:
         if any(not isinstance(x, str) or not x for x in stop):
             bad("stop", "must be a string or a list of non-empty strings")
         self.stop = tuple(stop)
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
-                                          or self.logprobs < 0):
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or self.logprobs < 0
+        ):
             bad("logprobs", "must be an integer >= 0 or None")
 
 
 @struct.dataclass
 class SamplingBatch:
     """Every row's `SamplingParams` as the on-device sampler reads them (packed by the model runner)."""
-    temperature_B: jax.Array    # f32
-    top_k_B: jax.Array          # i32
-    top_p_B: jax.Array          # f32
-    min_p_B: jax.Array          # f32
-    keys_B2: jax.Array          # u32 [B, 2] raw PRNG key data
+
+    temperature_B: jax.Array  # f32
+    top_k_B: jax.Array  # i32
+    top_p_B: jax.Array  # f32
+    min_p_B: jax.Array  # f32
+    keys_B2: jax.Array  # u32 [B, 2] raw PRNG key data
     want_logprobs_B: jax.Array  # bool
 
 
 @struct.dataclass
 class Sampled:
-    tokens: jax.Array    # i32 [..., B]
-    logprob: jax.Array   # f32 [..., B] of the sampled token
-    top_ids: jax.Array   # i32 [..., B, num_top]
-    top_lps: jax.Array   # f32 [..., B, num_top]
+    tokens: jax.Array  # i32 [..., B]
+    logprob: jax.Array  # f32 [..., B] of the sampled token
+    top_ids: jax.Array  # i32 [..., B, num_top]
+    top_lps: jax.Array  # f32 [..., B, num_top]
 
 
 def sample_batch(logits_BV: jax.Array, pos_B: jax.Array, sb: SamplingBatch, num_top: int) -> Sampled:
@@ -89,8 +92,14 @@ def sample_batch(logits_BV: jax.Array, pos_B: jax.Array, sb: SamplingBatch, num_
     return Sampled(tokens, *lp)
 
 
-def sample(logits_BV: jax.Array, keys_B: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array,
-           top_p_B: jax.Array, min_p_B: jax.Array) -> jax.Array:
+def sample(
+    logits_BV: jax.Array,
+    keys_B: jax.Array,
+    temperature_B: jax.Array,
+    top_k_B: jax.Array,
+    top_p_B: jax.Array,
+    min_p_B: jax.Array,
+) -> jax.Array:
     """One token per row. Rows with temperature 0 take the argmax; others sample after the filters.
 
     Each row has its own PRNG key, so a request's draws do not depend on its batch neighbours.
@@ -100,15 +109,17 @@ def sample(logits_BV: jax.Array, keys_B: jax.Array, temperature_B: jax.Array, to
     logits = logits_BV.astype(jnp.float32)
     max_B, greedy = _max_argmax(logits)
     # The filters below cost passes over the vocabulary; all-greedy batches skip them.
-    return jax.lax.cond(jnp.any(temperature_B > 0),
-                        lambda: _filtered_draw(logits, max_B, greedy, keys_B, temperature_B, top_k_B, top_p_B,
-                                               min_p_B),
-                        lambda: greedy)
+    return jax.lax.cond(
+        jnp.any(temperature_B > 0),
+        lambda: _filtered_draw(logits, max_B, greedy, keys_B, temperature_B, top_k_B, top_p_B, min_p_B),
+        lambda: greedy,
+    )
 
 
 def _max_argmax(x_BV: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Per row, the maximum and its first index (as `jnp.argmax`, NaNs aside) from one variadic
     reduction: one pass over `[B, V]` where `jnp.max` and `jnp.argmax` take two."""
+
     def larger(a, b):
         (a_val, a_id), (b_val, b_id) = a, b
         pick_a = (a_val > b_val) | ((a_val == b_val) & (a_id < b_id))
@@ -140,8 +151,11 @@ def _filtered_draw(logits, max_B, greedy, keys_B, temperature_B, top_k_B, top_p_
     temp_B = jnp.maximum(temperature_B, 1e-6)
     top0 = max_B / temp_B
     ranked = (temperature_B > 0) & (((top_k_B > 0) & (top_k_B < V)) | (top_p_B < 1))
-    t = jax.lax.cond(jnp.any(ranked), lambda: _rank_threshold(logits / temp_B[:, None], top_k_B, top_p_B),
-                     lambda: jnp.full((B,), -jnp.inf, jnp.float32))
+    t = jax.lax.cond(
+        jnp.any(ranked),
+        lambda: _rank_threshold(logits / temp_B[:, None], top_k_B, top_p_B),
+        lambda: jnp.full((B,), -jnp.inf, jnp.float32),
+    )
     t_min_p = jnp.where(min_p_B > 0, top0 + jnp.log(jnp.maximum(min_p_B, 1e-30)), -jnp.inf)
     threshold = jnp.minimum(jnp.maximum(t, t_min_p), top0)  # the most likely token always survives
 
@@ -214,8 +228,9 @@ def _from_order_keys(key: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _radix_select(keys_BV: jax.Array, weights_BV: jax.Array | None, target_B: jax.Array,
-                  bits: int = RADIX_BITS) -> jax.Array:
+def _radix_select(
+    keys_BV: jax.Array, weights_BV: jax.Array | None, target_B: jax.Array, bits: int = RADIX_BITS
+) -> jax.Array:
     """Per row, the largest key T such that the weight of the keys >= T (their count when `weights_BV`
     is None) reaches `target_B`: one of the row's keys, or 0 if even the whole row falls short.
 
@@ -258,8 +273,7 @@ def _inverse_cdf(logits_BV: jax.Array, weight, u_B: jax.Array) -> jax.Array:
     return jnp.minimum(j * DRAW_BLOCK + i, V - 1)
 
 
-def logprobs(logits_BV: jax.Array, tokens_B: jax.Array, num_top: int
-             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def logprobs(logits_BV: jax.Array, tokens_B: jax.Array, num_top: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Log-probabilities of the model's own distribution (before temperature and filters): of the
     sampled tokens `[B]`, and the `num_top` most likely ids and values `[B, num_top]`."""
     lp = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)

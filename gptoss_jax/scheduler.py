@@ -27,18 +27,19 @@ from gptoss_jax.sampling import SamplingParams
 class Sequence:
     """One request's tokens and progress. `num_computed` tokens have K/V in the cache; the rest (at
     least the last token) still have to run through the model."""
+
     request_id: str
     token_ids: list[int]  # prompt, then generated tokens
     num_prompt_tokens: int
     params: SamplingParams
     key: tuple[int, int]  # PRNG key data; token at position p is drawn with fold_in(key, p - 1)
-    max_len: int          # total tokens at which the request ends with "length"
+    max_len: int  # total tokens at which the request ends with "length"
     pages: SequencePages = dataclasses.field(default_factory=SequencePages)
-    num_computed: int = 0             # positions whose K/V a dispatched call writes
-    num_pending: int = 0              # tokens sampled by dispatched calls, not yet in token_ids
-    slot: int = -1                    # its entry in the engine's on-device last-token table
-    epoch: int = 0                    # bumped when it leaves the running batch: in-flight work is void
-    full_cached: int = 0              # positions below come from prefix-cached full-layer pages
+    num_computed: int = 0  # positions whose K/V a dispatched call writes
+    num_pending: int = 0  # tokens sampled by dispatched calls, not yet in token_ids
+    slot: int = -1  # its entry in the engine's on-device last-token table
+    epoch: int = 0  # bumped when it leaves the running batch: in-flight work is void
+    full_cached: int = 0  # positions below come from prefix-cached full-layer pages
     num_cached_prompt_tokens: int = 0  # prompt tokens skipped thanks to the prefix cache
     text_bytes: bytearray = dataclasses.field(default_factory=bytearray)  # for stop strings
 
@@ -131,8 +132,12 @@ class Scheduler:
                 scheduled.add(id(seq))
                 budget -= n
 
-        while (self.waiting and budget > 0 and len(prefills) < cfg.max_prefill_seqs
-               and len(self.running) < cfg.max_num_seqs):
+        while (
+            self.waiting
+            and budget > 0
+            and len(prefills) < cfg.max_prefill_seqs
+            and len(self.running) < cfg.max_num_seqs
+        ):
             seq = self.waiting[0]
             rank = self._pick_rank()
             if rank is None:
@@ -159,8 +164,9 @@ class Scheduler:
         """Allocate pages for `seq`, preempting the newest unscheduled sequences if needed; preempts
         `seq` itself (returns False) when nothing else can give pages back."""
         while not self.kv.can_allocate(seq.pages, first_query, end):
-            victims = [s for s in self.running if s is not seq and id(s) not in scheduled
-                       and s.pages.rank == seq.pages.rank]  # only its own rank's pages help
+            victims = [
+                s for s in self.running if s is not seq and id(s) not in scheduled and s.pages.rank == seq.pages.rank
+            ]  # only its own rank's pages help
             self._preempt(victims[-1] if victims else seq)
             if not victims:
                 return False

@@ -28,18 +28,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", help="engine config (configs/*.yaml): batch sizes, KV pages, max_model_len")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("GPTOSS_JAX_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $GPTOSS_JAX_API_KEY)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("GPTOSS_JAX_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $GPTOSS_JAX_API_KEY)",
+    )
     p.add_argument("--served-model-name", help="model id in the API (default: the checkpoint folder's name)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--tokenizer", help="path to o200k_base.tiktoken (or its folder)")
-    p.add_argument("--impl", choices=["pallas", "reference"], default=None,
-                   help="kernels or the pure-JAX reference path (default: kernels on GPU, reference elsewhere)")
+    p.add_argument(
+        "--impl",
+        choices=["pallas", "reference"],
+        default=None,
+        help="kernels or the pure-JAX reference path (default: kernels on GPU, reference elsewhere)",
+    )
     p.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024, help="largest accepted request body")
-    p.add_argument("--default-max-tokens", type=int, default=None,
-                   help="cap on max_tokens when a request gives none (default: the rest of the context)")
-    p.add_argument("--conversation-start-date", default=None,
-                   help="render 'Current date: YYYY-MM-DD' in the system message (off by default: stable prefixes)")
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=None,
+        help="cap on max_tokens when a request gives none (default: the rest of the context)",
+    )
+    p.add_argument(
+        "--conversation-start-date",
+        default=None,
+        help="render 'Current date: YYYY-MM-DD' in the system message (off by default: stable prefixes)",
+    )
     p.add_argument("--model-identity", default=None, help="replace the system message's identity line")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up requests before /health is 200")
     p.add_argument("--log-level", default="info")
@@ -62,6 +76,7 @@ def _engine_factory(args, model_path: Path):
 
     def build():
         from gptoss_jax.engine import Engine
+
         kw = {"dtype": args.dtype, "impl": args.impl}
         if args.config:
             kw["config"] = args.config
@@ -76,9 +91,9 @@ def _warmup_requests(st):
     """One short greedy chat request: compiles the prefill and decode steps the first user would hit
     (sampling settings and logprobs are runtime inputs of the same programs)."""
     from gptoss_jax.server.app import _sampling_params
+
     prompt = st.renderer.render_chat([{"role": "user", "content": "Hello!"}], [], "low")
-    p = _sampling_params(temperature=0.0, top_p=None, top_k=None, min_p=None, seed=None, max_tokens=4,
-                         logprobs=None)
+    p = _sampling_params(temperature=0.0, top_p=None, top_k=None, min_p=None, seed=None, max_tokens=4, logprobs=None)
     return [prompt], [p]
 
 
@@ -89,7 +104,8 @@ def main(argv=None) -> int:
     distributed.initialize()  # joins a multi-host job when GPTOSS_COORDINATOR etc. are set; else a no-op
     import uvicorn
 
-    from gptoss_jax import demo, harmony, tokenizer as tokenizer_lib
+    from gptoss_jax import demo, harmony
+    from gptoss_jax import tokenizer as tokenizer_lib
     from gptoss_jax.async_engine import AsyncEngine
     from gptoss_jax.server.app import ServerConfig, State, build_app
 
@@ -103,10 +119,18 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     engine = AsyncEngine(_engine_factory(args, model_path))
-    st = State(engine, tok, ServerConfig(model_name=name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                                         conversation_start_date=args.conversation_start_date,
-                                         model_identity=args.model_identity,
-                                         default_max_tokens=args.default_max_tokens))
+    st = State(
+        engine,
+        tok,
+        ServerConfig(
+            model_name=name,
+            api_key=args.api_key,
+            max_body_bytes=args.max_body_bytes,
+            conversation_start_date=args.conversation_start_date,
+            model_identity=args.model_identity,
+            default_max_tokens=args.default_max_tokens,
+        ),
+    )
     server_box: dict = {}
 
     async def prepare():
@@ -134,8 +158,9 @@ def main(argv=None) -> int:
             await asyncio.to_thread(engine.shutdown)
 
     app = build_app(st, lifespan=lifespan)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                            timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=5
+    )
     server = uvicorn.Server(config)
     server_box["server"] = server
     server.run()

@@ -50,28 +50,31 @@ def compilations():
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
     """A step's static settings (part of every compiled program's cache key)."""
+
     cfg: ModelConfig
-    kernels: KernelConfig          # resolved for the device (`KernelConfig.for_device`)
-    layout: object = None          # `sharding.rules.Layout`, or None on one device
-    num_top: int = 1               # log-probability alternatives sampled along
-    num_steps: int = 1             # decode tokens per call, fed back on device
+    kernels: KernelConfig  # resolved for the device (`KernelConfig.for_device`)
+    layout: object = None  # `sharding.rules.Layout`, or None on one device
+    num_top: int = 1  # log-probability alternatives sampled along
+    num_steps: int = 1  # decode tokens per call, fed back on device
 
 
 @struct.dataclass
 class PrefillBatch:
     """One chunk per row; positions -1 pad. Samples the token after each row's column `last_B`."""
-    tokens_BT: jax.Array     # i32
+
+    tokens_BT: jax.Array  # i32
     positions_BT: jax.Array  # i32
     tables: model.PageTables
-    last_B: jax.Array        # i32
+    last_B: jax.Array  # i32
     sampling: SamplingBatch
 
 
 @struct.dataclass
 class DecodeBatch:
     """One token per row at `positions_B` (-1: padding rows, which stay so)."""
-    tokens_B: jax.Array      # i32
-    positions_B: jax.Array   # i32
+
+    tokens_B: jax.Array  # i32
+    positions_B: jax.Array  # i32
     tables: model.PageTables
     sampling: SamplingBatch
 
@@ -84,11 +87,13 @@ def _sampler(st: StepConfig):
 
 
 @functools.partial(jax.jit, static_argnames=("st",), donate_argnames=("cache",))
-def prefill(params: Params, cache: model.PagedKVCache, batch: PrefillBatch, *, st: StepConfig
-            ) -> tuple[Sampled, model.PagedKVCache]:
+def prefill(
+    params: Params, cache: model.PagedKVCache, batch: PrefillBatch, *, st: StepConfig
+) -> tuple[Sampled, model.PagedKVCache]:
     TRACES["prefill"] += 1
-    x, cache, _ = model.forward(params, cache, batch.tokens_BT, batch.positions_BT, batch.tables, st.cfg, st.kernels,
-                                layout=st.layout)
+    x, cache, _ = model.forward(
+        params, cache, batch.tokens_BT, batch.positions_BT, batch.tables, st.cfg, st.kernels, layout=st.layout
+    )
     with jax.named_scope("sample"):
         last_x = jnp.take_along_axis(x, batch.last_B[:, None, None], axis=1)[:, 0]
         pos_B = jnp.take_along_axis(batch.positions_BT, batch.last_B[:, None], axis=1)[:, 0]
@@ -96,15 +101,17 @@ def prefill(params: Params, cache: model.PagedKVCache, batch: PrefillBatch, *, s
 
 
 @functools.partial(jax.jit, static_argnames=("st",), donate_argnames=("cache",))
-def decode(params: Params, cache: model.PagedKVCache, batch: DecodeBatch, *, st: StepConfig
-           ) -> tuple[Sampled, model.PagedKVCache]:
+def decode(
+    params: Params, cache: model.PagedKVCache, batch: DecodeBatch, *, st: StepConfig
+) -> tuple[Sampled, model.PagedKVCache]:
     """`st.num_steps` decode steps on device, each feeding back the token it sampled (outputs `[steps, B]`)."""
     TRACES["decode"] += 1
 
     def one(carry, _):
         cache, tok_B, pos_B = carry
-        x, cache, _ = model.forward(params, cache, tok_B[:, None], pos_B[:, None], batch.tables, st.cfg, st.kernels,
-                                    layout=st.layout)
+        x, cache, _ = model.forward(
+            params, cache, tok_B[:, None], pos_B[:, None], batch.tables, st.cfg, st.kernels, layout=st.layout
+        )
         with jax.named_scope("sample"):
             out = _sampler(st)(model.unembed(params, x[:, 0]), pos_B, batch.sampling)
         return (cache, out.tokens, jnp.where(pos_B >= 0, pos_B + 1, -1)), out
@@ -131,8 +138,15 @@ def load_tokens(table_S: jax.Array, slots_B: jax.Array, host_B: jax.Array) -> ja
 
 
 @functools.partial(jax.jit, static_argnames=("st",), donate_argnames=("cache",))
-def prompt_logits(params: Params, cache: model.PagedKVCache, tokens_BT: jax.Array, positions_BT: jax.Array,
-                  tables: model.PageTables, *, st: StepConfig) -> tuple[jax.Array, model.PagedKVCache]:
+def prompt_logits(
+    params: Params,
+    cache: model.PagedKVCache,
+    tokens_BT: jax.Array,
+    positions_BT: jax.Array,
+    tables: model.PageTables,
+    *,
+    st: StepConfig,
+) -> tuple[jax.Array, model.PagedKVCache]:
     """Logits `[B, T, V]` (fp32) at every position of a prefill chunk."""
     TRACES["prompt_logits"] += 1
     x, cache, _ = model.forward(params, cache, tokens_BT, positions_BT, tables, st.cfg, st.kernels, layout=st.layout)

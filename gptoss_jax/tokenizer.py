@@ -45,8 +45,9 @@ def load(path: str | Path | None = None, checkpoint: str | Path | None = None) -
     tried = _candidates(path, checkpoint)
     if path is not None and not tried[0].exists():
         raise TokenizerError(f"tokenizer rank file {tried[0]} not found")
-    source = next((str(p) for p in tried if p.exists()),
-                  "https://openaipublic.blob.core.windows.net/encodings/" + RANK_FILE)
+    source = next(
+        (str(p) for p in tried if p.exists()), "https://openaipublic.blob.core.windows.net/encodings/" + RANK_FILE
+    )
     try:
         ranks = load_tiktoken_bpe(source, expected_hash=RANK_SHA256)
     except ValueError as e:  # hash mismatch
@@ -56,9 +57,14 @@ def load(path: str | Path | None = None, checkpoint: str | Path | None = None) -
             f"cannot load the o200k_harmony vocabulary ({type(e).__name__}: {e}). Looked in "
             f"{[str(p) for p in tried] or 'no local paths'} and then tried to download it. Provide "
             f"{RANK_FILE} (sha256 {RANK_SHA256[:12]}...) with --tokenizer PATH, put it in the checkpoint "
-            "folder, or set TIKTOKEN_ENCODINGS_BASE to the folder holding it.") from None
+            "folder, or set TIKTOKEN_ENCODINGS_BASE to the folder holding it."
+        ) from None
     # tiktoken defines o200k_harmony's pattern and specials; only the rank source is ours.
     with mock.patch.object(openai_public, "load_tiktoken_bpe", lambda *a, **k: ranks):
         spec = openai_public.o200k_harmony()
-    return tiktoken.Encoding(spec["name"], pat_str=spec["pat_str"], mergeable_ranks=spec["mergeable_ranks"],
-                             special_tokens=spec["special_tokens"])
+    return tiktoken.Encoding(
+        spec["name"],
+        pat_str=spec["pat_str"],
+        mergeable_ranks=spec["mergeable_ranks"],
+        special_tokens=spec["special_tokens"],
+    )

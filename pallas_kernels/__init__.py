@@ -15,16 +15,49 @@ import jax
 import jax.experimental.pallas.fuser  # noqa: F401  (see below)
 import jax.numpy as jnp
 
-from pallas_kernels import (attention_reference, expert_format, flash_attention, linear_decode, linear_mosaic,
-                            moe_dense, moe_gemv, moe_mma, moe_mosaic, moe_reference, moe_route, paged_attention)
+from pallas_kernels import (
+    attention_reference,
+    expert_format,
+    flash_attention,
+    linear_decode,
+    linear_mosaic,
+    moe_dense,
+    moe_gemv,
+    moe_mma,
+    moe_mosaic,
+    moe_reference,
+    moe_route,
+    paged_attention,
+)
 from pallas_kernels.choice import IMPLS, REFERENCE, Choice, Device, KernelConfig, choose
 from pallas_kernels.expert_format import KernelExperts
 from pallas_kernels.norm import rms_norm
 from pallas_kernels.params import put_layer
 
-__all__ = ["IMPLS", "REFERENCE", "Choice", "Device", "KernelConfig", "KernelExperts", "choose", "attention", "attention_new_token", "fuses_new_token",
-           "linear", "linear_many", "linear_partials", "experts", "moe", "moe_block", "next_gain", "prepare_params",
-           "expert_shapes", "expert_field", "relayout_expert_field", "with_scale_operands"]
+__all__ = [
+    "IMPLS",
+    "REFERENCE",
+    "Choice",
+    "Device",
+    "KernelConfig",
+    "KernelExperts",
+    "choose",
+    "attention",
+    "attention_new_token",
+    "fuses_new_token",
+    "linear",
+    "linear_many",
+    "linear_partials",
+    "experts",
+    "moe",
+    "moe_block",
+    "next_gain",
+    "prepare_params",
+    "expert_shapes",
+    "expert_field",
+    "relayout_expert_field",
+    "with_scale_operands",
+]
 
 # `jax.experimental.pallas.fuser` is imported above for its side effect only: the first `pallas_call` would
 # import it lazily and register a config option that is part of every jit's cache key, so every step
@@ -41,6 +74,7 @@ def _choose(op: str, rows: int, shape: tuple, dtype, kernels: KernelConfig) -> C
 
 
 # ---- the experts' layout ---------------------------------------------------------------------------------------
+
 
 def expert_shapes(experts, impl: str):
     """The experts' shapes (`jax.ShapeDtypeStruct` tree) in the layout `impl` ("reference" or "pallas") reads."""
@@ -82,8 +116,12 @@ def prepare_params(params, kernels: KernelConfig):
                 buf = put_layer(buf, relayout_expert_field(name, src[layer], "pallas"), layer)
             out[kname] = buf
         experts = KernelExperts(**out)
-    if (experts.gu_sexp is None and params.embed.dtype != jnp.float32 and kernels.mosaic
-            and moe_mosaic.fits(experts.dn_words.shape[-2], experts.gu_words.shape[-2])):
+    if (
+        experts.gu_sexp is None
+        and params.embed.dtype != jnp.float32
+        and kernels.mosaic
+        and moe_mosaic.fits(experts.dn_words.shape[-2], experts.gu_words.shape[-2])
+    ):
         experts = with_scale_operands(experts)
     if experts is params.layers.experts:
         return params
@@ -113,8 +151,10 @@ def _expert_placement(sharding):
 
 # ---- attention ---------------------------------------------------------------------------------------------------
 
-def attention(q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sinks_N, window: int, *,
-              kernels: KernelConfig):
+
+def attention(
+    q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sinks_N, window: int, *, kernels: KernelConfig
+):
     """Paged attention with sinks; the contract is in docs/engine.md ("Kernel interface")."""
     args = (q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sinks_N, window)
     B, T, N, H = q_BTNH.shape
@@ -132,9 +172,27 @@ def fuses_new_token(q_shape_BTNH: tuple, num_kv_heads: int, dtype, kernels: Kern
     return _choose("attention", B, (T, N, num_kv_heads, H), dtype, kernels).kernel == "new_token"
 
 
-def attention_new_token(t_BI, ws_LOI, bs_LO, layer, cos_BF, sin_BF, k_pages_PSKH, v_pages_PSKH, block_tables_BM,
-                        page_offset, q_pos_B, write_page_B, write_slot_B, sinks_LN, window: int, done_BK, *,
-                        null_page: int, kernels: KernelConfig):
+def attention_new_token(
+    t_BI,
+    ws_LOI,
+    bs_LO,
+    layer,
+    cos_BF,
+    sin_BF,
+    k_pages_PSKH,
+    v_pages_PSKH,
+    block_tables_BM,
+    page_offset,
+    q_pos_B,
+    write_page_B,
+    write_slot_B,
+    sinks_LN,
+    window: int,
+    done_BK,
+    *,
+    null_page: int,
+    kernels: KernelConfig,
+):
     """Decode with the kernels, one token per row: the q, k and v projections of the normed `t_BI` (weights
     and biases stacked over layers, `linear_partials`), then `paged_attention.attention_new_token` (their
     sums, biases and RoPE, the cache write, the attention and the merge of its splits in one launch, counted
@@ -142,12 +200,29 @@ def attention_new_token(t_BI, ws_LOI, bs_LO, layer, cos_BF, sin_BF, k_pages_PSKH
     B, H, K = t_BI.shape[0], k_pages_PSKH.shape[-1], k_pages_PSKH.shape[2]
     c = _choose("attention", B, (1, ws_LOI[0].shape[1] // H, K, H), k_pages_PSKH.dtype, kernels)
     parts = linear_partials(t_BI, ws_LOI, layer, kernels=kernels)
-    return paged_attention.attention_new_token(parts, tuple(bs_LO), layer, cos_BF, sin_BF, k_pages_PSKH, v_pages_PSKH,
-                                               block_tables_BM, page_offset, q_pos_B, write_page_B, write_slot_B,
-                                               sinks_LN, window, done_BK, null_page=null_page, **c.kw)
+    return paged_attention.attention_new_token(
+        parts,
+        tuple(bs_LO),
+        layer,
+        cos_BF,
+        sin_BF,
+        k_pages_PSKH,
+        v_pages_PSKH,
+        block_tables_BM,
+        page_offset,
+        q_pos_B,
+        write_page_B,
+        write_slot_B,
+        sinks_LN,
+        window,
+        done_BK,
+        null_page=null_page,
+        **c.kw,
+    )
 
 
 # ---- projections -------------------------------------------------------------------------------------------------
+
 
 def linear(x_TI, w_LOI, b_O, layer, *, kernels: KernelConfig):
     """`x @ w[layer].T + b` in fp32, for a weight stacked over layers: `linear_many` of one weight."""
@@ -200,8 +275,9 @@ def _moe_shape(experts_all, top_k: int) -> tuple[int, int, int, int]:
     return 32 * G, I2 // 2, E, top_k
 
 
-def experts(x_TD, idx_TK, w_TK, experts_all, layer, valid_TK=None, *, swiglu_limit, swiglu_alpha,
-            kernels: KernelConfig):
+def experts(
+    x_TD, idx_TK, w_TK, experts_all, layer, valid_TK=None, *, swiglu_limit, swiglu_alpha, kernels: KernelConfig
+):
     """`sum_k w[t, k] * expert_{idx[t, k]}(x[t])` in fp32 for given routing, with the stacked experts and `layer`
     as in `moe`, by the kernel `choice.choose` picks for that many tokens. Pairs outside `valid_TK` (bool) must
     carry weight 0; the kernels skip them (the reference computes them)."""
@@ -218,8 +294,9 @@ def _kernel_experts(x_TD, idx_TK, w_TK, experts_all, layer, valid_TK, *, kernels
     return _EXPERTS[c.kernel](x_TD, idx_TK, w_TK, experts_all, layer, valid_TK, **kw, **c.kw)
 
 
-def moe(x_TD, router_w_ED, router_b_E, experts_all, *, top_k, swiglu_limit, swiglu_alpha, layer=None,
-        kernels: KernelConfig):
+def moe(
+    x_TD, router_w_ED, router_b_E, experts_all, *, top_k, swiglu_limit, swiglu_alpha, layer=None, kernels: KernelConfig
+):
     """Top-k MXFP4 experts; `experts_all` is `params.Experts` (reference) or `KernelExperts` (kernels), of one
     layer, or of all layers stacked with `layer` (traced) choosing one: the kernels then index the stacked
     arrays directly, so no per-layer copy of the experts is made."""
@@ -229,12 +306,35 @@ def moe(x_TD, router_w_ED, router_b_E, experts_all, *, top_k, swiglu_limit, swig
             experts_all = jax.tree.map(lambda a: a[layer], experts_all)
         return moe_reference.moe(x_TD, router_w_ED, router_b_E, experts_all, **kw)
     idx, w, _ = moe_reference.route(x_TD, router_w_ED, router_b_E, top_k)
-    return _kernel_experts(x_TD, idx, w, experts_all, layer, None, kernels=kernels,
-                           swiglu_limit=float(swiglu_limit), swiglu_alpha=float(swiglu_alpha))
+    return _kernel_experts(
+        x_TD,
+        idx,
+        w,
+        experts_all,
+        layer,
+        None,
+        kernels=kernels,
+        swiglu_limit=float(swiglu_limit),
+        swiglu_alpha=float(swiglu_alpha),
+    )
 
 
-def moe_block(x_TD, norm_LD, router_w_LED, router_b_LE, experts_all, layer, next_gains, *, eps, dtype, top_k,
-              swiglu_limit, swiglu_alpha, kernels: KernelConfig):
+def moe_block(
+    x_TD,
+    norm_LD,
+    router_w_LED,
+    router_b_LE,
+    experts_all,
+    layer,
+    next_gains,
+    *,
+    eps,
+    dtype,
+    top_k,
+    swiglu_limit,
+    swiglu_alpha,
+    kernels: KernelConfig,
+):
     """The MoE layer on the fp32 residual stream `x_TD` with its residual add, and the next block's norm: `rms_norm`
     with layer `layer`'s gain, `moe`, the sum with `x_TD`, and its `rms_norm` with the next gain (`next_gains` =
     (attention gains `[L, D]`, final gain `[D]`): row `layer + 1` of the first, or the second after the last
@@ -244,11 +344,13 @@ def moe_block(x_TD, norm_LD, router_w_LED, router_b_LE, experts_all, layer, next
     kw = dict(top_k=top_k, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
     c = _choose("moe", x_TD.shape[0], _moe_shape(experts_all, top_k), dtype, kernels)
     if c.kernel == "route":
-        return moe_route.moe(x_TD, norm_LD, router_w_LED, router_b_LE, experts_all, layer, next_gains, eps=eps,
-                             dtype=dtype, **kw, **c.kw)
+        return moe_route.moe(
+            x_TD, norm_LD, router_w_LED, router_b_LE, experts_all, layer, next_gains, eps=eps, dtype=dtype, **kw, **c.kw
+        )
     t = rms_norm(x_TD, norm_LD[layer], eps, dtype)
-    x = x_TD + moe(t, router_w_LED[layer], router_b_LE[layer], experts_all, layer=layer, kernels=kernels,
-                   **kw).astype(jnp.float32)
+    x = x_TD + moe(t, router_w_LED[layer], router_b_LE[layer], experts_all, layer=layer, kernels=kernels, **kw).astype(
+        jnp.float32
+    )
     return x, rms_norm(x, next_gain(*next_gains, layer), eps, dtype)
 
 

@@ -23,8 +23,17 @@ def _visible_pages(block_tables_BM: jax.Array, q_pos_BT: jax.Array, page_size: i
     return start[:, None] + jnp.arange(n)
 
 
-def attention(q_BTNH: jax.Array, k_pages_PSKH: jax.Array, v_pages_PSKH: jax.Array, block_tables_BM: jax.Array,
-              q_pos_BT: jax.Array, sinks_N: jax.Array, window: int, *, return_sink_mass: bool = False):
+def attention(
+    q_BTNH: jax.Array,
+    k_pages_PSKH: jax.Array,
+    v_pages_PSKH: jax.Array,
+    block_tables_BM: jax.Array,
+    q_pos_BT: jax.Array,
+    sinks_N: jax.Array,
+    window: int,
+    *,
+    return_sink_mass: bool = False,
+):
     """Causal attention of queries at absolute positions `q_pos_BT` (-1 = padding) over paged keys.
 
     A query at position `p` sees keys `p-window+1 .. p`. Each head's sink logit joins the softmax
@@ -44,7 +53,7 @@ def attention(q_BTNH: jax.Array, k_pages_PSKH: jax.Array, v_pages_PSKH: jax.Arra
 
     q = q_BTNH.reshape(B, T, K, G, H)
     logits = jnp.einsum("btkgh,bjkh->bkgtj", q, k_BJKH, preferred_element_type=jnp.float32)
-    logits = logits * (H ** -0.5)
+    logits = logits * (H**-0.5)
     qp = q_pos_BT[:, None, None, :, None]
     kp = kv_pos_BJ[:, None, None, None, :]
     visible = (kp <= qp) & (qp - kp < window)

@@ -24,6 +24,7 @@ OPS = ("attention", "projection", "moe", "experts")
 class Device:
     """What the choice needs to know of the accelerator: Mosaic GPU kernels need Hopper (wgmma exists on sm_90: not
     on Ampere, and Blackwell has tcgen05 instead); the projection kernel's splits aim at one wave of SMs."""
+
     platform: str = "cpu"
     compute_capability: str = ""
     num_sms: int = 0
@@ -31,8 +32,9 @@ class Device:
     @classmethod
     def current(cls) -> Device:
         dev = jax.devices()[0]
-        return cls(dev.platform, str(getattr(dev, "compute_capability", "") or ""),
-                   int(getattr(dev, "core_count", 0) or 0))
+        return cls(
+            dev.platform, str(getattr(dev, "compute_capability", "") or ""), int(getattr(dev, "core_count", 0) or 0)
+        )
 
     @property
     def hopper(self) -> bool:
@@ -48,6 +50,7 @@ H200 = Device("gpu", "9.0", 132)
 class KernelConfig:
     """The kernel switches and launch settings of an engine (`EngineConfig.kernels`). Row and token limits
     (`*_rows`, `*_tokens`) may be 0: that kernel then never runs."""
+
     # "pallas" (the kernels), "reference" (pure JAX), or "auto": the kernels on GPUs, the reference elsewhere (the
     # Pallas-Triton kernels only lower for GPUs; anywhere else they would run interpreted).
     impl: str = "auto"
@@ -59,12 +62,12 @@ class KernelConfig:
     # the q/k/v projections' partials, adds their biases, applies RoPE and writes the cache: the 20b batch-1 step
     # went from 2.45 to 2.24 ms, and the gain holds up to 256 rows (BENCHMARKS §7c).
     new_token_rows: int = 256
-    attention_block_kv: int = 64        # keys per block of the decode kernels
-    attention_stages: int = 3           # their Triton pipeline stages
+    attention_block_kv: int = 64  # keys per block of the decode kernels
+    attention_stages: int = 3  # their Triton pipeline stages
     attention_warps: int = 4
     attention_split_programs: int = 1024  # sequence splits aim at this many programs (~8 per SM on 132 SMs)
-    attention_max_splits: int = 32        # splits per (row, KV head), at most
-    flash_block_q: int = 64             # prefill: (token, head) rows per tile, a multiple of the GQA group
+    attention_max_splits: int = 32  # splits per (row, KV head), at most
+    flash_block_q: int = 64  # prefill: (token, head) rows per tile, a multiple of the GQA group
     flash_block_kv: int = 64
     flash_warps: int = 4
     flash_stages: int = 3
@@ -91,7 +94,7 @@ class KernelConfig:
     # GEMV programs routes its pair, 0-4% slower (BENCHMARKS §7b).
     moe_route_max_tokens: int = 4
     moe_route_experts_per_program: int = 4
-    moe_back_warps: int = 8             # 4 and 8 time the same (BENCHMARKS §7f)
+    moe_back_warps: int = 8  # 4 and 8 time the same (BENCHMARKS §7f)
     # From `moe_dense_rows` routed rows per expert (on average) the experts are dequantized and run as dense GEMMs
     # (best of the H200 sweep at 8,192 tokens, BENCHMARKS §2d); bf16 models of up to 32 experts on Hopper take
     # jax's Mosaic GPU ragged dot for them (§4g).
@@ -112,11 +115,14 @@ class KernelConfig:
         for f in dataclasses.fields(self):
             v, least = getattr(self, f.name), 0 if f.name.endswith(("_rows", "_tokens")) else 1
             if f.type == "int" and (not isinstance(v, int) or isinstance(v, bool) or v < least):
-                raise ValueError(f"kernels.{f.name}={v!r}: must be an integer >= {least}"
-                                 + (" (0: never)" if least == 0 else ""))
+                raise ValueError(
+                    f"kernels.{f.name}={v!r}: must be an integer >= {least}" + (" (0: never)" if least == 0 else "")
+                )
         if self.linear_gemv_rows > linear_decode.MAX_ROWS:
-            raise ValueError(f"kernels.linear_gemv_rows={self.linear_gemv_rows}: the GEMV kernel takes at most "
-                             f"{linear_decode.MAX_ROWS} rows")
+            raise ValueError(
+                f"kernels.linear_gemv_rows={self.linear_gemv_rows}: the GEMV kernel takes at most "
+                f"{linear_decode.MAX_ROWS} rows"
+            )
         if self.device is not None and not isinstance(self.device, Device):
             raise ValueError(f"kernels.device={self.device!r}: detected, not configured")
 
@@ -150,6 +156,7 @@ REFERENCE = KernelConfig(impl="reference")  # pure JAX on every device
 @dataclasses.dataclass(frozen=True)
 class Choice:
     """A kernel and its launch settings (keyword arguments of the kernel's entry point)."""
+
     kernel: str
     launch: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -183,30 +190,49 @@ def choose(op: str, rows: int, shape: tuple[int, ...], dtype, device: Device, co
     if op == "attention":
         T = shape[0]
         if T > 1:
-            return _choice("flash", block_q=c.flash_block_q, block_kv=c.flash_block_kv, num_warps=c.flash_warps,
-                           num_stages=c.flash_stages)
-        return _choice("new_token" if rows <= c.new_token_rows else "paged", block_kv=c.attention_block_kv,
-                       num_stages=c.attention_stages, num_warps=c.attention_warps,
-                       split_programs=c.attention_split_programs, max_splits=c.attention_max_splits)
+            return _choice(
+                "flash",
+                block_q=c.flash_block_q,
+                block_kv=c.flash_block_kv,
+                num_warps=c.flash_warps,
+                num_stages=c.flash_stages,
+            )
+        return _choice(
+            "new_token" if rows <= c.new_token_rows else "paged",
+            block_kv=c.attention_block_kv,
+            num_stages=c.attention_stages,
+            num_warps=c.attention_warps,
+            split_programs=c.attention_split_programs,
+            max_splits=c.attention_max_splits,
+        )
     if op == "projection":
         I, *Os = shape
         if mosaic and c.linear_mosaic_rows <= rows and linear_mosaic.fits(rows, I, dtype):
             return _choice("mosaic", **linear_mosaic.config(rows, I, Os, device.num_sms or 132))
         if rows <= c.linear_gemv_rows:
-            return _choice("gemv", fuse=rows <= c.linear_fuse_rows, block_n=c.linear_block_n,
-                           block_k=c.linear_block_k, programs=c.linear_programs, num_warps=c.linear_warps,
-                           num_stages=c.linear_stages)
+            return _choice(
+                "gemv",
+                fuse=rows <= c.linear_fuse_rows,
+                block_n=c.linear_block_n,
+                block_k=c.linear_block_k,
+                programs=c.linear_programs,
+                num_warps=c.linear_warps,
+                num_stages=c.linear_stages,
+            )
         return Choice("reference")
     D, I, E, k = shape
     pairs = rows * k
     if op == "moe" and half and rows <= c.moe_route_max_tokens and pairs <= 2 * E:
-        return _choice("route", experts_per_program=c.moe_route_experts_per_program, back_warps=c.moe_back_warps,
-                       gemv=_gemv16(rows)[1])
+        return _choice(
+            "route",
+            experts_per_program=c.moe_route_experts_per_program,
+            back_warps=c.moe_back_warps,
+            gemv=_gemv16(rows)[1],
+        )
     if pairs >= c.moe_dense_rows * E:
         if half and mosaic and moe_dense.grouped_fits(D, I, E, pairs):
             return Choice("grouped")
-        return _choice("dense", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3,
-                       group=moe_dense.GROUP)
+        return _choice("dense", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, group=moe_dense.GROUP)
     if half and mosaic and 2 * E < pairs <= c.moe_mosaic_rows * E and moe_mosaic.fits(D, I):
         # 16-row slots up to 8 rows per expert, else 32 (per weight on the H200, §2e: 3.2e12 weights/s with 8-row
         # slots, 2.6e12 with 16, 2.4e12 with 32, 1.0e12 with 64, where three stages no longer fit shared memory)
@@ -217,8 +243,15 @@ def choose(op: str, rows: int, shape: tuple[int, ...], dtype, device: Device, co
 def _gemv16(rows: int) -> tuple[str, dict]:
     """The half-precision GEMV's launch: register double buffering pays only in the down kernel at one token (in
     gate/up the doubled tiles cost more occupancy than they hide latency, BENCHMARKS §7d)."""
-    return "gemv16", dict(block_n=16, block_k=512 if rows == 1 else 1024, block_n_down=16, num_warps=4,
-                          num_stages=1, prefetch=False, prefetch_down=rows == 1)
+    return "gemv16", dict(
+        block_n=16,
+        block_k=512 if rows == 1 else 1024,
+        block_n_down=16,
+        num_warps=4,
+        num_stages=1,
+        prefetch=False,
+        prefetch_down=rows == 1,
+    )
 
 
 def _fused(rows: int, pairs: int, E: int, half: bool) -> Choice:
@@ -229,12 +262,22 @@ def _fused(rows: int, pairs: int, E: int, half: bool) -> Choice:
         name, launch = _gemv16(rows)
         return _choice(name, block_m=1, **launch)
     if not half and pairs <= E:
-        return _choice("gemv", block_m=1, block_n=16, block_k=512, block_n_down=16, num_warps=4, num_stages=1,
-                       prefetch=rows == 1, prefetch_down=rows == 1)
+        return _choice(
+            "gemv",
+            block_m=1,
+            block_n=16,
+            block_k=512,
+            block_n_down=16,
+            num_warps=4,
+            num_stages=1,
+            prefetch=rows == 1,
+            prefetch_down=rows == 1,
+        )
     bm = 16
     while bm < 64 and bm < 2 * pairs / E:
         bm *= 2
     if bm == 64:  # >= 16 rows per expert: wider feature tiles, decoded weights as the register operand
-        return _choice("mma", block_m=64, block_n=64, block_k=128, block_n_down=64, num_warps=4, num_stages=3,
-                       swap=True)
+        return _choice(
+            "mma", block_m=64, block_n=64, block_k=128, block_n_down=64, num_warps=4, num_stages=3, swap=True
+        )
     return _choice("mma", block_m=bm, block_n=32, block_k=256, block_n_down=32, num_warps=4, num_stages=3)

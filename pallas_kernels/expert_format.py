@@ -27,17 +27,18 @@ _M_BOTH, _M_MAG, _M_SIGN = np.uint32(0x8E008E00), np.uint32(0x0E000E00), np.uint
 @struct.dataclass
 class KernelExperts:
     """One layer's experts re-encoded for the kernels (same 4 bits per weight as `params.Experts`)."""
-    gu_words: jax.Array   # u32 [E, 2, I, D/8]  [:, 0] gate, [:, 1] up; rows in phase order
+
+    gu_words: jax.Array  # u32 [E, 2, I, D/8]  [:, 0] gate, [:, 1] up; rows in phase order
     gu_scales: jax.Array  # u8  [E, 2, I, D/32]
-    gu_bias: jax.Array    #     [E, 2, I]
-    dn_words: jax.Array   # u32 [E, D, I/8]
+    gu_bias: jax.Array  #     [E, 2, I]
+    dn_words: jax.Array  # u32 [E, D, I/8]
     dn_scales: jax.Array  # u8  [E, D, I/32]
-    dn_bias: jax.Array    #     [E, D]
+    dn_bias: jax.Array  #     [E, D]
     # The Mosaic GPU kernels' scale operands (`moe_mosaic.scale_operands`), stored by
     # `pallas_kernels.prepare_params` where the Mosaic kernels run (bf16 models on Hopper); None elsewhere.
-    gu_sexp: jax.Array | None = None    # u32 [E, 2I, Gp/4] (Gp: D/32 padded to whole K steps)
+    gu_sexp: jax.Array | None = None  # u32 [E, 2I, Gp/4] (Gp: D/32 padded to whole K steps)
     gu_rowfac: jax.Array | None = None  # f32 [E, 2I]
-    dn_sexp: jax.Array | None = None    # u32 [E, D, Gp/4]
+    dn_sexp: jax.Array | None = None  # u32 [E, D, Gp/4]
     dn_rowfac: jax.Array | None = None  # f32 [E, D]
 
 
@@ -66,8 +67,14 @@ def encode_words(blocks_u8: jax.Array) -> jax.Array:
 
 # Each kernel field is made from one checkpoint field, so the loader relayouts tensor by tensor, layer
 # by layer, and never holds the experts twice.
-KERNEL_FIELDS = {"gate_up_blocks": "gu_words", "gate_up_scales": "gu_scales", "gate_up_bias": "gu_bias",
-                 "down_blocks": "dn_words", "down_scales": "dn_scales", "down_bias": "dn_bias"}
+KERNEL_FIELDS = {
+    "gate_up_blocks": "gu_words",
+    "gate_up_scales": "gu_scales",
+    "gate_up_bias": "gu_bias",
+    "down_blocks": "dn_words",
+    "down_scales": "dn_scales",
+    "down_bias": "dn_bias",
+}
 
 
 def relayout_field(name: str, a: jax.Array) -> jax.Array:
@@ -80,7 +87,7 @@ def relayout_field(name: str, a: jax.Array) -> jax.Array:
     ntrail = {"gate_up_blocks": 1, "gate_up_scales": 1, "gate_up_bias": 0}[name]
     lead = a.ndim - 2 - ntrail
     I = a.shape[lead + 1] // 2
-    a = a.reshape(*a.shape[:lead + 1], I, 2, *a.shape[lead + 2:])
+    a = a.reshape(*a.shape[: lead + 1], I, 2, *a.shape[lead + 2 :])
     return jnp.take(jnp.moveaxis(a, lead + 2, lead + 1), jnp.asarray(phase_order(I)), axis=lead + 2)
 
 
@@ -95,16 +102,18 @@ def prepare_experts(experts) -> KernelExperts:
     return KernelExperts(**{k: relayout_field(n, getattr(experts, n)) for n, k in KERNEL_FIELDS.items()})
 
 
-
 # ----------------------------------------------------------------------------------------------
 # In-kernel decoding, shared by every kernel that reads the encoding
 
 
 def decode_words(w):
     """u32 words (any shape) -> the 8 weights of each word as f32 (e2m1 * 2^-14), j = 0..7."""
-    pairs = (w & _M_BOTH, (w << 3) & _M_BOTH,
-             ((w << 6) & _M_MAG) | ((w << 1) & _M_SIGN),
-             ((w << 9) & _M_MAG) | ((w << 2) & _M_SIGN))
+    pairs = (
+        w & _M_BOTH,
+        (w << 3) & _M_BOTH,
+        ((w << 6) & _M_MAG) | ((w << 1) & _M_SIGN),
+        ((w << 9) & _M_MAG) | ((w << 2) & _M_SIGN),
+    )
 
     def half(v):
         return jax.lax.bitcast_convert_type(v.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
@@ -122,4 +131,3 @@ def clamped_swiglu(g, u, limit, alpha):
     g = jnp.minimum(g, limit)
     u = jnp.minimum(jnp.maximum(u, -limit), limit)
     return g * (1.0 / (1.0 + jnp.exp(-alpha * g))) * (u + 1.0)
-

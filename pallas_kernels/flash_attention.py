@@ -30,8 +30,23 @@ NEG = -1e30
 BIG = 2**30
 
 
-def _kernel(bt_ref, pos_ref, sink_ref, q_ref, k_ref, v_ref, o_ref, *, bq, G, page_size, pages_per_block,
-            max_pages, window, scale):
+def _kernel(
+    bt_ref,
+    pos_ref,
+    sink_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    *,
+    bq,
+    G,
+    page_size,
+    pages_per_block,
+    max_pages,
+    window,
+    scale,
+):
     b = pl.program_id(0)
     kh = pl.program_id(1)
     r0 = pl.multiple_of(pl.program_id(2) * bq, bq)
@@ -60,8 +75,7 @@ def _kernel(bt_ref, pos_ref, sink_ref, q_ref, k_ref, v_ref, o_ref, *, bq, G, pag
         in_range = (kpos < hi)[:, None]
         k = plt.load(k_ref.at[slots[:, None], kh, hcols], mask=in_range, other=0)
         v = plt.load(v_ref.at[slots[:, None], kh, hcols], mask=in_range, other=0)
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32) * scale  # [bq, bkv]
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale  # [bq, bkv]
         d = pos[:, None] - kpos[None, :]
         vis = (d >= 0) & (d < window)
         s = jnp.where(vis, s, NEG)
@@ -83,10 +97,22 @@ def _kernel(bt_ref, pos_ref, sink_ref, q_ref, k_ref, v_ref, o_ref, *, bq, G, pag
     o_ref[b, kh, pl.ds(r0, bq), :] = out.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("window", "block_q", "block_kv", "num_warps", "num_stages",
-                                             "interpret"))
-def attention(q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sinks_N, window, *,
-              block_q=64, block_kv=64, num_warps=4, num_stages=3, interpret=None):
+@functools.partial(jax.jit, static_argnames=("window", "block_q", "block_kv", "num_warps", "num_stages", "interpret"))
+def attention(
+    q_BTNH,
+    k_pages_PSKH,
+    v_pages_PSKH,
+    block_tables_BM,
+    q_pos_BT,
+    sinks_N,
+    window,
+    *,
+    block_q=64,
+    block_kv=64,
+    num_warps=4,
+    num_stages=3,
+    interpret=None,
+):
     """Paged prefill attention (T > 1); same function as `attention_reference.attention`.
 
     block_q counts (token, head) rows and must be a multiple of G = N // K."""
@@ -106,13 +132,28 @@ def attention(q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sin
     q = jnp.pad(q, ((0, 0), (0, 0), (0, nq * bq - T * G), (0, 0)))
     pos = jnp.pad(q_pos_BT.astype(jnp.int32), ((0, 0), (0, Tp - T)), constant_values=-1)
     out = pl.pallas_call(
-        functools.partial(_kernel, bq=bq, G=G, page_size=S, pages_per_block=ppb, max_pages=M,
-                          window=min(int(window), BIG), scale=H ** -0.5),
+        functools.partial(
+            _kernel,
+            bq=bq,
+            G=G,
+            page_size=S,
+            pages_per_block=ppb,
+            max_pages=M,
+            window=min(int(window), BIG),
+            scale=H**-0.5,
+        ),
         grid=(B, K, nq),
         out_shape=jax.ShapeDtypeStruct((B, K, nq * bq, H), q_BTNH.dtype),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret, name="paged_flash_attention",
-    )(block_tables_BM.astype(jnp.int32), pos, sinks_N.astype(jnp.float32), q,
-      k_pages_PSKH.reshape(P * S, K, H), v_pages_PSKH.reshape(P * S, K, H))
-    out = out[:, :, :T * G].reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4)
+        interpret=interpret,
+        name="paged_flash_attention",
+    )(
+        block_tables_BM.astype(jnp.int32),
+        pos,
+        sinks_N.astype(jnp.float32),
+        q,
+        k_pages_PSKH.reshape(P * S, K, H),
+        v_pages_PSKH.reshape(P * S, K, H),
+    )
+    out = out[:, :, : T * G].reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4)
     return out.reshape(B, T, N, H)

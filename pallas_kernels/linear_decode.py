@@ -49,7 +49,7 @@ def reference(x_TI, w_LOI, b_O, layer):
 def _kernel(layer_ref, x_ref, *refs, rows, bn, bk, per, K, Os):
     """One `[rows, bn]` output tile over one K split. `refs` are the weights then their outputs; the
     tile index picks the weight (a `switch` on static boundaries: one branch runs, none for 1 weight)."""
-    w_refs, y_refs = refs[:len(Os)], refs[len(Os):]
+    w_refs, y_refs = refs[: len(Os)], refs[len(Os) :]
     first = [sum(pl.cdiv(O, bn) for O in Os[:i]) for i in range(len(Os))]  # each weight's first tile
     tile, split = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
@@ -63,8 +63,9 @@ def _kernel(layer_ref, x_ref, *refs, rows, bn, bk, per, K, Os):
             k0 = pl.multiple_of((split * per + s) * bk, bk)
             k_ok = k0 + jnp.arange(bk) < K
             x = plt.load(x_ref.at[pl.ds(0, rows), pl.ds(k0, bk)], mask=row_ok[:, None] & k_ok[None, :], other=0)
-            w = plt.load(w_refs[i].at[layer, pl.ds(n0, bn), pl.ds(k0, bk)], mask=col_ok[:, None] & k_ok[None, :],
-                         other=0)
+            w = plt.load(
+                w_refs[i].at[layer, pl.ds(n0, bn), pl.ds(k0, bk)], mask=col_ok[:, None] & k_ok[None, :], other=0
+            )
             return acc + jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
         acc = jax.lax.fori_loop(0, per, body, jnp.zeros((rows, bn), jnp.float32))
@@ -83,10 +84,10 @@ def split_k(O: int, K: int, block_n: int, block_k: int, programs: int) -> tuple[
     return pl.cdiv(steps, per), per
 
 
-@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "programs", "num_warps", "num_stages",
-                                             "interpret"))
-def partial_sums(x_TI, ws_LOI, layer, *, block_n=32, block_k=128, programs=1056, num_warps=4, num_stages=3,
-                 interpret=None):
+@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "programs", "num_warps", "num_stages", "interpret"))
+def partial_sums(
+    x_TI, ws_LOI, layer, *, block_n=32, block_k=128, programs=1056, num_warps=4, num_stages=3, interpret=None
+):
     """`x_TI @ w[layer].T` for each weight of `ws_LOI` (same I and dtype), in one launch, for T <= MAX_ROWS
     rows, as fp32 partial sums `[splits, T, O]` over the K splits (`split_k`, counting all weights' tiles):
     summing them is left to the consumer, which fuses it with the bias and whatever comes next. The launch
@@ -108,7 +109,8 @@ def partial_sums(x_TI, ws_LOI, layer, *, block_n=32, block_k=128, programs=1056,
         grid=(tiles, splits),
         out_shape=tuple(jax.ShapeDtypeStruct((splits, T, O), jnp.float32) for O in Os),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret, name="decode_linear" if len(Os) == 1 else f"decode_linear_x{len(Os)}",
+        interpret=interpret,
+        name="decode_linear" if len(Os) == 1 else f"decode_linear_x{len(Os)}",
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), x_TI.astype(ws_LOI[0].dtype), *ws_LOI)
 
 

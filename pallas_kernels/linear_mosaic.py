@@ -32,19 +32,22 @@ from jaxlib.mlir.dialects import arith, memref
 
 from pallas_kernels.moe_mosaic import _elements
 
-ROWS = 64          # weight rows per compute warpgroup (wgmma M)
+ROWS = 64  # weight rows per compute warpgroup (wgmma M)
 CTA_ROWS = 2 * ROWS
-TILE_K = 64        # bf16 K step: one 128-byte swizzled row
-MAX_TOKENS = 256   # wgmma N and the TMA box limit
-EPI_TOKENS = 64    # tokens per epilogue store
+TILE_K = 64  # bf16 K step: one 128-byte swizzled row
+MAX_TOKENS = 256  # wgmma N and the TMA box limit
+EPI_TOKENS = 64  # tokens per epilogue store
 SMEM_BYTES = 200 * 1024
 
 
 def fits(T: int, I: int, dtype) -> bool:
     """Row counts up to 256, K in whole 64-element steps, 16-bit weights (wgmma's K-major operands). Mosaic GPU runs
     on Hopper only: `pallas_kernels.choice` decides."""
-    return 0 < T <= MAX_TOKENS and I % TILE_K == 0 and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16),
-                                                                          jnp.dtype(jnp.float16))
+    return (
+        0 < T <= MAX_TOKENS
+        and I % TILE_K == 0
+        and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    )
 
 
 def padded_tokens(T: int) -> int:
@@ -100,24 +103,35 @@ def linear_many(x_TI, ws_LOI, bs_O, layer, *, splits: int, stages: int):
 
     def pipeline(mma, context):
         return plgpu.emit_pipeline_warp_specialized(
-            mma, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=stages,
+            mma,
+            grid=(steps,),
+            memory_registers=40,
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=stages,
             compute_context=context,
-            in_specs=[plgpu.BlockSpec((CTA_ROWS, TILE_K), lambda k: (0, k), transforms=swizzle),
-                      plgpu.BlockSpec((Tn, TILE_K), lambda k: (0, k), transforms=swizzle)])
+            in_specs=[
+                plgpu.BlockSpec((CTA_ROWS, TILE_K), lambda k: (0, k), transforms=swizzle),
+                plgpu.BlockSpec((Tn, TILE_K), lambda k: (0, k), transforms=swizzle),
+            ],
+        )
 
     def body(layer_gmem, x_gmem, *refs):
-        w_gmems, y_gmems = refs[:len(Os)], refs[len(Os):]
+        w_gmems, y_gmems = refs[: len(Os)], refs[len(Os) :]
         t, s, wg = jax.lax.axis_index("t"), jax.lax.axis_index("k"), jax.lax.axis_index("wg")
         layer = layer_gmem[0]
         kspan = pl.ds(s * steps * TILE_K, steps * TILE_K)
         ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the bodies)
-        allocs = pipeline(ignore, ignore).get_allocations(w_gmems[0].at[0, pl.ds(0, CTA_ROWS), kspan],
-                                                          x_gmem.at[:, kspan])
+        allocs = pipeline(ignore, ignore).get_allocations(
+            w_gmems[0].at[0, pl.ds(0, CTA_ROWS), kspan], x_gmem.at[:, kspan]
+        )
 
-        @functools.partial(pl.run_scoped, allocs=allocs, out_smem=plgpu.SMEM((2, C, ROWS), jnp.float32),
-                           collective_axes="wg")
+        @functools.partial(
+            pl.run_scoped, allocs=allocs, out_smem=plgpu.SMEM((2, C, ROWS), jnp.float32), collective_axes="wg"
+        )
         def _(allocs, out_smem):
             for i, (w_gmem, y_gmem) in enumerate(zip(w_gmems, y_gmems)):
+
                 @pl.when((t >= first[i]) & (t < first[i] + tiles[i]))
                 def _(i=i, w_gmem=w_gmem, y_gmem=y_gmem):
                     row0 = (t - first[i]) * CTA_ROWS
@@ -135,20 +149,25 @@ def linear_many(x_TI, ws_LOI, bs_O, layer, *, splits: int, stages: int):
                             mine = row0 + wg * ROWS
                             for c0 in range(0, Tn, C):
                                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                                _store_transposed(acc[:, c0:c0 + C], wg, out_smem)
+                                _store_transposed(acc[:, c0 : c0 + C], wg, out_smem)
                                 plgpu.commit_smem()
-                                plgpu.copy_smem_to_gmem(out_smem.at[wg], y_gmem.at[pl.ds(c0, C), pl.ds(mine, ROWS)],
-                                                        predicate=mine < Os[i], reduction_op="add")
+                                plgpu.copy_smem_to_gmem(
+                                    out_smem.at[wg],
+                                    y_gmem.at[pl.ds(c0, C), pl.ds(mine, ROWS)],
+                                    predicate=mine < Os[i],
+                                    reduction_op="add",
+                                )
                             plgpu.wait_smem_to_gmem(0)
 
-                    pipeline(mma, context)(w_gmem.at[layer, pl.ds(row0, CTA_ROWS), kspan], x_gmem.at[:, kspan],
-                                           allocations=allocs)
+                    pipeline(mma, context)(
+                        w_gmem.at[layer, pl.ds(row0, CTA_ROWS), kspan], x_gmem.at[:, kspan], allocations=allocs
+                    )
 
     def stateful(refs):
         layer_ref, x_ref, w_refs, y_refs = refs
-        pl.core_map(mesh, compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup))(
-                lambda: body(layer_ref, x_ref, *w_refs, *y_refs))
+        pl.core_map(mesh, compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))(
+            lambda: body(layer_ref, x_ref, *w_refs, *y_refs)
+        )
 
     layer_1 = jnp.asarray(layer, jnp.int32).reshape(1)
     _, _, _, ys = pl.run_state(stateful)((layer_1, x, tuple(ws_LOI), y0))

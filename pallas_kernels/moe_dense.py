@@ -47,8 +47,8 @@ def _natural(vals):
     K order (column 8m + j): a tree of `stack`s (Triton `join`: register moves, no shared memory)."""
     n, m = vals[0].shape
     l1 = [jnp.stack([vals[j], vals[j + 4]], axis=-1) for j in range(4)]  # [n, m, a] = v[j + 4a]
-    l2 = [jnp.stack([l1[j], l1[j + 2]], axis=-1) for j in range(2)]     # [n, m, a, b] = v[j + 2b + 4a]
-    return jnp.stack(l2, axis=-1).reshape(n, 8 * m)                      # [n, m, a, b, c] = v[c + 2b + 4a]
+    l2 = [jnp.stack([l1[j], l1[j + 2]], axis=-1) for j in range(2)]  # [n, m, a, b] = v[j + 2b + 4a]
+    return jnp.stack(l2, axis=-1).reshape(n, 8 * m)  # [n, m, a, b, c] = v[c + 2b + 4a]
 
 
 def _decode_tile(wq, ws, dtype):
@@ -72,12 +72,25 @@ def _dequant_kernel(base_ref, wq_ref, ws_ref, o_ref, *, bn, bk, W, perm_I):
     wq = plt.load(wq_ref.at[src[:, None], words[None, :]], mask=(words < W)[None, :], other=0)
     ws = plt.load(ws_ref.at[src[:, None], groups[None, :]], mask=(groups < W // 4)[None, :], other=0)
     cols = 8 * w0 + jnp.arange(bk)
-    plt.store(o_ref.at[pl.ds(pl.program_id(0) * bn, bn), pl.ds(8 * w0, bk)],
-              _decode_tile(wq, ws, o_ref.dtype), mask=(cols < 8 * W)[None, :])
+    plt.store(
+        o_ref.at[pl.ds(pl.program_id(0) * bn, bn), pl.ds(8 * w0, bk)],
+        _decode_tile(wq, ws, o_ref.dtype),
+        mask=(cols < 8 * W)[None, :],
+    )
 
 
-def dequantize(words_RW, scales_RG, base, rows: int, dtype, *, perm_I: int = 0, interpret: bool = False,
-               block_n: int = 32, block_k: int = 512):
+def dequantize(
+    words_RW,
+    scales_RG,
+    base,
+    rows: int,
+    dtype,
+    *,
+    perm_I: int = 0,
+    interpret: bool = False,
+    block_n: int = 32,
+    block_k: int = 512,
+):
     """Rows `base .. base + rows` (traced `base`) of re-encoded MXFP4 words as `[rows, 8 W]` weights x 2^-14."""
     W = words_RW.shape[1]
     return pl.pallas_call(
@@ -85,7 +98,8 @@ def dequantize(words_RW, scales_RG, base, rows: int, dtype, *, perm_I: int = 0, 
         grid=(rows // block_n, pl.cdiv(8 * W, block_k)),
         out_shape=jax.ShapeDtypeStruct((rows, 8 * W), dtype),
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=2),
-        interpret=interpret, name="mxfp4_dequantize",
+        interpret=interpret,
+        name="mxfp4_dequantize",
     )(jnp.reshape(base, (1,)).astype(jnp.int32), words_RW, scales_RG)
 
 
@@ -96,8 +110,26 @@ def _program(slot_e_ref, slot_rows_ref, bn, e0, G):
     return s, pl.multiple_of(pl.program_id(1) * bn, bn), e, (slot_rows_ref[s] > 0) & (e >= e0) & (e < e0 + G)
 
 
-def _gate_up_kernel(ebase_ref, slot_e_ref, slot_start_ref, slot_rows_ref, tok_ref, x_ref, w_ref, bias_ref, a_ref,
-                    *, bm, bn, bk, D, e0, G, limit, alpha):
+def _gate_up_kernel(
+    ebase_ref,
+    slot_e_ref,
+    slot_start_ref,
+    slot_rows_ref,
+    tok_ref,
+    x_ref,
+    w_ref,
+    bias_ref,
+    a_ref,
+    *,
+    bm,
+    bn,
+    bk,
+    D,
+    e0,
+    G,
+    limit,
+    alpha,
+):
     s, n0, e, mine = _program(slot_e_ref, slot_rows_ref, bn, e0, G)
 
     @pl.when(mine)
@@ -109,11 +141,13 @@ def _gate_up_kernel(ebase_ref, slot_e_ref, slot_start_ref, slot_rows_ref, tok_re
         def body(i, carry):
             k0 = pl.multiple_of(i * bk, bk)
             c_ok = k0 + jnp.arange(bk) < D
-            x = plt.load(x_ref.at[tok[:, None], (k0 + jnp.arange(bk))[None, :]],
-                         mask=row_ok[:, None] & c_ok[None, :], other=0)
-            return tuple(acc + dot_t(x, plt.load(w_ref.at[e - e0, h, pl.ds(n0, bn), pl.ds(k0, bk)],
-                                                             mask=c_ok[None, :], other=0))
-                         for h, acc in zip((jnp.int32(0), jnp.int32(1)), carry))
+            x = plt.load(
+                x_ref.at[tok[:, None], (k0 + jnp.arange(bk))[None, :]], mask=row_ok[:, None] & c_ok[None, :], other=0
+            )
+            return tuple(
+                acc + dot_t(x, plt.load(w_ref.at[e - e0, h, pl.ds(n0, bn), pl.ds(k0, bk)], mask=c_ok[None, :], other=0))
+                for h, acc in zip((jnp.int32(0), jnp.int32(1)), carry)
+            )
 
         zero = jnp.zeros((bm, bn), jnp.float32)
         acc_g, acc_u = jax.lax.fori_loop(0, pl.cdiv(D, bk), body, (zero, zero))
@@ -124,13 +158,30 @@ def _gate_up_kernel(ebase_ref, slot_e_ref, slot_start_ref, slot_rows_ref, tok_re
         eb = ebase_ref[0] + e
         bg = plt.load(bias_ref.at[eb, jnp.int32(0), stored]).astype(jnp.float32)
         bu = plt.load(bias_ref.at[eb, jnp.int32(1), stored]).astype(jnp.float32)
-        act = clamped_swiglu(acc_g * (2.0 ** F16_SHIFT) + bg[None, :], acc_u * (2.0 ** F16_SHIFT) + bu[None, :],
-                                 limit, alpha)
+        act = clamped_swiglu(
+            acc_g * (2.0**F16_SHIFT) + bg[None, :], acc_u * (2.0**F16_SHIFT) + bu[None, :], limit, alpha
+        )
         plt.store(a_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], act.astype(a_ref.dtype), mask=row_ok[:, None])
 
 
-def _down_kernel(ebase_ref, slot_e_ref, slot_start_ref, slot_rows_ref, rw_ref, a_ref, w_ref, bias_ref, *y_refs,
-                 bm, bn, bk, I, D, e0, G):
+def _down_kernel(
+    ebase_ref,
+    slot_e_ref,
+    slot_start_ref,
+    slot_rows_ref,
+    rw_ref,
+    a_ref,
+    w_ref,
+    bias_ref,
+    *y_refs,
+    bm,
+    bn,
+    bk,
+    I,
+    D,
+    e0,
+    G,
+):
     """Feature tiles are `bn` wide even where `bn` does not divide `D` (the last one is masked): at
     D = 2,880 the alternative, 64-wide tiles, halves the work per activation tile and ran at half the
     gate_up kernel's FLOP rate."""
@@ -147,24 +198,48 @@ def _down_kernel(ebase_ref, slot_e_ref, slot_start_ref, slot_rows_ref, rw_ref, a
             k0 = pl.multiple_of(i * bk, bk)
             c_ok = k0 + jnp.arange(bk) < I
             a = plt.load(a_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)], mask=row_ok[:, None] & c_ok[None, :], other=0)
-            w = plt.load(w_ref.at[e - e0, pl.ds(n0, bn), pl.ds(k0, bk)], mask=n_ok[:, None] & c_ok[None, :],
-                         other=0)
+            w = plt.load(w_ref.at[e - e0, pl.ds(n0, bn), pl.ds(k0, bk)], mask=n_ok[:, None] & c_ok[None, :], other=0)
             return acc + dot_t(a, w)
 
         acc = jax.lax.fori_loop(0, pl.cdiv(I, bk), body, jnp.zeros((bm, bn), jnp.float32))
         b = plt.load(bias_ref.at[ebase_ref[0] + e, pl.ds(n0, bn)], mask=n_ok, other=0).astype(jnp.float32)
         rw = plt.load(rw_ref.at[pl.ds(r0, bm)], mask=row_ok, other=0.0)
-        y = (acc * (2.0 ** F16_SHIFT) + b[None, :]) * rw[:, None]
+        y = (acc * (2.0**F16_SHIFT) + b[None, :]) * rw[:, None]
         plt.store(y_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], y, mask=row_ok[:, None] & n_ok[None, :])
 
 
-_STATIC = ("swiglu_limit", "swiglu_alpha", "block_m", "block_n", "block_k", "num_warps", "num_stages",
-           "group", "interpret")
+_STATIC = (
+    "swiglu_limit",
+    "swiglu_alpha",
+    "block_m",
+    "block_n",
+    "block_k",
+    "num_warps",
+    "num_stages",
+    "group",
+    "interpret",
+)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def experts(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, *, swiglu_limit, swiglu_alpha,
-            block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, group=GROUP, interpret=None):
+def experts(
+    x_TD,
+    idx_TK,
+    w_TK,
+    kexp: KernelExperts,
+    layer=None,
+    valid_TK=None,
+    *,
+    swiglu_limit,
+    swiglu_alpha,
+    block_m=128,
+    block_n=128,
+    block_k=64,
+    num_warps=8,
+    num_stages=3,
+    group=GROUP,
+    interpret=None,
+):
     """`sum_k w[t, k] * expert_{idx[t, k]}(x[t])` `[T, D]`, the contract of every MoE kernel module's `experts`
     (routing given, `layer` indexing stacked experts in place, pairs outside `valid_TK` skipped), computed by
     dequantizing `group` experts at a time and running the grouped GEMMs."""
@@ -182,8 +257,11 @@ def experts(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, 
     ebase = jnp.reshape(0 if layer is None else layer * E, (1,)).astype(jnp.int32)
     operand = jnp.float32 if x_TD.dtype == jnp.float32 else jnp.bfloat16
     x = x_TD.astype(operand)
-    call = functools.partial(pl.pallas_call, interpret=interpret,
-                             compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages))
+    call = functools.partial(
+        pl.pallas_call,
+        interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+    )
     # every layer's experts as one flat row axis (free reshapes); `ebase` finds this layer's
     gu_words, gu_scales = kexp.gu_words.reshape(-1, D // 8), kexp.gu_scales.reshape(-1, D // 32)
     dn_words, dn_scales = kexp.dn_words.reshape(-1, I // 8), kexp.dn_scales.reshape(-1, I // 32)
@@ -193,20 +271,25 @@ def experts(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, 
     for e0 in range(0, E, group):
         G = min(group, E - e0)
         base = ebase[0] + e0
-        w_gu = dequantize(gu_words, gu_scales, base * 2 * I, G * 2 * I, operand, perm_I=I,
-                          interpret=interpret).reshape(G, 2, I, D)
+        w_gu = dequantize(gu_words, gu_scales, base * 2 * I, G * 2 * I, operand, perm_I=I, interpret=interpret).reshape(
+            G, 2, I, D
+        )
         w_dn = dequantize(dn_words, dn_scales, base * D, G * D, operand, interpret=interpret).reshape(G, D, I)
         kw = dict(bm=bm, bk=block_k, e0=e0, G=G)
-        a = call(functools.partial(_gate_up_kernel, bn=bn_gu, D=D, limit=swiglu_limit,
-                                   alpha=swiglu_alpha, **kw),
-                 grid=(S, I // bn_gu), out_shape=jax.ShapeDtypeStruct((P + bm, I), operand),
-                 name="mxfp4_dense_gate_up_swiglu",
-                 )(ebase, slot_e, slot_start, slot_rows, tok, x, w_gu, gu_bias)
+        a = call(
+            functools.partial(_gate_up_kernel, bn=bn_gu, D=D, limit=swiglu_limit, alpha=swiglu_alpha, **kw),
+            grid=(S, I // bn_gu),
+            out_shape=jax.ShapeDtypeStruct((P + bm, I), operand),
+            name="mxfp4_dense_gate_up_swiglu",
+        )(ebase, slot_e, slot_start, slot_rows, tok, x, w_gu, gu_bias)
         y_in = () if y is None else (y,)  # the first group writes a fresh buffer, the others into it
-        y = call(functools.partial(_down_kernel, bn=block_n, I=I, D=D, **kw),
-                 grid=(S, pl.cdiv(D, block_n)), out_shape=jax.ShapeDtypeStruct((P + bm, D), jnp.float32),
-                 input_output_aliases={8: 0} if y_in else {}, name="mxfp4_dense_down",
-                 )(ebase, slot_e, slot_start, slot_rows, rw, a, w_dn, dn_bias, *y_in)
+        y = call(
+            functools.partial(_down_kernel, bn=block_n, I=I, D=D, **kw),
+            grid=(S, pl.cdiv(D, block_n)),
+            out_shape=jax.ShapeDtypeStruct((P + bm, D), jnp.float32),
+            input_output_aliases={8: 0} if y_in else {},
+            name="mxfp4_dense_down",
+        )(ebase, slot_e, slot_start, slot_rows, rw, a, w_dn, dn_bias, *y_in)
     return moe_slots.combine(y, order, valid_TK, T, k, x_TD.dtype)
 
 
@@ -221,19 +304,30 @@ def grouped_matmul(lhs_PK, w_GNK, sizes_G, *, interpret=False):
     On the GPU jax's Mosaic GPU ragged dot, in the H200 sweep's best blocks (128 rows, N tiles of 192 where
     they divide N, 4 stages, N tiles visited in bands of 3-5); else `lax.ragged_dot`."""
     if interpret:
-        return jax.lax.ragged_dot(lhs_PK, jnp.swapaxes(w_GNK, 1, 2), sizes_G,
-                                  preferred_element_type=jnp.float32).astype(lhs_PK.dtype)
+        return jax.lax.ragged_dot(
+            lhs_PK, jnp.swapaxes(w_GNK, 1, 2), sizes_G, preferred_element_type=jnp.float32
+        ).astype(lhs_PK.dtype)
     P, N = lhs_PK.shape[0], w_GNK.shape[1]
     bn = next(b for b in (192, 128, 64) if N % b == 0)
     band = next(b for b in (5, 3, 2, 1) if (N // bn) % b == 0)
     lhs = jnp.pad(lhs_PK, ((0, -P % 8), (0, 0)))  # its TMA tiles rows by 8; rows past the groups stay unread
-    return ragged_dot_mgpu.ragged_dot(lhs, w_GNK, group_sizes=sizes_G, block_m=128, block_n=bn, block_k=64,
-                                      max_concurrent_steps=4, grid_block_n=band, transpose_rhs=True)[:P]
+    return ragged_dot_mgpu.ragged_dot(
+        lhs,
+        w_GNK,
+        group_sizes=sizes_G,
+        block_m=128,
+        block_n=bn,
+        block_k=64,
+        max_concurrent_steps=4,
+        grid_block_n=band,
+        transpose_rhs=True,
+    )[:P]
 
 
 @functools.partial(jax.jit, static_argnames=("swiglu_limit", "swiglu_alpha", "interpret"))
-def experts_grouped(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, *, swiglu_limit,
-                    swiglu_alpha, interpret=None):
+def experts_grouped(
+    x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, *, swiglu_limit, swiglu_alpha, interpret=None
+):
     """`experts`'s contract on the Mosaic GPU grouped GEMMs (`grouped_fits` experts, bf16): the layer's
     experts dequantized at once, the pairs' rows sorted by expert, gate/up -> bias and SwiGLU -> down -> bias
     and routing weight, summed per token. `interpret` (default: off the GPU) runs `lax.ragged_dot` instead."""
@@ -241,8 +335,10 @@ def experts_grouped(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_T
         interpret = jax.default_backend() != "gpu"
     E, _, I, W = kexp.gu_words.shape[-4:]
     if not grouped_fits(8 * W, I, E, idx_TK.size):
-        raise ValueError(f"experts_grouped: experts {kexp.gu_words.shape} (words) with {idx_TK.size} pairs do not "
-                         "fit the grouped GEMMs (see grouped_fits)")
+        raise ValueError(
+            f"experts_grouped: experts {kexp.gu_words.shape} (words) with {idx_TK.size} pairs do not "
+            "fit the grouped GEMMs (see grouped_fits)"
+        )
     T, D = x_TD.shape
     k = idx_TK.shape[1]
     P = T * k
@@ -254,17 +350,31 @@ def experts_grouped(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_T
     sizes = jnp.zeros((E,), jnp.int32).at[e_sorted].add(1)  # `combine` zeroes them
 
     base = jnp.int32(0) if layer is None else layer * E
-    w_gu = dequantize(kexp.gu_words.reshape(-1, D // 8), kexp.gu_scales.reshape(-1, D // 32), base * 2 * I,
-                      E * 2 * I, jnp.bfloat16, perm_I=I, interpret=interpret).reshape(E, 2 * I, D)  # gate, up rows
-    w_dn = dequantize(kexp.dn_words.reshape(-1, I // 8), kexp.dn_scales.reshape(-1, I // 32), base * D, E * D,
-                      jnp.bfloat16, interpret=interpret).reshape(E, D, I)
-    unscale = 2.0 ** F16_SHIFT  # the dequantized weights are x 2^-14
+    w_gu = dequantize(
+        kexp.gu_words.reshape(-1, D // 8),
+        kexp.gu_scales.reshape(-1, D // 32),
+        base * 2 * I,
+        E * 2 * I,
+        jnp.bfloat16,
+        perm_I=I,
+        interpret=interpret,
+    ).reshape(E, 2 * I, D)  # gate, up rows
+    w_dn = dequantize(
+        kexp.dn_words.reshape(-1, I // 8),
+        kexp.dn_scales.reshape(-1, I // 32),
+        base * D,
+        E * D,
+        jnp.bfloat16,
+        interpret=interpret,
+    ).reshape(E, D, I)
+    unscale = 2.0**F16_SHIFT  # the dequantized weights are x 2^-14
 
     z = grouped_matmul(x_TD.astype(jnp.bfloat16)[order // k], w_gu, sizes, interpret=interpret)  # [P, 2I]
     gu_bias = one(kexp.gu_bias)[:, :, np.argsort(phase_order(I))].astype(jnp.float32)  # natural order
     z = z.astype(jnp.float32) * unscale
-    a = clamped_swiglu(z[:, :I] + gu_bias[e_sorted, 0], z[:, I:] + gu_bias[e_sorted, 1], swiglu_limit,
-                           swiglu_alpha).astype(jnp.bfloat16)
+    a = clamped_swiglu(
+        z[:, :I] + gu_bias[e_sorted, 0], z[:, I:] + gu_bias[e_sorted, 1], swiglu_limit, swiglu_alpha
+    ).astype(jnp.bfloat16)
     y = grouped_matmul(a, w_dn, sizes, interpret=interpret).astype(jnp.float32) * unscale
     y = (y + one(kexp.dn_bias)[e_sorted].astype(jnp.float32)) * w_TK.reshape(P).astype(jnp.float32)[order][:, None]
     return moe_slots.combine(y, order, valid_TK, T, k, x_TD.dtype)

@@ -34,8 +34,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import moe_slots
-from pallas_kernels.expert_format import (F16_SHIFT, KernelExperts, clamped_swiglu, decode_words, flatten_layers,
-                                          scale_f32, to_phases)
+from pallas_kernels.expert_format import (
+    F16_SHIFT,
+    KernelExperts,
+    clamped_swiglu,
+    decode_words,
+    flatten_layers,
+    scale_f32,
+    to_phases,
+)
 
 # ----------------------------------------------------------------------------------------------
 # GEMV kernels (few rows per slot), f32 or half-precision arithmetic
@@ -66,6 +73,7 @@ def _gemv_steps(load, n_steps, compute, acc0, prefetch):
         tiles, acc = carry
         nxt = load(i + 1)
         return nxt, compute(tiles, acc)
+
     _, acc = jax.lax.fori_loop(0, n_steps, body, (load(0), acc0))
     return acc
 
@@ -107,9 +115,16 @@ def _word_dots(w, xqs, interpret):
     pairs (phase j low, j + 4 high) shaped like w.  Off-GPU the same arithmetic in jnp (rounded to f16
     after each operation): PTX has no interpreter."""
     if not interpret:  # one asm block per row (Pallas lowers single-result asm only); ptxas shares the decode
-        return [plt.elementwise_inline_asm(_WORD_DOT_PTX, args=[w, *xq], constraints="=f,r,r,r,r,r", pack=1,
-                                           result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.float32)])[0]
-                for xq in xqs]
+        return [
+            plt.elementwise_inline_asm(
+                _WORD_DOT_PTX,
+                args=[w, *xq],
+                constraints="=f,r,r,r,r,r",
+                pack=1,
+                result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.float32)],
+            )[0]
+            for xq in xqs
+        ]
     r16 = lambda v: v.astype(jnp.float16).astype(jnp.float32)
     vals = decode_words(w)
     out = []
@@ -144,7 +159,7 @@ def half_pairs(x_TK: jax.Array) -> tuple[jax.Array, jax.Array]:
     x = x_TK.astype(jnp.float32)
     _, e = jnp.frexp(jnp.max(jnp.abs(x), axis=1))  # amax < 2^e
     x8 = to_phases(jnp.ldexp(x, (14 - e)[:, None]).astype(jnp.float16))  # [T, 8, K/8]
-    pairs = jnp.stack([x8[:, :4], x8[:, 4:]], axis=-1)                  # [T, 4, K/8, 2]
+    pairs = jnp.stack([x8[:, :4], x8[:, 4:]], axis=-1)  # [T, 4, K/8, 2]
     words = jax.lax.bitcast_convert_type(pairs, jnp.uint32).reshape(T, 4, K // 32, 4)
     return words, jnp.ldexp(jnp.ones((T,), jnp.float32), e)
 
@@ -210,12 +225,21 @@ def _gate_up_gemv_kernel(*refs, route, bm, bn, nb, G, I, f16, limit, alpha, a_sh
         def load(i):
             b0 = i * nb
             ok = (b0 + jnp.arange(nb)) < G
-            w = [plt.load(wq_ref.at[e, h, pl.ds(n0, bn), pl.ds(b0, nb), :], mask=ok[None, :, None], other=0)
-                 for h in (jnp.int32(0), jnp.int32(1))]
-            sc = [plt.load(ws_ref.at[e, h, pl.ds(n0, bn), pl.ds(b0, nb)], mask=ok[None, :], other=0)
-                  for h in (jnp.int32(0), jnp.int32(1))]
-            x = [[plt.load(x_ref.at[toks[r], jnp.int32(j), pl.ds(b0, nb), :], mask=ok[:, None] & (r < rows),
-                           other=0) for j in range(x_ref.shape[1])] for r in range(bm)]
+            w = [
+                plt.load(wq_ref.at[e, h, pl.ds(n0, bn), pl.ds(b0, nb), :], mask=ok[None, :, None], other=0)
+                for h in (jnp.int32(0), jnp.int32(1))
+            ]
+            sc = [
+                plt.load(ws_ref.at[e, h, pl.ds(n0, bn), pl.ds(b0, nb)], mask=ok[None, :], other=0)
+                for h in (jnp.int32(0), jnp.int32(1))
+            ]
+            x = [
+                [
+                    plt.load(x_ref.at[toks[r], jnp.int32(j), pl.ds(b0, nb), :], mask=ok[:, None] & (r < rows), other=0)
+                    for j in range(x_ref.shape[1])
+                ]
+                for r in range(bm)
+            ]
             return w, sc, x
 
         def compute(tiles, acc):
@@ -237,9 +261,10 @@ def _gate_up_gemv_kernel(*refs, route, bm, bn, nb, G, I, f16, limit, alpha, a_sh
             cols = n0 + jnp.arange(bn)
         for r in range(bm):
             xs = xs_ref[toks[r]]
-            act = clamped_swiglu(jnp.sum(acc[0][r], axis=1) * xs + bg, jnp.sum(acc[1][r], axis=1) * xs + bu, limit, alpha)
-            plt.store(a_ref.at[r0 + r, cols], (act * 2.0 ** a_shift).astype(a_ref.dtype),
-                      mask=jnp.full((bn,), r < rows))
+            act = clamped_swiglu(
+                jnp.sum(acc[0][r], axis=1) * xs + bg, jnp.sum(acc[1][r], axis=1) * xs + bu, limit, alpha
+            )
+            plt.store(a_ref.at[r0 + r, cols], (act * 2.0**a_shift).astype(a_ref.dtype), mask=jnp.full((bn,), r < rows))
 
     _slot_program(slot_refs, route, bm, program, routed_out)
 
@@ -255,8 +280,13 @@ def _down_gemv_kernel(*refs, route, bm, bn, nb, G, f16, out_scale, prefetch, int
             ok = (b0 + jnp.arange(nb)) < G
             w = plt.load(wq_ref.at[e, pl.ds(n0, bn), pl.ds(b0, nb), :], mask=ok[None, :, None], other=0)
             sc = plt.load(ws_ref.at[e, pl.ds(n0, bn), pl.ds(b0, nb)], mask=ok[None, :], other=0)
-            a = [[plt.load(a_ref.at[r0 + r, jnp.int32(j), pl.ds(b0, nb), :], mask=ok[:, None] & (r < rows),
-                           other=0) for j in range(a_ref.shape[1])] for r in range(bm)]
+            a = [
+                [
+                    plt.load(a_ref.at[r0 + r, jnp.int32(j), pl.ds(b0, nb), :], mask=ok[:, None] & (r < rows), other=0)
+                    for j in range(a_ref.shape[1])
+                ]
+                for r in range(bm)
+            ]
             return w, sc, a
 
         def compute(tiles, acc):
@@ -273,8 +303,28 @@ def _down_gemv_kernel(*refs, route, bm, bn, nb, G, f16, out_scale, prefetch, int
     _slot_program(slot_refs, route, bm, program)
 
 
-def _run_gemv(call, x, xs, gate_slots, down_slots, S: int, kexp: KernelExperts, *, route, R, f16, swiglu_limit,
-              swiglu_alpha, block_m, block_n, block_k, block_n_down, prefetch, prefetch_down, interpret):
+def _run_gemv(
+    call,
+    x,
+    xs,
+    gate_slots,
+    down_slots,
+    S: int,
+    kexp: KernelExperts,
+    *,
+    route,
+    R,
+    f16,
+    swiglu_limit,
+    swiglu_alpha,
+    block_m,
+    block_n,
+    block_k,
+    block_n_down,
+    prefetch,
+    prefetch_down,
+    interpret,
+):
     """The two GEMV kernels over S slots (`_slot_program`: `gate_slots` / `down_slots` are their slot operands;
     routed, the down kernel reads the pairs the gate/up kernel routed) and the activation operand (`x` words,
     per-token factors `xs`: `half_pairs` for f16, f32 phases and 2^14 otherwise); returns y [R, D] f32 in slot
@@ -288,24 +338,64 @@ def _run_gemv(call, x, xs, gate_slots, down_slots, S: int, kexp: KernelExperts, 
     out_shape = [jax.ShapeDtypeStruct((R, I), a_dtype)]
     if route is not None:
         out_shape += [jax.ShapeDtypeStruct((S,), jnp.int32), jax.ShapeDtypeStruct((S,), jnp.float32)]
-    a, *pairs = call(functools.partial(_gate_up_gemv_kernel, bn=bn, nb=nb, G=D // 32, I=I, limit=swiglu_limit,
-                                       alpha=swiglu_alpha, a_shift=a_shift, route=route, prefetch=prefetch, **kern),
-                     grid=(S, I // bn), out_shape=out_shape,
-                     name="mxfp4_gate_up_swiglu_gemv16" if f16 else "mxfp4_gate_up_swiglu_gemv",
-                     )(*gate_slots, xs, x, kexp.gu_words.reshape(E, 2, I, D // 32, 4), kexp.gu_scales, kexp.gu_bias)
+    a, *pairs = call(
+        functools.partial(
+            _gate_up_gemv_kernel,
+            bn=bn,
+            nb=nb,
+            G=D // 32,
+            I=I,
+            limit=swiglu_limit,
+            alpha=swiglu_alpha,
+            a_shift=a_shift,
+            route=route,
+            prefetch=prefetch,
+            **kern,
+        ),
+        grid=(S, I // bn),
+        out_shape=out_shape,
+        name="mxfp4_gate_up_swiglu_gemv16" if f16 else "mxfp4_gate_up_swiglu_gemv",
+    )(*gate_slots, xs, x, kexp.gu_words.reshape(E, 2, I, D // 32, 4), kexp.gu_scales, kexp.gu_bias)
     if f16:
         a = jax.lax.bitcast_convert_type(a.reshape(R, I // 2, 2), jnp.uint32).reshape(R, 4, I // 32, 4)
     else:
         a = a.reshape(R, 8, I // 32, 4)
-    return call(functools.partial(_down_gemv_kernel, bn=bn2, nb=nb, G=I // 32, out_scale=2.0 ** (F16_SHIFT - a_shift),
-                                  route=None if route is None else "pairs", prefetch=prefetch_down, **kern),
-                grid=(S, D // bn2), out_shape=jax.ShapeDtypeStruct((R, D), jnp.float32),
-                name="mxfp4_down_gemv16" if f16 else "mxfp4_down_gemv",
-                )(*(pairs or down_slots), a, kexp.dn_words.reshape(E, D, I // 32, 4), kexp.dn_scales, kexp.dn_bias)
+    return call(
+        functools.partial(
+            _down_gemv_kernel,
+            bn=bn2,
+            nb=nb,
+            G=I // 32,
+            out_scale=2.0 ** (F16_SHIFT - a_shift),
+            route=None if route is None else "pairs",
+            prefetch=prefetch_down,
+            **kern,
+        ),
+        grid=(S, D // bn2),
+        out_shape=jax.ShapeDtypeStruct((R, D), jnp.float32),
+        name="mxfp4_down_gemv16" if f16 else "mxfp4_down_gemv",
+    )(*(pairs or down_slots), a, kexp.dn_words.reshape(E, D, I // 32, 4), kexp.dn_scales, kexp.dn_bias)
 
 
-def run_routed(words, xs, logits_TE, layer, kexp_flat: KernelExperts, *, top_k: int, swiglu_limit, swiglu_alpha,
-               block_n, block_k, block_n_down, num_warps, num_stages, prefetch, prefetch_down, interpret=None):
+def run_routed(
+    words,
+    xs,
+    logits_TE,
+    layer,
+    kexp_flat: KernelExperts,
+    *,
+    top_k: int,
+    swiglu_limit,
+    swiglu_alpha,
+    block_n,
+    block_k,
+    block_n_down,
+    num_warps,
+    num_stages,
+    prefetch,
+    prefetch_down,
+    interpret=None,
+):
     """The `gemv16` kernels routing in-kernel (`_routed_pair`): one program row per (token, k-th best expert)
     pair, read from the router logits `[T, E]` of layer `layer` (traced) of the flat `[L * E]` experts by the
     gate/up kernel, which hands each pair's expert and weight to the down kernel; `words`, `xs`: `half_pairs` of
@@ -314,25 +404,73 @@ def run_routed(words, xs, logits_TE, layer, kexp_flat: KernelExperts, *, top_k: 
     P = T * top_k
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    call = functools.partial(pl.pallas_call, compiler_params=plt.CompilerParams(num_warps=num_warps,
-                                                                                num_stages=num_stages),
-                             interpret=interpret)
+    call = functools.partial(
+        pl.pallas_call,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+    )
     slots = (logits_TE, jnp.asarray(layer, jnp.int32).reshape(1))
-    return _run_gemv(call, words, xs, slots, None, P, kexp_flat, route=(top_k, E), R=P, f16=True,
-                     swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha, block_m=1, block_n=block_n,
-                     block_k=block_k, block_n_down=block_n_down, prefetch=prefetch, prefetch_down=prefetch_down,
-                     interpret=interpret)
+    return _run_gemv(
+        call,
+        words,
+        xs,
+        slots,
+        None,
+        P,
+        kexp_flat,
+        route=(top_k, E),
+        R=P,
+        f16=True,
+        swiglu_limit=swiglu_limit,
+        swiglu_alpha=swiglu_alpha,
+        block_m=1,
+        block_n=block_n,
+        block_k=block_k,
+        block_n_down=block_n_down,
+        prefetch=prefetch,
+        prefetch_down=prefetch_down,
+        interpret=interpret,
+    )
 
 
-
-_STATIC = ("swiglu_limit", "swiglu_alpha", "half", "block_m", "block_n", "block_k", "block_n_down", "num_warps",
-           "num_stages", "prefetch", "prefetch_down", "interpret")
+_STATIC = (
+    "swiglu_limit",
+    "swiglu_alpha",
+    "half",
+    "block_m",
+    "block_n",
+    "block_k",
+    "block_n_down",
+    "num_warps",
+    "num_stages",
+    "prefetch",
+    "prefetch_down",
+    "interpret",
+)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def experts(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, *, swiglu_limit, swiglu_alpha,
-            half=True, block_m=1, block_n=16, block_k=512, block_n_down=16, num_warps=4, num_stages=1, prefetch=False,
-            prefetch_down=True, interpret=None):
+def experts(
+    x_TD,
+    idx_TK,
+    w_TK,
+    kexp: KernelExperts,
+    layer=None,
+    valid_TK=None,
+    *,
+    swiglu_limit,
+    swiglu_alpha,
+    half=True,
+    block_m=1,
+    block_n=16,
+    block_k=512,
+    block_n_down=16,
+    num_warps=4,
+    num_stages=1,
+    prefetch=False,
+    prefetch_down=True,
+    interpret=None,
+):
     """The expert math for given routing, `sum_k w[t,k] * expert_{idx[t,k]}(x[t])` -> `[T, D]`: the contract of
     every MoE kernel module's `experts`. With `layer` (traced), `kexp` carries a leading layer axis, viewed as one
     flat expert axis, so no layer slice is copied. Pairs outside `valid_TK` (bool) cost no expert work and add 0
@@ -347,12 +485,37 @@ def experts(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, 
     pad = lambda a: a if block_m == 1 else jnp.concatenate([a, jnp.zeros((block_m,) + a.shape[1:], a.dtype)])  # noqa: E731
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    call = functools.partial(pl.pallas_call, interpret=interpret,
-                             compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages))
-    operand = half_pairs(x_TD) if half else (to_phases(x_TD.astype(jnp.float32)).reshape(-1, 8, D // 32, 4),
-                                             jnp.full(x_TD.shape[:1], 2.0 ** F16_SHIFT, jnp.float32))
-    y = _run_gemv(call, *operand, (slot_e, slot_start, slot_rows, pad(tok)), (slot_e, slot_start, slot_rows, pad(w)),
-                  slot_e.shape[0], kexp, route=None, R=tok.shape[0] + block_m, f16=half, swiglu_limit=swiglu_limit,
-                  swiglu_alpha=swiglu_alpha, block_m=block_m, block_n=block_n, block_k=block_k,
-                  block_n_down=block_n_down, prefetch=prefetch, prefetch_down=prefetch_down, interpret=interpret)
+    call = functools.partial(
+        pl.pallas_call,
+        interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+    )
+    operand = (
+        half_pairs(x_TD)
+        if half
+        else (
+            to_phases(x_TD.astype(jnp.float32)).reshape(-1, 8, D // 32, 4),
+            jnp.full(x_TD.shape[:1], 2.0**F16_SHIFT, jnp.float32),
+        )
+    )
+    y = _run_gemv(
+        call,
+        *operand,
+        (slot_e, slot_start, slot_rows, pad(tok)),
+        (slot_e, slot_start, slot_rows, pad(w)),
+        slot_e.shape[0],
+        kexp,
+        route=None,
+        R=tok.shape[0] + block_m,
+        f16=half,
+        swiglu_limit=swiglu_limit,
+        swiglu_alpha=swiglu_alpha,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        block_n_down=block_n_down,
+        prefetch=prefetch,
+        prefetch_down=prefetch_down,
+        interpret=interpret,
+    )
     return moe_slots.combine(y, order, valid_TK, T, k, x_TD.dtype)

@@ -15,8 +15,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import moe_slots
-from pallas_kernels.expert_format import (F16_SHIFT, KernelExperts, clamped_swiglu, decode_words, flatten_layers,
-                                          scale_f32, to_phases)
+from pallas_kernels.expert_format import (
+    F16_SHIFT,
+    KernelExperts,
+    clamped_swiglu,
+    decode_words,
+    flatten_layers,
+    scale_f32,
+    to_phases,
+)
+
 
 def dot_t(a, b):
     """a [M, K] @ b[N, K]^T in f32."""
@@ -40,8 +48,25 @@ def _mma_step(acc, wq, ws, xs, kw, swap):
     return acc
 
 
-def _gate_up_mma_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, tok_ref, x_ref, wq_ref, ws_ref,
-                        bias_ref, a_ref, *, bm, bn, kw, W, limit, alpha, swap):
+def _gate_up_mma_kernel(
+    slot_e_ref,
+    slot_start_ref,
+    slot_rows_ref,
+    tok_ref,
+    x_ref,
+    wq_ref,
+    ws_ref,
+    bias_ref,
+    a_ref,
+    *,
+    bm,
+    bn,
+    kw,
+    W,
+    limit,
+    alpha,
+    swap,
+):
     s = pl.program_id(0)
     n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
     rows = slot_rows_ref[s]
@@ -58,13 +83,14 @@ def _gate_up_mma_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, tok_ref, x_re
             col_ok = (c0 + jnp.arange(kw)) < W
             g_ok = (c0 // 4 + jnp.arange(kw // 4)) < (W // 4)
             cols = (c0 + jnp.arange(kw))[None, :]
-            xs = [plt.load(x_ref.at[tok[:, None], jnp.int32(j), cols], mask=row_ok[:, None] & col_ok[None, :],
-                           other=0) for j in range(8)]
+            xs = [
+                plt.load(x_ref.at[tok[:, None], jnp.int32(j), cols], mask=row_ok[:, None] & col_ok[None, :], other=0)
+                for j in range(8)
+            ]
             out = []
             for h, acc in zip((jnp.int32(0), jnp.int32(1)), carry):
                 wq = plt.load(wq_ref.at[e, h, pl.ds(n0, bn), pl.ds(c0, kw)], mask=col_ok[None, :], other=0)
-                ws = plt.load(ws_ref.at[e, h, pl.ds(n0, bn), pl.ds(c0 // 4, kw // 4)],
-                              mask=g_ok[None, :], other=0)
+                ws = plt.load(ws_ref.at[e, h, pl.ds(n0, bn), pl.ds(c0 // 4, kw // 4)], mask=g_ok[None, :], other=0)
                 out.append(_mma_step(acc, wq, ws, xs, kw, swap))
             return tuple(out)
 
@@ -74,13 +100,15 @@ def _gate_up_mma_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, tok_ref, x_re
             acc_g, acc_u = acc_g.T, acc_u.T
         bg = bias_ref[e, jnp.int32(0), pl.ds(n0, bn)].astype(jnp.float32)
         bu = bias_ref[e, jnp.int32(1), pl.ds(n0, bn)].astype(jnp.float32)
-        act = clamped_swiglu(acc_g * (2.0 ** F16_SHIFT) + bg[None, :], acc_u * (2.0 ** F16_SHIFT) + bu[None, :],
-                      limit, alpha)
+        act = clamped_swiglu(
+            acc_g * (2.0**F16_SHIFT) + bg[None, :], acc_u * (2.0**F16_SHIFT) + bu[None, :], limit, alpha
+        )
         plt.store(a_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], act.astype(a_ref.dtype), mask=row_ok[:, None])
 
 
-def _down_mma_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, w_ref, a_ref, wq_ref, ws_ref, bias_ref,
-                     y_ref, *, bm, bn, kw, W, swap):
+def _down_mma_kernel(
+    slot_e_ref, slot_start_ref, slot_rows_ref, w_ref, a_ref, wq_ref, ws_ref, bias_ref, y_ref, *, bm, bn, kw, W, swap
+):
     s = pl.program_id(0)
     n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
     rows = slot_rows_ref[s]
@@ -95,31 +123,61 @@ def _down_mma_kernel(slot_e_ref, slot_start_ref, slot_rows_ref, w_ref, a_ref, wq
             c0 = pl.multiple_of(i * kw, kw)
             col_ok = (c0 + jnp.arange(kw)) < W
             g_ok = (c0 // 4 + jnp.arange(kw // 4)) < (W // 4)
-            xs = [plt.load(a_ref.at[pl.ds(r0, bm), jnp.int32(j), pl.ds(c0, kw)],
-                           mask=row_ok[:, None] & col_ok[None, :], other=0) for j in range(8)]
+            xs = [
+                plt.load(
+                    a_ref.at[pl.ds(r0, bm), jnp.int32(j), pl.ds(c0, kw)],
+                    mask=row_ok[:, None] & col_ok[None, :],
+                    other=0,
+                )
+                for j in range(8)
+            ]
             wq = plt.load(wq_ref.at[e, pl.ds(n0, bn), pl.ds(c0, kw)], mask=col_ok[None, :], other=0)
             ws = plt.load(ws_ref.at[e, pl.ds(n0, bn), pl.ds(c0 // 4, kw // 4)], mask=g_ok[None, :], other=0)
             return _mma_step(acc, wq, ws, xs, kw, swap)
 
-        acc = jax.lax.fori_loop(0, pl.cdiv(W, kw), body,
-                                jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32))
+        acc = jax.lax.fori_loop(0, pl.cdiv(W, kw), body, jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32))
         if swap:
             acc = acc.T
         b = bias_ref[e, pl.ds(n0, bn)].astype(jnp.float32)
         rw = plt.load(w_ref.at[pl.ds(r0, bm)], mask=row_ok, other=0.0)
-        y = (acc * (2.0 ** F16_SHIFT) + b[None, :]) * rw[:, None]
+        y = (acc * (2.0**F16_SHIFT) + b[None, :]) * rw[:, None]
         plt.store(y_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], y.astype(y_ref.dtype), mask=row_ok[:, None])
 
 
-
-_STATIC = ("swiglu_limit", "swiglu_alpha", "block_m", "block_n", "block_k", "block_n_down", "num_warps", "num_stages",
-           "swap", "interpret")
+_STATIC = (
+    "swiglu_limit",
+    "swiglu_alpha",
+    "block_m",
+    "block_n",
+    "block_k",
+    "block_n_down",
+    "num_warps",
+    "num_stages",
+    "swap",
+    "interpret",
+)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def experts(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, *, swiglu_limit, swiglu_alpha,
-            block_m=16, block_n=32, block_k=256, block_n_down=32, num_warps=4, num_stages=3, swap=False,
-            interpret=None):
+def experts(
+    x_TD,
+    idx_TK,
+    w_TK,
+    kexp: KernelExperts,
+    layer=None,
+    valid_TK=None,
+    *,
+    swiglu_limit,
+    swiglu_alpha,
+    block_m=16,
+    block_n=32,
+    block_k=256,
+    block_n_down=32,
+    num_warps=4,
+    num_stages=3,
+    swap=False,
+    interpret=None,
+):
     """`moe_gemv.experts`'s contract on the tensor-core kernels; `block_k` counts weights along K (block_k / 8
     words per step), `swap` puts the decoded weights in the dot's register operand and the tokens in N."""
     T, k = idx_TK.shape
@@ -136,19 +194,26 @@ def experts(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, 
     pad = lambda a: a if bm == 1 else jnp.concatenate([a, jnp.zeros((bm,) + a.shape[1:], a.dtype)])  # noqa: E731
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    call = functools.partial(pl.pallas_call, interpret=interpret,
-                             compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages))
+    call = functools.partial(
+        pl.pallas_call,
+        interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+    )
     # Tensor-core operands in bf16; fp32 models (the exactness mode) keep fp32 operands throughout.
     op_dtype = jnp.float32 if x_TD.dtype == jnp.float32 else jnp.bfloat16
     x8 = to_phases(x_TD.astype(op_dtype))
-    a = call(functools.partial(_gate_up_mma_kernel, bm=bm, bn=bn, kw=kw, W=D // 8, limit=swiglu_limit,
-                               alpha=swiglu_alpha, swap=swap),
-             grid=(S, I // bn), out_shape=jax.ShapeDtypeStruct((P + bm, I), op_dtype),
-             name="mxfp4_gate_up_swiglu",
-             )(slot_e, slot_start, slot_rows, pad(tok), x8, kexp.gu_words, kexp.gu_scales, kexp.gu_bias)
-    y = call(functools.partial(_down_mma_kernel, bm=bm, bn=bn2, kw=kw, W=I // 8, swap=swap),
-             grid=(S, D // bn2), out_shape=jax.ShapeDtypeStruct((P + bm, D), jnp.float32),
-             name="mxfp4_down",
-             )(slot_e, slot_start, slot_rows, pad(w), a.reshape(P + bm, 8, I // 8), kexp.dn_words,
-               kexp.dn_scales, kexp.dn_bias)
+    a = call(
+        functools.partial(
+            _gate_up_mma_kernel, bm=bm, bn=bn, kw=kw, W=D // 8, limit=swiglu_limit, alpha=swiglu_alpha, swap=swap
+        ),
+        grid=(S, I // bn),
+        out_shape=jax.ShapeDtypeStruct((P + bm, I), op_dtype),
+        name="mxfp4_gate_up_swiglu",
+    )(slot_e, slot_start, slot_rows, pad(tok), x8, kexp.gu_words, kexp.gu_scales, kexp.gu_bias)
+    y = call(
+        functools.partial(_down_mma_kernel, bm=bm, bn=bn2, kw=kw, W=I // 8, swap=swap),
+        grid=(S, D // bn2),
+        out_shape=jax.ShapeDtypeStruct((P + bm, D), jnp.float32),
+        name="mxfp4_down",
+    )(slot_e, slot_start, slot_rows, pad(w), a.reshape(P + bm, 8, I // 8), kexp.dn_words, kexp.dn_scales, kexp.dn_bias)
     return moe_slots.combine(y, order, valid_TK, T, k, x_TD.dtype)

@@ -50,9 +50,9 @@ from jaxlib.mlir.dialects import arith, llvm, memref, vector
 from pallas_kernels import moe_slots
 from pallas_kernels.expert_format import KernelExperts, clamped_swiglu, decode_words, phase_order
 
-TILE_N = 64       # weight rows per CTA: one warpgroup's wgmma M
-TILE_K = 512      # weights per K step: 64 words and 16 scale bytes (the least TMA moves per row) per row
-SCALE_BIAS = 30   # scale byte stored as s - rowmax + 30: an f16 exponent field (2^(s - rowmax + 15))
+TILE_N = 64  # weight rows per CTA: one warpgroup's wgmma M
+TILE_K = 512  # weights per K step: 64 words and 16 scale bytes (the least TMA moves per row) per row
+SCALE_BIAS = 30  # scale byte stored as s - rowmax + 30: an f16 exponent field (2^(s - rowmax + 15))
 
 
 def fits(D: int, I: int) -> bool:
@@ -78,8 +78,10 @@ def scale_exponents(scales_ENG: jax.Array) -> tuple[jax.Array, jax.Array]:
     sexp = jnp.maximum(scales_ENG.astype(jnp.int32) - rowmax[..., None] + SCALE_BIAS, 0).astype(jnp.uint8)
     Gp = -(-G // (TILE_K // 32)) * (TILE_K // 32)
     sexp = jnp.pad(sexp, ((0, 0), (0, 0), (0, Gp - G)))
-    return (jax.lax.bitcast_convert_type(sexp.reshape(E, N, Gp // 4, 4), jnp.uint32),
-            jnp.ldexp(jnp.ones((E, N), jnp.float32), rowmax - 128))
+    return (
+        jax.lax.bitcast_convert_type(sexp.reshape(E, N, Gp // 4, 4), jnp.uint32),
+        jnp.ldexp(jnp.ones((E, N), jnp.float32), rowmax - 128),
+    )
 
 
 def scale_operands(gu_scales: jax.Array, dn_scales: jax.Array) -> tuple[jax.Array, ...]:
@@ -174,8 +176,11 @@ def _elements(acc):
     index = ir.IndexType.get()
     for idx, reg in zip(acc.layout.thread_idxs(acc.shape), acc.registers.flat, strict=True):
         for i in range(ir.VectorType(reg.type).shape[0]):
-            yield idx[0], arith.addi(idx[1], mu.c(i, index)), vector.extract(
-                reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
+            yield (
+                idx[0],
+                arith.addi(idx[1], mu.c(i, index)),
+                vector.extract(reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i])),
+            )
 
 
 def _gate_up_epilogue(limit: float, alpha: float, scale: float):
@@ -206,17 +211,25 @@ def _gate_up_epilogue(limit: float, alpha: float, scale: float):
                 at = ir.DenseI64ArrayAttr.get([i])
                 vg, vu = (vector.extract(acc.registers[r], dynamic_position=[], static_position=at) for r in (gi, ui))
                 tf = memref.load(tok_fac, [col])
-                g = arith.addf(arith.mulf(arith.mulf(vg, memref.load(rowfac, [ci(0), e, fw])), tf),
-                               memref.load(bias, [ci(0), e, fw]))
-                u = arith.addf(arith.mulf(arith.mulf(vu, memref.load(rowfac, [ci(1), e, fw])), tf),
-                               memref.load(bias, [ci(1), e, fw]))
+                g = arith.addf(
+                    arith.mulf(arith.mulf(vg, memref.load(rowfac, [ci(0), e, fw])), tf),
+                    memref.load(bias, [ci(0), e, fw]),
+                )
+                u = arith.addf(
+                    arith.mulf(arith.mulf(vu, memref.load(rowfac, [ci(1), e, fw])), tf),
+                    memref.load(bias, [ci(1), e, fw]),
+                )
                 g = arith.minimumf(g, c(limit))
                 u = arith.maximumf(arith.minimumf(u, c(limit)), c(-limit))
-                ex = llvm.inline_asm(f32, [arith.mulf(g, c(-alpha * float(np.log2(np.e))))],
-                                     "ex2.approx.ftz.f32 $0, $1;", "=f,f")
+                ex = llvm.inline_asm(
+                    f32, [arith.mulf(g, c(-alpha * float(np.log2(np.e))))], "ex2.approx.ftz.f32 $0, $1;", "=f,f"
+                )
                 act = arith.mulf(arith.divf(g, arith.addf(ex, c(1.0))), arith.addf(u, c(1.0)))
-                memref.store(arith.truncf(f16, arith.mulf(act, c(scale))), stage,
-                             [col, arith.remui(f, ci(16)), arith.addi(pos, e)])
+                memref.store(
+                    arith.truncf(f16, arith.mulf(act, c(scale))),
+                    stage,
+                    [col, arith.remui(f, ci(16)), arith.addi(pos, e)],
+                )
 
     return epilogue
 
@@ -230,22 +243,32 @@ def _down_epilogue(act_fac: float):
     def epilogue(ctx, acc, rowfac, bias, w, out):
         del ctx
         cf = arith.constant(ir.F32Type.get(), act_fac)
-        ys = [(r, col, arith.mulf(arith.addf(arith.mulf(arith.mulf(v, memref.load(rowfac, [r])), cf),
-                                             memref.load(bias, [r])), memref.load(w, [col])))
-              for r, col, v in _elements(acc)]
+        ys = [
+            (
+                r,
+                col,
+                arith.mulf(
+                    arith.addf(arith.mulf(arith.mulf(v, memref.load(rowfac, [r])), cf), memref.load(bias, [r])),
+                    memref.load(w, [col]),
+                ),
+            )
+            for r, col, v in _elements(acc)
+        ]
         for r, col, y in ys:
             memref.store(y, out, [col, r])
 
     return epilogue
 
 
-def _tiles_loop(tile_epilogue, w_ref, s_ref, x_ref, w_block, s_block, index, *, tiles: int, Kp: int, block_m: int,
-                stages: int):
+def _tiles_loop(
+    tile_epilogue, w_ref, s_ref, x_ref, w_block, s_block, index, *, tiles: int, Kp: int, block_m: int, stages: int
+):
     """A CTA's `tiles` weight tiles in one TMA pipeline over (tile, K step), so the next tile's first loads are
     in flight during a tile's epilogue: `tile_epilogue(tile, acc)` after each tile's last step."""
-    decode = plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()),
-                               return_type=plgpu.ShapeDtypeStruct((TILE_N, TILE_K), jnp.float16,
-                                                                  layout=plgpu.Layout.WGMMA))(_decode_fragment)
+    decode = plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(), plgpu.RefType()),
+        return_type=plgpu.ShapeDtypeStruct((TILE_N, TILE_K), jnp.float16, layout=plgpu.Layout.WGMMA),
+    )(_decode_fragment)
     nk = Kp // TILE_K
 
     def scope(acc_ref):
@@ -259,9 +282,16 @@ def _tiles_loop(tile_epilogue, w_ref, s_ref, x_ref, w_block, s_block, index, *, 
                 tile_epilogue(tile, acc_ref[...])
                 acc_ref[...] = jnp.zeros((TILE_N, block_m), jnp.float32)
 
-        plgpu.emit_pipeline(step, grid=(tiles, nk), max_concurrent_steps=stages,
-                            in_specs=[plgpu.BlockSpec(w_block, index), plgpu.BlockSpec(s_block, index),
-                                      plgpu.BlockSpec((block_m, TILE_K), lambda t, k: (0, k))])(w_ref, s_ref, x_ref)
+        plgpu.emit_pipeline(
+            step,
+            grid=(tiles, nk),
+            max_concurrent_steps=stages,
+            in_specs=[
+                plgpu.BlockSpec(w_block, index),
+                plgpu.BlockSpec(s_block, index),
+                plgpu.BlockSpec((block_m, TILE_K), lambda t, k: (0, k)),
+            ],
+        )(w_ref, s_ref, x_ref)
 
     pl.run_scoped(scope, plgpu.ACC((TILE_N, block_m)))
 
@@ -278,8 +308,23 @@ def _prefetch(pairs, bars):
     return wait
 
 
-def gate_up_act(words_ENW, sexp_ENQ, rowfac_EN, bias_EN, x16_RK, tok_fac_R, slot_ew_S, slot_es_S, slot_rows_S, *,
-                block_m: int, stages: int, swiglu_limit: float, swiglu_alpha: float, act_scale: float):
+def gate_up_act(
+    words_ENW,
+    sexp_ENQ,
+    rowfac_EN,
+    bias_EN,
+    x16_RK,
+    tok_fac_R,
+    slot_ew_S,
+    slot_es_S,
+    slot_rows_S,
+    *,
+    block_m: int,
+    stages: int,
+    swiglu_limit: float,
+    swiglu_alpha: float,
+    act_scale: float,
+):
     """The down's f16 operand `[S * block_m, Kp(I)]` in its MMA K order: slot s's rows `x16[s * block_m ...]`
     through expert `slot_ew[s]`'s gate and up rows (`words` rows `[0, I)` and `[I, 2I)` in phase order, scales
     of expert `slot_es[s]`), the row and token factors, biases (`bias` `[E, 2I]` f32, by `slot_ew[s] % E`) and
@@ -297,44 +342,103 @@ def gate_up_act(words_ENW, sexp_ENQ, rowfac_EN, bias_EN, x16_RK, tok_fac_R, slot
     vec = lambda a: a.reshape(a.shape[0], 2, 2, 4, I // 8)  # noqa: E731  [.., gate/up, e, j, word]
     epilogue = _gate_up_epilogue(swiglu_limit, swiglu_alpha, act_scale)
 
-    def gate_up_body(ew_gmem, es_gmem, rows_gmem, w_gmem, s_gmem, rf_gmem, b_gmem, x_gmem, tf_gmem, o_gmem,
-                     rf_smem, b_smem, tf_smem, stage, bars):
+    def gate_up_body(
+        ew_gmem,
+        es_gmem,
+        rows_gmem,
+        w_gmem,
+        s_gmem,
+        rf_gmem,
+        b_gmem,
+        x_gmem,
+        tf_gmem,
+        o_gmem,
+        rf_smem,
+        b_smem,
+        tf_smem,
+        stage,
+        bars,
+    ):
         s, j, t = jax.lax.axis_index("s"), jax.lax.axis_index("j"), jax.lax.axis_index("t")
 
         @pl.when(rows_gmem[s] > 0)
         def _():
             ew, es = ew_gmem[s], es_gmem[s]
             toks, words = pl.ds(s * block_m, block_m), pl.ds(t * 64, 64)
-            wait = _prefetch(((rf_gmem.at[es, :, :, j, words], rf_smem), (b_gmem.at[ew % E, :, :, j, words], b_smem),
-                              (tf_gmem.at[toks], tf_smem)), bars)
+            wait = _prefetch(
+                (
+                    (rf_gmem.at[es, :, :, j, words], rf_smem),
+                    (b_gmem.at[ew % E, :, :, j, words], b_smem),
+                    (tf_gmem.at[toks], tf_smem),
+                ),
+                bars,
+            )
 
             def tile_epilogue(tile, acc):  # tile = (e, half): words 64t + 32 half + [0, 32) of phase 4e + j
                 pl.when(tile == 0)(wait)
                 epilogue(acc, tile, rf_smem, b_smem, tf_smem, stage)
 
-            _tiles_loop(tile_epilogue, w_gmem.at[ew], s_gmem.at[es], x_gmem.at[toks],
-                        (2, None, 32, TILE_K // 8), (2, None, 32, TILE_K // 128),
-                        lambda tile, k: (0, j + 4 * (tile // 2), 2 * t + tile % 2, k),
-                        tiles=4, Kp=Kp, block_m=block_m, stages=stages)
+            _tiles_loop(
+                tile_epilogue,
+                w_gmem.at[ew],
+                s_gmem.at[es],
+                x_gmem.at[toks],
+                (2, None, 32, TILE_K // 8),
+                (2, None, 32, TILE_K // 128),
+                lambda tile, k: (0, j + 4 * (tile // 2), 2 * t + tile % 2, k),
+                tiles=4,
+                Kp=Kp,
+                block_m=block_m,
+                stages=stages,
+            )
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(stage, o_gmem.at[toks, t, :, j, :])
             plgpu.wait_smem_to_gmem(0)
 
     # output [R, t, b, j, 2c + e] = column 512t + 32b + 8j + 2c + e
-    f = plgpu.kernel(gate_up_body, out_type=jax.ShapeDtypeStruct((S * block_m, Kp_out // TILE_K, 16, 4, 8),
-                                                                 jnp.float16),
-                     scratch_types=[plgpu.SMEM((2, 2, 64), jnp.float32), plgpu.SMEM((2, 2, 64), jnp.float32),
-                                    plgpu.SMEM((block_m,), jnp.float32),
-                                    plgpu.SMEM((block_m, 16, 8), jnp.float16), plgpu.Barrier(num_barriers=3)],
-                     grid=(S, 4, Kp_out // TILE_K), grid_names=("s", "j", "t"),
-                     compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-    out = f(slot_ew_S, slot_es_S, slot_rows_S, view(words_ENW), view(sexp_ENQ), vec(rowfac_EN), vec(bias_EN),
-            x16_RK, tok_fac_R)
+    f = plgpu.kernel(
+        gate_up_body,
+        out_type=jax.ShapeDtypeStruct((S * block_m, Kp_out // TILE_K, 16, 4, 8), jnp.float16),
+        scratch_types=[
+            plgpu.SMEM((2, 2, 64), jnp.float32),
+            plgpu.SMEM((2, 2, 64), jnp.float32),
+            plgpu.SMEM((block_m,), jnp.float32),
+            plgpu.SMEM((block_m, 16, 8), jnp.float16),
+            plgpu.Barrier(num_barriers=3),
+        ],
+        grid=(S, 4, Kp_out // TILE_K),
+        grid_names=("s", "j", "t"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    out = f(
+        slot_ew_S,
+        slot_es_S,
+        slot_rows_S,
+        view(words_ENW),
+        view(sexp_ENQ),
+        vec(rowfac_EN),
+        vec(bias_EN),
+        x16_RK,
+        tok_fac_R,
+    )
     return out.reshape(S * block_m, Kp_out)
 
 
-def down_out(words_ENW, sexp_ENQ, rowfac_EN, bias_EN, a16_RK, w_R, slot_ew_S, slot_es_S, slot_rows_S, *,
-             act_fac: float, block_m: int, stages: int):
+def down_out(
+    words_ENW,
+    sexp_ENQ,
+    rowfac_EN,
+    bias_EN,
+    a16_RK,
+    w_R,
+    slot_ew_S,
+    slot_es_S,
+    slot_rows_S,
+    *,
+    act_fac: float,
+    block_m: int,
+    stages: int,
+):
     """f32 `[S * block_m, N]`: slot s's operand rows through expert `slot_ew[s]`'s rows, times the row factor
     and `act_fac`, plus the bias (`[E, N]` f32, by `slot_ew[s] % E`), times each row's routing weight `w_R`.
     Rows of empty slots are left unwritten. (Three tiles per CTA measured the same as one.)"""
@@ -343,35 +447,67 @@ def down_out(words_ENW, sexp_ENQ, rowfac_EN, bias_EN, a16_RK, w_R, slot_ew_S, sl
     S, Kp = slot_rows_S.shape[0], a16_RK.shape[1]
     epilogue = _down_epilogue(act_fac)
 
-    def down_body(ew_gmem, es_gmem, rows_gmem, w_gmem, s_gmem, rf_gmem, b_gmem, x_gmem, wr_gmem, o_gmem, rf_smem,
-                  b_smem, wr_smem, bars):
+    def down_body(
+        ew_gmem,
+        es_gmem,
+        rows_gmem,
+        w_gmem,
+        s_gmem,
+        rf_gmem,
+        b_gmem,
+        x_gmem,
+        wr_gmem,
+        o_gmem,
+        rf_smem,
+        b_smem,
+        wr_smem,
+        bars,
+    ):
         s, n = jax.lax.axis_index("s"), jax.lax.axis_index("n")
 
         @pl.when(rows_gmem[s] > 0)
         def _():
             ew, es = ew_gmem[s], es_gmem[s]
             rows, toks = pl.ds(n * TILE_N, TILE_N), pl.ds(s * block_m, block_m)
-            wait = _prefetch(((rf_gmem.at[es, rows], rf_smem), (b_gmem.at[ew % E, rows], b_smem),
-                              (wr_gmem.at[toks], wr_smem)), bars)
+            wait = _prefetch(
+                ((rf_gmem.at[es, rows], rf_smem), (b_gmem.at[ew % E, rows], b_smem), (wr_gmem.at[toks], wr_smem)), bars
+            )
 
             def tile_epilogue(tile, acc):
                 wait()
                 epilogue(acc, rf_smem, b_smem, wr_smem, o_gmem.at[toks, rows])
 
-            _tiles_loop(tile_epilogue, w_gmem.at[ew], s_gmem.at[es], x_gmem.at[toks], (TILE_N, TILE_K // 8),
-                        (TILE_N, TILE_K // 128), lambda tile, k: (n, k), tiles=1, Kp=Kp, block_m=block_m,
-                        stages=stages)
+            _tiles_loop(
+                tile_epilogue,
+                w_gmem.at[ew],
+                s_gmem.at[es],
+                x_gmem.at[toks],
+                (TILE_N, TILE_K // 8),
+                (TILE_N, TILE_K // 128),
+                lambda tile, k: (n, k),
+                tiles=1,
+                Kp=Kp,
+                block_m=block_m,
+                stages=stages,
+            )
 
-    f = plgpu.kernel(down_body, out_type=jax.ShapeDtypeStruct((S * block_m, N), jnp.float32),
-                     scratch_types=[plgpu.SMEM((TILE_N,), jnp.float32), plgpu.SMEM((TILE_N,), jnp.float32),
-                                    plgpu.SMEM((block_m,), jnp.float32), plgpu.Barrier(num_barriers=3)],
-                     grid=(S, N // TILE_N), grid_names=("s", "n"),
-                     compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    f = plgpu.kernel(
+        down_body,
+        out_type=jax.ShapeDtypeStruct((S * block_m, N), jnp.float32),
+        scratch_types=[
+            plgpu.SMEM((TILE_N,), jnp.float32),
+            plgpu.SMEM((TILE_N,), jnp.float32),
+            plgpu.SMEM((block_m,), jnp.float32),
+            plgpu.Barrier(num_barriers=3),
+        ],
+        grid=(S, N // TILE_N),
+        grid_names=("s", "n"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
     return f(slot_ew_S, slot_es_S, slot_rows_S, words_ENW, sexp_ENQ, rowfac_EN, bias_EN, a16_RK, w_R)
 
 
-def grouped_matmul(words_ENW, sexp_ENQ, x16_RK, slot_ew_S, slot_es_S, slot_rows_S, *, block_m: int,
-                   stages: int = 2):
+def grouped_matmul(words_ENW, sexp_ENQ, x16_RK, slot_ew_S, slot_es_S, slot_rows_S, *, block_m: int, stages: int = 2):
     """acc `[S, N, block_m]` f32: slot s's rows `x16[s * block_m ...]` times expert `slot_ew[s]`'s decoded
     words (`sexp` of expert `slot_es[s]`), in MMA K order, before the row and token factors: the bare matmul
     that tools/probe_mosaic_mxfp4.py times. Rows of empty slots are left unwritten."""
@@ -390,28 +526,43 @@ def grouped_matmul(words_ENW, sexp_ENQ, x16_RK, slot_ew_S, slot_es_S, slot_rows_
                 plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[s, pl.ds(n * TILE_N, TILE_N)])
                 plgpu.wait_smem_to_gmem(0)
 
-            _tiles_loop(store, w_gmem.at[ew_gmem[s]], s_gmem.at[es_gmem[s]], x_gmem.at[pl.ds(s * block_m, block_m)],
-                        (TILE_N, TILE_K // 8), (TILE_N, TILE_K // 128), lambda tile, k: (n, k), tiles=1, Kp=Kp,
-                        block_m=block_m, stages=stages)
+            _tiles_loop(
+                store,
+                w_gmem.at[ew_gmem[s]],
+                s_gmem.at[es_gmem[s]],
+                x_gmem.at[pl.ds(s * block_m, block_m)],
+                (TILE_N, TILE_K // 8),
+                (TILE_N, TILE_K // 128),
+                lambda tile, k: (n, k),
+                tiles=1,
+                Kp=Kp,
+                block_m=block_m,
+                stages=stages,
+            )
 
-    f = plgpu.kernel(matmul_body, out_type=jax.ShapeDtypeStruct((S, N, block_m), jnp.float32),
-                     scratch_types=[plgpu.SMEM((TILE_N, block_m), jnp.float32)],
-                     grid=(S, N // TILE_N), grid_names=("s", "n"),
-                     compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    f = plgpu.kernel(
+        matmul_body,
+        out_type=jax.ShapeDtypeStruct((S, N, block_m), jnp.float32),
+        scratch_types=[plgpu.SMEM((TILE_N, block_m), jnp.float32)],
+        grid=(S, N // TILE_N),
+        grid_names=("s", "n"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
     return f(slot_ew_S, slot_es_S, slot_rows_S, words_ENW, sexp_ENQ, x16_RK)
 
 
-def grouped_matmul_reference(words_ENW, sexp_ENQ, x16_RK, slot_ew_S, slot_es_S, slot_rows_S, *, block_m: int,
-                             stages: int = 2):
+def grouped_matmul_reference(
+    words_ENW, sexp_ENQ, x16_RK, slot_ew_S, slot_es_S, slot_rows_S, *, block_m: int, stages: int = 2
+):
     """`grouped_matmul` in jnp, the same arithmetic (f16 decoded weights times their f16 scale multiplier, f32
     sums); rows of empty slots are 0."""
     del stages
     S, Kp = slot_rows_S.shape[0], x16_RK.shape[1]
     W = words_ENW.shape[2]
-    words = jnp.pad(words_ENW[slot_ew_S], ((0, 0), (0, 0), (0, Kp // 8 - W)))        # [S, N, Kp/8]
-    vals = jnp.stack(decode_words(words), axis=-1)                        # [S, N, Kp/8, 8]
+    words = jnp.pad(words_ENW[slot_ew_S], ((0, 0), (0, 0), (0, Kp // 8 - W)))  # [S, N, Kp/8]
+    vals = jnp.stack(decode_words(words), axis=-1)  # [S, N, Kp/8, 8]
     sbytes = jax.lax.bitcast_convert_type(sexp_ENQ[slot_es_S], jnp.uint8).reshape(*words.shape[:2], -1)
-    mult = jnp.where(sbytes > 0, jnp.exp2(sbytes.astype(jnp.float32) - 15), 0.0)     # [S, N, Kp/32]
+    mult = jnp.where(sbytes > 0, jnp.exp2(sbytes.astype(jnp.float32) - 15), 0.0)  # [S, N, Kp/32]
     a = (vals * jnp.repeat(mult, 4, axis=-1)[..., None]).astype(jnp.float16).astype(jnp.float32)
     a = a.reshape(*words.shape[:2], Kp // TILE_K, TILE_K)[..., mma_perm()].reshape(*words.shape[:2], Kp)
     x = x16_RK.astype(jnp.float32).reshape(S, block_m, Kp)
@@ -419,25 +570,54 @@ def grouped_matmul_reference(words_ENW, sexp_ENQ, x16_RK, slot_ew_S, slot_es_S, 
     return jnp.where((slot_rows_S > 0)[:, None, None], acc, 0.0)
 
 
-def gate_up_act_reference(words_ENW, sexp_ENQ, rowfac_EN, bias_EN, x16_RK, tok_fac_R, slot_ew_S, slot_es_S,
-                          slot_rows_S, *, block_m: int, stages: int, swiglu_limit: float, swiglu_alpha: float,
-                          act_scale: float):
+def gate_up_act_reference(
+    words_ENW,
+    sexp_ENQ,
+    rowfac_EN,
+    bias_EN,
+    x16_RK,
+    tok_fac_R,
+    slot_ew_S,
+    slot_es_S,
+    slot_rows_S,
+    *,
+    block_m: int,
+    stages: int,
+    swiglu_limit: float,
+    swiglu_alpha: float,
+    act_scale: float,
+):
     """`gate_up_act` in jnp (rows of empty slots hold the biases' activation)."""
     I, E, S = words_ENW.shape[1] // 2, bias_EN.shape[0], slot_rows_S.shape[0]
-    acc = grouped_matmul_reference(words_ENW, sexp_ENQ, x16_RK, slot_ew_S, slot_es_S, slot_rows_S,
-                                   block_m=block_m, stages=stages)                    # [S, 2I, bm]
+    acc = grouped_matmul_reference(
+        words_ENW, sexp_ENQ, x16_RK, slot_ew_S, slot_es_S, slot_rows_S, block_m=block_m, stages=stages
+    )  # [S, 2I, bm]
     h = acc * rowfac_EN[slot_es_S][:, :, None] * tok_fac_R.reshape(S, 1, block_m) + bias_EN[slot_ew_S % E][..., None]
     act = clamped_swiglu(h[:, :I], h[:, I:], swiglu_limit, swiglu_alpha) * act_scale
     rows = jnp.swapaxes(act, 1, 2).reshape(S * block_m, I).astype(jnp.float16)
     return jnp.zeros((S * block_m, _padded(I)), jnp.float16).at[:, act_positions(I)].set(rows)
 
 
-def down_out_reference(words_ENW, sexp_ENQ, rowfac_EN, bias_EN, a16_RK, w_R, slot_ew_S, slot_es_S, slot_rows_S, *,
-                       act_fac: float, block_m: int, stages: int):
+def down_out_reference(
+    words_ENW,
+    sexp_ENQ,
+    rowfac_EN,
+    bias_EN,
+    a16_RK,
+    w_R,
+    slot_ew_S,
+    slot_es_S,
+    slot_rows_S,
+    *,
+    act_fac: float,
+    block_m: int,
+    stages: int,
+):
     """`down_out` in jnp (rows of empty slots hold the biases times their routing weight, 0)."""
     N, E, S = words_ENW.shape[1], bias_EN.shape[0], slot_rows_S.shape[0]
-    acc = grouped_matmul_reference(words_ENW, sexp_ENQ, a16_RK, slot_ew_S, slot_es_S, slot_rows_S,
-                                   block_m=block_m, stages=stages)                    # [S, N, bm]
+    acc = grouped_matmul_reference(
+        words_ENW, sexp_ENQ, a16_RK, slot_ew_S, slot_es_S, slot_rows_S, block_m=block_m, stages=stages
+    )  # [S, N, bm]
     y = acc * rowfac_EN[slot_es_S][:, :, None] * act_fac + bias_EN[slot_ew_S % E][..., None]
     return jnp.swapaxes(y, 1, 2).reshape(S * block_m, N) * w_R[:, None]
 
@@ -457,16 +637,30 @@ def slot_rows(slot_start_S, slot_rows_S, P: int, block_m: int):
 
 
 @functools.partial(jax.jit, static_argnames=("swiglu_limit", "swiglu_alpha", "block_m", "stages", "interpret"))
-def experts(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, *, swiglu_limit, swiglu_alpha,
-            block_m=16, stages=2, interpret=None):
+def experts(
+    x_TD,
+    idx_TK,
+    w_TK,
+    kexp: KernelExperts,
+    layer=None,
+    valid_TK=None,
+    *,
+    swiglu_limit,
+    swiglu_alpha,
+    block_m=16,
+    stages=2,
+    interpret=None,
+):
     """`moe_gemv.experts`'s contract (sum over the routed experts, `[T, D]`) on the Mosaic kernels;
     `interpret` (default: off the GPU) runs the kernels' jnp references instead."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     if not fits(kexp.dn_words.shape[-2], kexp.gu_words.shape[-2]):
-        raise ValueError(f"moe_mosaic: experts with D={kexp.dn_words.shape[-2]}, I={kexp.gu_words.shape[-2]} do "
-                         f"not tile (D and I multiples of {TILE_N}, both >= {TILE_K}); use moe_mma")
-    if not 0 < swiglu_limit < 2 ** 6:
+        raise ValueError(
+            f"moe_mosaic: experts with D={kexp.dn_words.shape[-2]}, I={kexp.gu_words.shape[-2]} do "
+            f"not tile (D and I multiples of {TILE_N}, both >= {TILE_K}); use moe_mma"
+        )
+    if not 0 < swiglu_limit < 2**6:
         raise ValueError(f"moe_mosaic: swiglu_limit={swiglu_limit} must be in (0, 64): it bounds the f16 activation")
     gate_up, down = (gate_up_act_reference, down_out_reference) if interpret else (gate_up_act, down_out)
     T, k = idx_TK.shape
@@ -483,27 +677,51 @@ def experts(x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, 
         gu_sexp, gu_rowfac, dn_sexp, dn_rowfac = scale_operands(one(kexp.gu_scales), one(kexp.dn_scales))
         es = slot_e
     else:  # stored for every layer: index the stacked arrays, as the words (no per-layer slice copy)
-        gu_sexp, dn_sexp = (a.reshape(-1, *a.shape[-2:]) for a in (kexp.gu_sexp, kexp.dn_sexp))   # [L E, N, Q]
+        gu_sexp, dn_sexp = (a.reshape(-1, *a.shape[-2:]) for a in (kexp.gu_sexp, kexp.dn_sexp))  # [L E, N, Q]
         gu_rowfac, dn_rowfac = (a.reshape(-1, a.shape[-1]) for a in (kexp.gu_rowfac, kexp.dn_rowfac))  # [L E, N]
         es = ew
 
-    gu_bias = one(kexp.gu_bias).reshape(E, 2 * I).astype(jnp.float32)                # [E, 2I]: by ew % E
-    dn_bias = one(kexp.dn_bias).astype(jnp.float32)                                   # [E, D]
+    gu_bias = one(kexp.gu_bias).reshape(E, 2 * I).astype(jnp.float32)  # [E, 2I]: by ew % E
+    dn_bias = one(kexp.dn_bias).astype(jnp.float32)  # [E, D]
     kern = dict(block_m=block_m, stages=stages)
 
     # Each token's f16 operand row is encoded once (the MMA-order permutation is a slow gather in XLA), then
     # copied to its slot rows; padding rows copy token 0 (finite; their outputs are never read).
     x16_T, tok_fac_T = f16_operand(x_TD)
-    row_pair = held.reshape(-1)                                                       # [S bm]
+    row_pair = held.reshape(-1)  # [S bm]
     row_tok = jnp.append(tok, 0)[row_pair]
     x16, tok_fac = x16_T[row_tok], tok_fac_T[row_tok]
 
     # gate and up, SwiGLU: the activation lands in the down's operand layout, scaled by a fixed power of two
     a_exp = act_exponent(swiglu_limit)
-    a16 = gate_up(gu_words, gu_sexp, gu_rowfac, gu_bias, x16, tok_fac, ew, es, rows, swiglu_limit=swiglu_limit,
-                  swiglu_alpha=swiglu_alpha, act_scale=2.0 ** a_exp, **kern)          # [S bm, Kp(I)]
+    a16 = gate_up(
+        gu_words,
+        gu_sexp,
+        gu_rowfac,
+        gu_bias,
+        x16,
+        tok_fac,
+        ew,
+        es,
+        rows,
+        swiglu_limit=swiglu_limit,
+        swiglu_alpha=swiglu_alpha,
+        act_scale=2.0**a_exp,
+        **kern,
+    )  # [S bm, Kp(I)]
 
     # down, biases and routing weights: token rows [S bm, D]
-    y = down(dn_words, dn_sexp, dn_rowfac, dn_bias, a16, jnp.append(w_sorted, 0.0)[row_pair], ew, es, rows,
-             act_fac=2.0 ** -a_exp, **kern)
+    y = down(
+        dn_words,
+        dn_sexp,
+        dn_rowfac,
+        dn_bias,
+        a16,
+        jnp.append(w_sorted, 0.0)[row_pair],
+        ew,
+        es,
+        rows,
+        act_fac=2.0**-a_exp,
+        **kern,
+    )
     return moe_slots.combine(y[where], order, valid_TK, T, k, x_TD.dtype)

@@ -30,16 +30,25 @@ def swiglu(z: jax.Array, limit: float, alpha: float) -> jax.Array:
     return g * jax.nn.sigmoid(alpha * g) * (u + 1.0)
 
 
-def moe(x_TD: jax.Array, router_w_ED: jax.Array, router_b_E: jax.Array, experts, *, top_k: int,
-        swiglu_limit: float, swiglu_alpha: float) -> jax.Array:
+def moe(
+    x_TD: jax.Array,
+    router_w_ED: jax.Array,
+    router_b_E: jax.Array,
+    experts,
+    *,
+    top_k: int,
+    swiglu_limit: float,
+    swiglu_alpha: float,
+) -> jax.Array:
     """`experts` is a `params.Experts` of one layer (no leading layer axis). Returns `[T, D]`."""
     idx_TK, w_TK, _ = route(x_TD, router_w_ED, router_b_E, top_k)
     y = apply_experts(x_TD, idx_TK, w_TK, experts, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
     return y.astype(x_TD.dtype)
 
 
-def apply_experts(x_TD: jax.Array, idx_TK: jax.Array, w_TK: jax.Array, experts, *, swiglu_limit: float,
-                  swiglu_alpha: float) -> jax.Array:
+def apply_experts(
+    x_TD: jax.Array, idx_TK: jax.Array, w_TK: jax.Array, experts, *, swiglu_limit: float, swiglu_alpha: float
+) -> jax.Array:
     """`sum_k w[t, k] * expert_{idx[t, k]}(x[t])` in fp32. Entries with weight 0 contribute nothing,
     which is how expert parallelism masks the experts another device holds."""
     T, _ = x_TD.shape

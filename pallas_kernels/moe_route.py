@@ -42,6 +42,7 @@ from pallas_kernels import moe_gemv
 from pallas_kernels.expert_format import KernelExperts, flatten_layers
 from pallas_kernels.norm import rms_norm
 
+
 def reference(x_TD, gain_LD, router_w_LED, router_b_LE, layer, *, eps: float, dtype):
     """What the kernel computes, with the model's own functions: the router logits `[T, E]` f32 (bias
     included) and `moe_gemv.half_pairs` of the normed rows (words `[T, 4, D/32, 4]` u32, factors `[T]` f32)."""
@@ -64,8 +65,9 @@ def _kernel(layer_ref, x_ref, g_ref, rw_ref, rb_ref, logits_ref, words_ref, xs_r
     x = plt.load(x_ref.at[t, pl.ds(0, _pow2(D))], mask=ok, other=0.0)
     g = plt.load(g_ref.at[layer, pl.ds(0, _pow2(D))], mask=ok, other=0.0)
     e_ids = s * eb + jnp.arange(eb)
-    w = plt.load(rw_ref.at[layer, pl.ds(s * eb, eb), pl.ds(0, _pow2(D))], mask=(e_ids < E)[:, None] & ok[None, :],
-                 other=0)
+    w = plt.load(
+        rw_ref.at[layer, pl.ds(s * eb, eb), pl.ds(0, _pow2(D))], mask=(e_ids < E)[:, None] & ok[None, :], other=0
+    )
     bias = plt.load(rb_ref.at[layer, pl.ds(s * eb, eb)], mask=e_ids < E, other=0)
 
     r = jax.lax.rsqrt(jnp.sum(x * x) / D + eps)
@@ -93,15 +95,18 @@ def _kernel(layer_ref, x_ref, g_ref, rw_ref, rb_ref, logits_ref, words_ref, xs_r
 
     def half(offset):
         d = 8 * m + jj + offset
-        tv = normed(plt.load(x_ref.at[t, d], mask=in_row, other=0.0), plt.load(g_ref.at[layer, d], mask=in_row, other=0.0))
+        tv = normed(
+            plt.load(x_ref.at[t, d], mask=in_row, other=0.0), plt.load(g_ref.at[layer, d], mask=in_row, other=0.0)
+        )
         return jax.lax.bitcast_convert_type((tv * scale).astype(jnp.float16), jnp.uint16).astype(jnp.uint32)
 
     plt.store(words_ref.at[t, pl.ds(0, 4), pl.ds(s * mb, mb)], half(0) | (half(4) << 16), mask=in_row)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "dtype", "experts_per_program", "interpret"))
-def front(x_TD, gain_LD, router_w_LED, router_b_LE, layer, *, eps: float, dtype, experts_per_program: int = 4,
-          interpret=None):
+def front(
+    x_TD, gain_LD, router_w_LED, router_b_LE, layer, *, eps: float, dtype, experts_per_program: int = 4, interpret=None
+):
     """`reference`'s outputs from one launch: grid (tokens, expert groups); each program norms its token's row
     (all of it: the norm and the row's largest value need it), dots it with `experts_per_program` router rows
     and packs its share of the words. `layer` may be traced."""
@@ -111,12 +116,24 @@ def front(x_TD, gain_LD, router_w_LED, router_b_LE, layer, *, eps: float, dtype,
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     logits, words, xs = pl.pallas_call(
-        functools.partial(_kernel, D=D, E=E, eb=experts_per_program, mb=_pow2(pl.cdiv(D // 8, groups)),
-                          eps=float(eps), dtype=jnp.dtype(dtype)),
-        grid=(T, groups), name="moe_route",
-        out_shape=(jax.ShapeDtypeStruct((T, E), jnp.float32), jax.ShapeDtypeStruct((T, 4, D // 8), jnp.uint32),
-                   jax.ShapeDtypeStruct((T,), jnp.float32)),
-        compiler_params=plt.CompilerParams(num_warps=8, num_stages=1), interpret=interpret,
+        functools.partial(
+            _kernel,
+            D=D,
+            E=E,
+            eb=experts_per_program,
+            mb=_pow2(pl.cdiv(D // 8, groups)),
+            eps=float(eps),
+            dtype=jnp.dtype(dtype),
+        ),
+        grid=(T, groups),
+        name="moe_route",
+        out_shape=(
+            jax.ShapeDtypeStruct((T, E), jnp.float32),
+            jax.ShapeDtypeStruct((T, 4, D // 8), jnp.uint32),
+            jax.ShapeDtypeStruct((T,), jnp.float32),
+        ),
+        compiler_params=plt.CompilerParams(num_warps=8, num_stages=1),
+        interpret=interpret,
     )(jnp.asarray(layer, jnp.int32).reshape(1), x_TD.astype(jnp.float32), gain_LD, router_w_LED, router_b_LE)
     return logits, words.reshape(T, 4, D // 32, 4), xs
 
@@ -131,8 +148,9 @@ def _back_kernel(layer_ref, y_ref, x_ref, an_ref, fn_ref, xo_ref, to_ref, *, k: 
     # every load below depends on no loaded value: one memory round trip for the whole program
     ys = [plt.load(y_ref.at[t * k + j, cols], mask=ok, other=0.0) for j in range(k)]
     x = plt.load(x_ref.at[t, cols], mask=ok, other=0.0)
-    g = (plt.load(an_ref.at[jnp.minimum(nxt, L - 1), cols], mask=ok & (nxt < L), other=0.0).astype(f32)
-         + plt.load(fn_ref.at[cols], mask=ok & (nxt >= L), other=0.0).astype(f32))
+    g = plt.load(an_ref.at[jnp.minimum(nxt, L - 1), cols], mask=ok & (nxt < L), other=0.0).astype(f32) + plt.load(
+        fn_ref.at[cols], mask=ok & (nxt >= L), other=0.0
+    ).astype(f32)
     y = ys[0]
     for v in ys[1:]:
         y = y + v
@@ -153,25 +171,63 @@ def back(y_PD, x_TD, next_gains, layer, *, top_k: int, eps: float, dtype, num_wa
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     return pl.pallas_call(
-        functools.partial(_back_kernel, k=top_k, eps=float(eps)), grid=(T,), name="moe_residual_norm",
+        functools.partial(_back_kernel, k=top_k, eps=float(eps)),
+        grid=(T,),
+        name="moe_residual_norm",
         out_shape=(jax.ShapeDtypeStruct((T, D), jnp.float32), jax.ShapeDtypeStruct((T, D), dtype)),
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1), interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
     )(jnp.asarray(layer, jnp.int32).reshape(1), y_PD, x_TD.astype(jnp.float32), *next_gains)
 
 
-def moe(x_TD, gain_LD, router_w_LED, router_b_LE, kexp_all: KernelExperts, layer, next_gains, *, top_k: int,
-        eps: float, dtype, swiglu_limit, swiglu_alpha, experts_per_program: int, back_warps: int, gemv: dict,
-        interpret=None):
+def moe(
+    x_TD,
+    gain_LD,
+    router_w_LED,
+    router_b_LE,
+    kexp_all: KernelExperts,
+    layer,
+    next_gains,
+    *,
+    top_k: int,
+    eps: float,
+    dtype,
+    swiglu_limit,
+    swiglu_alpha,
+    experts_per_program: int,
+    back_warps: int,
+    gemv: dict,
+    interpret=None,
+):
     """The decode MoE block on the fp32 residual stream `x_TD`, with its residual add and the next block's norm:
     `front`, then the two half-precision GEMV kernels on the layer-stacked experts (`moe_gemv.run_routed` with the
     `gemv` launch settings: the gate/up programs route their (token, expert) pairs from the logits, top-k and
     softmax in-kernel), then `back`.
     Returns (x + moe(x) `[T, D]` f32, its `rms_norm` with the next gain in `dtype`), as
     `pallas_kernels.moe_block` computes them."""
-    logits, words, xs = front(x_TD, gain_LD, router_w_LED, router_b_LE, layer, eps=eps, dtype=dtype,
-                              experts_per_program=experts_per_program, interpret=interpret)
-    y = moe_gemv.run_routed(words, xs, logits, layer, flatten_layers(kexp_all), top_k=top_k,
-                            swiglu_limit=float(swiglu_limit), swiglu_alpha=float(swiglu_alpha), interpret=interpret,
-                            **gemv)
-    return back(y, x_TD, next_gains, layer, top_k=top_k, eps=eps, dtype=dtype, num_warps=back_warps,
-                interpret=interpret)
+    logits, words, xs = front(
+        x_TD,
+        gain_LD,
+        router_w_LED,
+        router_b_LE,
+        layer,
+        eps=eps,
+        dtype=dtype,
+        experts_per_program=experts_per_program,
+        interpret=interpret,
+    )
+    y = moe_gemv.run_routed(
+        words,
+        xs,
+        logits,
+        layer,
+        flatten_layers(kexp_all),
+        top_k=top_k,
+        swiglu_limit=float(swiglu_limit),
+        swiglu_alpha=float(swiglu_alpha),
+        interpret=interpret,
+        **gemv,
+    )
+    return back(
+        y, x_TD, next_gains, layer, top_k=top_k, eps=eps, dtype=dtype, num_warps=back_warps, interpret=interpret
+    )

@@ -45,7 +45,6 @@ def dispatch(idx_TK: jax.Array, w_TK: jax.Array, num_experts: int, block_m: int)
     return tok_sorted, w_sorted, order, e_c, start.astype(jnp.int32), rows.astype(jnp.int32)
 
 
-
 def slots(idx_TK, w_TK, valid_TK, E: int, block_m: int):
     """(token, expert) pairs -> `dispatch`'s slots; `block_m` 1 keeps token order (nothing to sort or permute
     back: `order` None). Pairs outside `valid_TK` get no slot."""
@@ -53,8 +52,14 @@ def slots(idx_TK, w_TK, valid_TK, E: int, block_m: int):
     if block_m == 1:
         pairs = jnp.arange(P, dtype=jnp.int32)
         rows = jnp.ones((P,), jnp.int32) if valid_TK is None else valid_TK.reshape(P).astype(jnp.int32)
-        return (pairs // idx_TK.shape[1], w_TK.reshape(P).astype(jnp.float32), None,
-                idx_TK.reshape(P).astype(jnp.int32), pairs, rows)
+        return (
+            pairs // idx_TK.shape[1],
+            w_TK.reshape(P).astype(jnp.float32),
+            None,
+            idx_TK.reshape(P).astype(jnp.int32),
+            pairs,
+            rows,
+        )
     routed = idx_TK if valid_TK is None else jnp.where(valid_TK, idx_TK, E)  # id E: sorted last, in no slot
     tok, w, order, slot_e, start, rows = dispatch(routed, w_TK, E, block_m)
     return tok, w, order, slot_e.astype(jnp.int32), start, rows
@@ -68,4 +73,3 @@ def combine(y_RD, order, valid_TK, T: int, k: int, dtype):
     if valid_TK is not None:  # rows of skipped pairs were never written
         y = jnp.where(valid_TK.reshape(P, 1), y, 0.0)
     return jnp.sum(y.reshape(T, k, -1), axis=1).astype(dtype)
-

@@ -31,4 +31,3 @@ def dequantize_np(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     vals = np.stack([lut[blocks & 0x0F], lut[blocks >> 4]], axis=-1).reshape(*blocks.shape[:-1], BLOCK)
     out = vals * np.ldexp(np.float32(1.0), scales.astype(np.int32) - SCALE_BIAS)[..., None]
     return out.reshape(*blocks.shape[:-2], blocks.shape[-2] * BLOCK)
-

@@ -29,14 +29,32 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels import rope
-from pallas_kernels import attention_reference
+from pallas_kernels import attention_reference, rope
 
 NEG = -1e30
 
 
-def _attend(q, m, l, acc, lo, hi, b, kh, sp, bt_ref, k_ref, v_ref, *, page_size, pages_per_block, num_splits,
-            max_pages, scale, page_offset=0):
+def _attend(
+    q,
+    m,
+    l,
+    acc,
+    lo,
+    hi,
+    b,
+    kh,
+    sp,
+    bt_ref,
+    k_ref,
+    v_ref,
+    *,
+    page_size,
+    pages_per_block,
+    num_splits,
+    max_pages,
+    scale,
+    page_offset=0,
+):
     """Online softmax of the `[gp, H]` queries of KV head `kh` over split `sp`'s share of the key blocks
     covering positions `[lo, hi)` of row `b`, continuing from `(m, l, acc)`. Pages are the table's entries
     plus `page_offset` (a layer's first page in a pool of all layers)."""
@@ -52,15 +70,16 @@ def _attend(q, m, l, acc, lo, hi, b, kh, sp, bt_ref, k_ref, v_ref, *, page_size,
     def body(blk, carry):
         m, l, acc = carry
         cols = blk * pages_per_block + jnp.arange(pages_per_block)
-        pages = plt.load(bt_ref.at[b, pl.ds(blk * pages_per_block, pages_per_block)],
-                         mask=cols < max_pages, other=0) + page_offset
+        pages = (
+            plt.load(bt_ref.at[b, pl.ds(blk * pages_per_block, pages_per_block)], mask=cols < max_pages, other=0)
+            + page_offset
+        )
         pos = blk * bkv + jnp.arange(bkv)
         ok = (pos >= lo) & (pos < hi)
         rows = (pages[:, None] * page_size + jnp.arange(page_size)[None, :]).reshape(bkv)
         k = plt.load(k_ref.at[rows[:, None], kh, hcols], mask=ok[:, None], other=0)
         v = plt.load(v_ref.at[rows[:, None], kh, hcols], mask=ok[:, None], other=0)
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32) * scale  # [gp, bkv]
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale  # [gp, bkv]
         s = jnp.where(ok[None, :], s, NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
@@ -76,16 +95,29 @@ def _attend(q, m, l, acc, lo, hi, b, kh, sp, bt_ref, k_ref, v_ref, *, page_size,
 def _kernel(bt_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, **config):
     b, kh, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     gp, H = q_ref.shape[2], q_ref.shape[3]
-    m, l, acc = _attend(q_ref[b, kh, :, :], jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32),
-                        jnp.zeros((gp, H), jnp.float32), lo_ref[b], hi_ref[b], b, kh, sp, bt_ref, k_ref, v_ref,
-                        **config)
+    m, l, acc = _attend(
+        q_ref[b, kh, :, :],
+        jnp.full((gp,), NEG, jnp.float32),
+        jnp.zeros((gp,), jnp.float32),
+        jnp.zeros((gp, H), jnp.float32),
+        lo_ref[b],
+        hi_ref[b],
+        b,
+        kh,
+        sp,
+        bt_ref,
+        k_ref,
+        v_ref,
+        **config,
+    )
     o_ref[b, kh, sp, :, :] = acc
     m_ref[b, kh, sp, :] = m
     l_ref[b, kh, sp, :] = l
 
 
-def default_splits(B: int, K: int, max_pages: int, page_size: int, block_kv: int, split_programs: int,
-                   max_splits: int) -> int:
+def default_splits(
+    B: int, K: int, max_pages: int, page_size: int, block_kv: int, split_programs: int, max_splits: int
+) -> int:
     """Sequence splits per (row, KV head): about `split_programs` programs in all, at most `max_splits`, and at
     least two key blocks per split."""
     max_blocks = max(1, (max_pages * page_size) // block_kv)
@@ -93,9 +125,38 @@ def default_splits(B: int, K: int, max_pages: int, page_size: int, block_kv: int
     return int(max(1, min(want, max_blocks // 2, max_splits)))
 
 
-def _new_token_kernel(bt_ref, pos_ref, wpage_ref, wslot_ref, at_ref, qp_ref, kp_ref, vp_ref, qb_ref, kb_ref,
-                      vb_ref, sinks_ref, cos_ref, sin_ref, k_ref, v_ref, _, o_ref, m_ref, l_ref, out_ref, k_out, v_out,
-                      done_ref, *, window, null_page, G, interpret, **config):
+def _new_token_kernel(
+    bt_ref,
+    pos_ref,
+    wpage_ref,
+    wslot_ref,
+    at_ref,
+    qp_ref,
+    kp_ref,
+    vp_ref,
+    qb_ref,
+    kb_ref,
+    vb_ref,
+    sinks_ref,
+    cos_ref,
+    sin_ref,
+    k_ref,
+    v_ref,
+    _,
+    o_ref,
+    m_ref,
+    l_ref,
+    out_ref,
+    k_out,
+    v_out,
+    done_ref,
+    *,
+    window,
+    null_page,
+    G,
+    interpret,
+    **config,
+):
     """`_kernel` for a row's new token, from its q/k/v projections' split-K partial sums: sums them with the
     bias (row `at_ref[1]` of the stacked biases), rotates q and k (RoPE), writes k and v into the cache
     (split 0), and attends to the cached keys plus the new one, which split 0 takes from registers (its slot
@@ -142,8 +203,22 @@ def _new_token_kernel(bt_ref, pos_ref, wpage_ref, wslot_ref, at_ref, qp_ref, kp_
     acc = jnp.where(here, jnp.broadcast_to(v_new.astype(jnp.float32)[None, :], (gp, H)), 0.0)
     hi = jnp.where(p >= 0, p + 1, 0)
     lo = jnp.maximum(hi - window, 0)
-    m, l, acc = _attend(q, m, l, acc, lo, hi - fresh.astype(jnp.int32), b, kh, sp, bt_ref, k_ref, v_ref,
-                        page_offset=page_offset, **config)
+    m, l, acc = _attend(
+        q,
+        m,
+        l,
+        acc,
+        lo,
+        hi - fresh.astype(jnp.int32),
+        b,
+        kh,
+        sp,
+        bt_ref,
+        k_ref,
+        v_ref,
+        page_offset=page_offset,
+        **config,
+    )
     o_ref[b, kh, sp, :, :] = acc
     m_ref[b, kh, sp, :] = m
     l_ref[b, kh, sp, :] = l
@@ -181,23 +256,39 @@ def _merge_splits(o_ref, m_ref, l_ref, sinks_ref, layer, out_ref, done_ref, b, k
             mc = plt.load(m_ref.at[b, kh, pl.ds(c0, chunk), pl.ds(0, gq)], mask=c_ok, other=NEG)
             oc = plt.load(o_ref.at[b, kh, pl.ds(c0, chunk), pl.ds(0, gq), :], mask=c_ok[:, :, None], other=0.0)
             num = num + jnp.sum(jnp.exp(mc - mx[None, :])[:, :, None] * oc, axis=0)
-        plt.store(out_ref.at[b, pl.ds(kh * G, gq), :], (num / den[:, None]).astype(out_ref.dtype),
-                  mask=g_ok[:, None])
+        plt.store(out_ref.at[b, pl.ds(kh * G, gq), :], (num / den[:, None]).astype(out_ref.dtype), mask=g_ok[:, None])
 
 
-def new_token_reference(qkv_parts, qkv_bias_LO, layer, cos_BF, sin_BF, k_pages_PSKH, v_pages_PSKH, block_tables_BM,
-                        page_offset, q_pos_B, write_page_B, write_slot_B, sinks_LN, window):
+def new_token_reference(
+    qkv_parts,
+    qkv_bias_LO,
+    layer,
+    cos_BF,
+    sin_BF,
+    k_pages_PSKH,
+    v_pages_PSKH,
+    block_tables_BM,
+    page_offset,
+    q_pos_B,
+    write_page_B,
+    write_slot_B,
+    sinks_LN,
+    window,
+):
     """`attention_new_token` as the model computes it without the kernel: sums, bias, cast, `rope.apply`, both
     pools written at (page + offset, slot) (null-page writes included), `attention_reference` through the
     offset table."""
     B, H, dtype = q_pos_B.shape[0], k_pages_PSKH.shape[-1], k_pages_PSKH.dtype
-    q, k, v = ((jnp.sum(y, 0) + b[layer].astype(jnp.float32)).astype(dtype).reshape(B, 1, -1, H)
-               for y, b in zip(qkv_parts, qkv_bias_LO))
+    q, k, v = (
+        (jnp.sum(y, 0) + b[layer].astype(jnp.float32)).astype(dtype).reshape(B, 1, -1, H)
+        for y, b in zip(qkv_parts, qkv_bias_LO)
+    )
     q, k = (rope.apply(a, cos_BF[:, None], sin_BF[:, None]) for a in (q, k))
     page = write_page_B + page_offset
     kp, vp = k_pages_PSKH.at[page, write_slot_B].set(k[:, 0]), v_pages_PSKH.at[page, write_slot_B].set(v[:, 0])
-    out = attention_reference.attention(q, kp, vp, block_tables_BM + page_offset, q_pos_B[:, None], sinks_LN[layer],
-                                        window)
+    out = attention_reference.attention(
+        q, kp, vp, block_tables_BM + page_offset, q_pos_B[:, None], sinks_LN[layer], window
+    )
     return out, kp, vp
 
 
@@ -223,18 +314,43 @@ def _combine(o, m, l, sinks_N, G, dtype):
 
 
 def _partials_shapes(B, K, ns, gp, H):
-    return (jax.ShapeDtypeStruct((B, K, ns, gp, H), jnp.float32), jax.ShapeDtypeStruct((B, K, ns, gp), jnp.float32),
-            jax.ShapeDtypeStruct((B, K, ns, gp), jnp.float32))
+    return (
+        jax.ShapeDtypeStruct((B, K, ns, gp, H), jnp.float32),
+        jax.ShapeDtypeStruct((B, K, ns, gp), jnp.float32),
+        jax.ShapeDtypeStruct((B, K, ns, gp), jnp.float32),
+    )
 
 
 _LAUNCH = ("block_kv", "num_splits", "split_programs", "max_splits", "num_warps", "num_stages", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=("window", "null_page") + _LAUNCH)
-def attention_new_token(qkv_parts, qkv_bias_LO, layer, cos_BF, sin_BF, k_pages_PSKH, v_pages_PSKH, block_tables_BM,
-                        page_offset, q_pos_B, write_page_B, write_slot_B, sinks_LN, window, done_BK=None, *,
-                        null_page=0, block_kv=64, num_splits=None, split_programs=1024, max_splits=32, num_warps=4,
-                        num_stages=3, interpret=None):
+def attention_new_token(
+    qkv_parts,
+    qkv_bias_LO,
+    layer,
+    cos_BF,
+    sin_BF,
+    k_pages_PSKH,
+    v_pages_PSKH,
+    block_tables_BM,
+    page_offset,
+    q_pos_B,
+    write_page_B,
+    write_slot_B,
+    sinks_LN,
+    window,
+    done_BK=None,
+    *,
+    null_page=0,
+    block_kv=64,
+    num_splits=None,
+    split_programs=1024,
+    max_splits=32,
+    num_warps=4,
+    num_stages=3,
+    interpret=None,
+):
     """One new token per row, from the split-K partial sums of its q, k and v projections
     (`linear_decode.partial_sums`, each `[splits, B, heads * H]`), their biases and the sinks (layer `layer`
     of `qkv_bias_LO` and `sinks_LN`, stacked over layers: no per-layer slice) to its attention output
@@ -263,23 +379,66 @@ def attention_new_token(qkv_parts, qkv_bias_LO, layer, cos_BF, sin_BF, k_pages_P
     if done_BK is None:
         done_BK = jnp.zeros((B, K), jnp.int32)
     *_, out, k_flat, v_flat, done_BK = pl.pallas_call(
-        functools.partial(_new_token_kernel, window=min(int(window), 2**31 - 1), null_page=null_page, G=G,
-                          interpret=interpret, page_size=S, pages_per_block=ppb, num_splits=ns, max_pages=M,
-                          scale=H ** -0.5),
+        functools.partial(
+            _new_token_kernel,
+            window=min(int(window), 2**31 - 1),
+            null_page=null_page,
+            G=G,
+            interpret=interpret,
+            page_size=S,
+            pages_per_block=ppb,
+            num_splits=ns,
+            max_pages=M,
+            scale=H**-0.5,
+        ),
         grid=(B, K, ns),
-        out_shape=(*_partials_shapes(B, K, 1 << (ns - 1).bit_length(), gp, H), jax.ShapeDtypeStruct((B, N, H), dtype),
-                   *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in flat), jax.ShapeDtypeStruct((B, K), jnp.int32)),
+        out_shape=(
+            *_partials_shapes(B, K, 1 << (ns - 1).bit_length(), gp, H),
+            jax.ShapeDtypeStruct((B, N, H), dtype),
+            *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in flat),
+            jax.ShapeDtypeStruct((B, K), jnp.int32),
+        ),
         input_output_aliases={14: 4, 15: 5, 16: 6},
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret, name="paged_decode_attention_new_token",
-    )(i32(block_tables_BM), i32(q_pos_B), i32(write_page_B), i32(write_slot_B), i32(jnp.stack([page_offset, layer])),
-      q_parts, k_parts, v_parts, *qkv_bias_LO, sinks_LN, cos_BF, sin_BF, *flat, done_BK)
+        interpret=interpret,
+        name="paged_decode_attention_new_token",
+    )(
+        i32(block_tables_BM),
+        i32(q_pos_B),
+        i32(write_page_B),
+        i32(write_slot_B),
+        i32(jnp.stack([page_offset, layer])),
+        q_parts,
+        k_parts,
+        v_parts,
+        *qkv_bias_LO,
+        sinks_LN,
+        cos_BF,
+        sin_BF,
+        *flat,
+        done_BK,
+    )
     return out.reshape(B, 1, N, H), k_flat.reshape(k_pages_PSKH.shape), v_flat.reshape(v_pages_PSKH.shape), done_BK
 
 
 @functools.partial(jax.jit, static_argnames=("window",) + _LAUNCH)
-def attention(q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sinks_N, window, *, block_kv=64,
-              num_splits=None, split_programs=1024, max_splits=32, num_warps=4, num_stages=3, interpret=None):
+def attention(
+    q_BTNH,
+    k_pages_PSKH,
+    v_pages_PSKH,
+    block_tables_BM,
+    q_pos_BT,
+    sinks_N,
+    window,
+    *,
+    block_kv=64,
+    num_splits=None,
+    split_programs=1024,
+    max_splits=32,
+    num_warps=4,
+    num_stages=3,
+    interpret=None,
+):
     """Paged decode attention (T = 1); same function as `attention_reference.attention`."""
     B, T, N, H = q_BTNH.shape
     if T != 1:
@@ -299,11 +458,11 @@ def attention(q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sin
     v_flat = v_pages_PSKH.reshape(P * S, K, H)
 
     o, m, l = pl.pallas_call(
-        functools.partial(_kernel, page_size=S, pages_per_block=ppb, num_splits=ns, max_pages=M,
-                          scale=H ** -0.5),
+        functools.partial(_kernel, page_size=S, pages_per_block=ppb, num_splits=ns, max_pages=M, scale=H**-0.5),
         grid=(B, K, ns),
         out_shape=_partials_shapes(B, K, ns, gp, H),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret, name="paged_decode_attention",
+        interpret=interpret,
+        name="paged_decode_attention",
     )(block_tables_BM.astype(jnp.int32), lo, hi, q, k_flat, v_flat)
     return _combine(o, m, l, sinks_N, G, q_BTNH.dtype)

@@ -18,36 +18,36 @@ from flax import struct
 class Experts:
     gate_up_blocks: jax.Array  # u8  [L, E, 2I, D/32, 16]  gate = even rows, up = odd rows
     gate_up_scales: jax.Array  # u8  [L, E, 2I, D/32]
-    gate_up_bias: jax.Array    #     [L, E, 2I]
-    down_blocks: jax.Array     # u8  [L, E, D, I/32, 16]
-    down_scales: jax.Array     # u8  [L, E, D, I/32]
-    down_bias: jax.Array       #     [L, E, D]
+    gate_up_bias: jax.Array  #     [L, E, 2I]
+    down_blocks: jax.Array  # u8  [L, E, D, I/32, 16]
+    down_scales: jax.Array  # u8  [L, E, D, I/32]
+    down_bias: jax.Array  #     [L, E, D]
 
 
 @struct.dataclass
 class Layers:
     attn_norm: jax.Array  # f32 [L, D]
-    q_w: jax.Array        # [L, Nq*H, D]
-    q_b: jax.Array        # [L, Nq*H]
-    k_w: jax.Array        # [L, Nkv*H, D]
-    k_b: jax.Array        # [L, Nkv*H]
-    v_w: jax.Array        # [L, Nkv*H, D]
-    v_b: jax.Array        # [L, Nkv*H]
-    o_w: jax.Array        # [L, D, Nq*H]
-    o_b: jax.Array        # [L, D]
-    sinks: jax.Array      # f32 [L, Nq]
-    mlp_norm: jax.Array   # f32 [L, D]
-    router_w: jax.Array   # [L, E, D]
-    router_b: jax.Array   # [L, E]
+    q_w: jax.Array  # [L, Nq*H, D]
+    q_b: jax.Array  # [L, Nq*H]
+    k_w: jax.Array  # [L, Nkv*H, D]
+    k_b: jax.Array  # [L, Nkv*H]
+    v_w: jax.Array  # [L, Nkv*H, D]
+    v_b: jax.Array  # [L, Nkv*H]
+    o_w: jax.Array  # [L, D, Nq*H]
+    o_b: jax.Array  # [L, D]
+    sinks: jax.Array  # f32 [L, Nq]
+    mlp_norm: jax.Array  # f32 [L, D]
+    router_w: jax.Array  # [L, E, D]
+    router_b: jax.Array  # [L, E]
     experts: Experts
 
 
 @struct.dataclass
 class Params:
-    embed: jax.Array       # [V, D]
+    embed: jax.Array  # [V, D]
     layers: Layers
     final_norm: jax.Array  # f32 [D]
-    unembed: jax.Array     # [V, D]
+    unembed: jax.Array  # [V, D]
 
 
 def shapes(cfg, dtype=jnp.bfloat16) -> Params:
@@ -61,14 +61,29 @@ def shapes(cfg, dtype=jnp.bfloat16) -> Params:
         return jax.ShapeDtypeStruct(tuple(shape), dt)
 
     experts = Experts(
-        gate_up_blocks=s((L, E, 2 * I, D // 32, 16), u8), gate_up_scales=s((L, E, 2 * I, D // 32), u8),
+        gate_up_blocks=s((L, E, 2 * I, D // 32, 16), u8),
+        gate_up_scales=s((L, E, 2 * I, D // 32), u8),
         gate_up_bias=s((L, E, 2 * I)),
-        down_blocks=s((L, E, D, I // 32, 16), u8), down_scales=s((L, E, D, I // 32), u8),
-        down_bias=s((L, E, D)))
+        down_blocks=s((L, E, D, I // 32, 16), u8),
+        down_scales=s((L, E, D, I // 32), u8),
+        down_bias=s((L, E, D)),
+    )
     layers = Layers(
-        attn_norm=s((L, D), f32), q_w=s((L, nq, D)), q_b=s((L, nq)), k_w=s((L, nkv, D)), k_b=s((L, nkv)),
-        v_w=s((L, nkv, D)), v_b=s((L, nkv)), o_w=s((L, D, nq)), o_b=s((L, D)), sinks=s((L, cfg.num_heads), f32),
-        mlp_norm=s((L, D), f32), router_w=s((L, E, D)), router_b=s((L, E)), experts=experts)
+        attn_norm=s((L, D), f32),
+        q_w=s((L, nq, D)),
+        q_b=s((L, nq)),
+        k_w=s((L, nkv, D)),
+        k_b=s((L, nkv)),
+        v_w=s((L, nkv, D)),
+        v_b=s((L, nkv)),
+        o_w=s((L, D, nq)),
+        o_b=s((L, D)),
+        sinks=s((L, cfg.num_heads), f32),
+        mlp_norm=s((L, D), f32),
+        router_w=s((L, E, D)),
+        router_b=s((L, E)),
+        experts=experts,
+    )
     return Params(embed=s((V, D)), layers=layers, final_norm=s((D,), f32), unembed=s((V, D)))
 
 
@@ -80,16 +95,24 @@ def logical_axes() -> Params:
         gate_up_bias=("layers", "experts", "expert_ffn2"),
         down_blocks=("layers", "experts", "embed", "expert_ffn_blocks", None),
         down_scales=("layers", "experts", "embed", "expert_ffn_blocks"),
-        down_bias=("layers", "experts", "embed"))
+        down_bias=("layers", "experts", "embed"),
+    )
     layers = Layers(
         attn_norm=("layers", "embed"),
-        q_w=("layers", "q_heads", "embed"), q_b=("layers", "q_heads"),
-        k_w=("layers", "kv_heads", "embed"), k_b=("layers", "kv_heads"),
-        v_w=("layers", "kv_heads", "embed"), v_b=("layers", "kv_heads"),
-        o_w=("layers", "embed", "q_heads"), o_b=("layers", "embed"),
-        sinks=("layers", "heads"), mlp_norm=("layers", "embed"),
-        router_w=("layers", "experts_replicated", "embed"), router_b=("layers", "experts_replicated"),
-        experts=experts)
+        q_w=("layers", "q_heads", "embed"),
+        q_b=("layers", "q_heads"),
+        k_w=("layers", "kv_heads", "embed"),
+        k_b=("layers", "kv_heads"),
+        v_w=("layers", "kv_heads", "embed"),
+        v_b=("layers", "kv_heads"),
+        o_w=("layers", "embed", "q_heads"),
+        o_b=("layers", "embed"),
+        sinks=("layers", "heads"),
+        mlp_norm=("layers", "embed"),
+        router_w=("layers", "experts_replicated", "embed"),
+        router_b=("layers", "experts_replicated"),
+        experts=experts,
+    )
     return Params(embed=("vocab", "embed"), layers=layers, final_norm=("embed",), unembed=("vocab", "embed"))
 
 

@@ -51,22 +51,31 @@ def moe(x_TD, idx_TK, w_TK, apply, *, num_local: int, emulate: bool, axis: str =
     sizes_nn = jax.lax.all_gather(send_n, axis)  # [source, destination] pair counts of the group
     send_off = _exclusive_cumsum(send_n)
     recv_n = sizes_nn[:, me]
-    recv_off = _exclusive_cumsum(recv_n)          # where each source's pairs sit in my receive buffer
-    at_dest = _exclusive_cumsum(sizes_nn)[me]     # where mine sit in each destination's buffer
+    recv_off = _exclusive_cumsum(recv_n)  # where each source's pairs sit in my receive buffer
+    at_dest = _exclusive_cumsum(sizes_nn)[me]  # where mine sit in each destination's buffer
     at_src = _exclusive_cumsum(sizes_nn, axis=1)[:, me]  # where each source keeps the pairs it sent me
 
     # Forward: activations plus the local expert id, bit-cast into extra columns of the same dtype.
     ids_P = (idx_TK.reshape(P) % num_local)[order].astype(jnp.int32)
     send = jnp.concatenate([x_TD[order // k], _pack_ids(ids_P, x_TD.dtype)], axis=1)
     R = capacity(T, k, num_local, n)
-    got = ragged.all_to_all(send, jnp.zeros((R, send.shape[1]), send.dtype), send_off, send_n, at_dest, recv_n,
-                            axis_name=axis, emulate=emulate)
+    got = ragged.all_to_all(
+        send,
+        jnp.zeros((R, send.shape[1]), send.dtype),
+        send_off,
+        send_n,
+        at_dest,
+        recv_n,
+        axis_name=axis,
+        emulate=emulate,
+    )
     arrived_R1 = (jnp.arange(R) < jnp.sum(recv_n))[:, None]
     y_RD = apply(got[:, :D], _unpack_ids(got[:, D:])[:, None], arrived_R1, jnp.ones((R, 1), jnp.float32))
     y_RD = y_RD.astype(x_TD.dtype)
 
     # Back: each source's results return to where it kept the pairs, then to token order.
-    back = ragged.all_to_all(y_RD, jnp.zeros((P, D), y_RD.dtype), recv_off, recv_n, at_src, send_n,
-                             axis_name=axis, emulate=emulate)
+    back = ragged.all_to_all(
+        y_RD, jnp.zeros((P, D), y_RD.dtype), recv_off, recv_n, at_src, send_n, axis_name=axis, emulate=emulate
+    )
     y_PD = jnp.zeros_like(back).at[order].set(back).astype(jnp.float32)
     return jnp.sum(y_PD.reshape(T, k, D) * w_TK.astype(jnp.float32)[:, :, None], axis=1)  # exact fp32, no dot

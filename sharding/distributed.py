@@ -15,8 +15,7 @@ import os
 import jax
 
 
-def initialize(coordinator: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None) -> bool:
+def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None) -> bool:
     """Join the multi-host job if one is configured. Returns whether JAX runs distributed."""
     coordinator = coordinator or os.environ.get("GPTOSS_COORDINATOR")
     if num_processes is None and os.environ.get("GPTOSS_NUM_PROCESSES"):
@@ -28,11 +27,16 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
             jax.distributed.initialize()
             return True
         return False
-    missing = [n for n, v in (("coordinator", coordinator), ("num_processes", num_processes),
-                              ("process_id", process_id)) if v is None]
+    missing = [
+        n
+        for n, v in (("coordinator", coordinator), ("num_processes", num_processes), ("process_id", process_id))
+        if v is None
+    ]
     if missing:
-        raise ValueError(f"multi-host start needs coordinator, num_processes and process_id; missing {missing} "
-                         "(set GPTOSS_COORDINATOR, GPTOSS_NUM_PROCESSES, GPTOSS_PROCESS_ID)")
+        raise ValueError(
+            f"multi-host start needs coordinator, num_processes and process_id; missing {missing} "
+            "(set GPTOSS_COORDINATOR, GPTOSS_NUM_PROCESSES, GPTOSS_PROCESS_ID)"
+        )
     if not 0 <= process_id < num_processes:
         raise ValueError(f"process_id={process_id} must be in [0, num_processes={num_processes})")
     if (jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")) == "cpu":

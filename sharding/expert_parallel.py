@@ -60,22 +60,33 @@ def mask_pairs(local_TK, mine_TK, w_TK):
     return jnp.where(mine_TK, local_TK, fill), jnp.where(mine_TK, w_TK, 0.0)
 
 
-def moe(x_TD: jax.Array, router_w_ED: jax.Array, router_b_E: jax.Array, experts_all, layer, *, top_k: int,
-        swiglu_limit: float, swiglu_alpha: float, layout, kernels: pallas_kernels.KernelConfig = pallas_kernels.REFERENCE) -> jax.Array:
+def moe(
+    x_TD: jax.Array,
+    router_w_ED: jax.Array,
+    router_b_E: jax.Array,
+    experts_all,
+    layer,
+    *,
+    top_k: int,
+    swiglu_limit: float,
+    swiglu_alpha: float,
+    layout,
+    kernels: pallas_kernels.KernelConfig = pallas_kernels.REFERENCE,
+) -> jax.Array:
     """The MoE block with experts split over the layout's `model` axis; tokens `x_TD` split over the ranks
     as `layout.batch_spec()` says. `experts_all` is stacked over layers (`[L, E_padded, ...]`, in the
     layout `kernels` read), expert axis split over `model`; `layer` (traced) picks the layer."""
     token_axes = layout.batch_spec()[0]
     split = "model" in (token_axes if isinstance(token_axes, tuple) else (token_axes,))
     emulate = not ragged.native(layout.mesh)
-    apply = functools.partial(pallas_kernels.experts, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha,
-                              kernels=kernels)
+    apply = functools.partial(
+        pallas_kernels.experts, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha, kernels=kernels
+    )
 
     def local(x, rw, rb, ex, layer):
         idx, w, _ = moe_reference.route(x, rw, rb, top_k)
         num_local = jax.tree.leaves(ex)[0].shape[1]
-        run = lambda x, local_TK, mine_TK, w_TK: apply(x, *mask_pairs(local_TK, mine_TK, w_TK), ex, layer,
-                                                       mine_TK)
+        run = lambda x, local_TK, mine_TK, w_TK: apply(x, *mask_pairs(local_TK, mine_TK, w_TK), ex, layer, mine_TK)
         if split and layout.dispatch == "all_to_all":
             with jax.named_scope("moe_all_to_all"):
                 y = a2a_dispatch.moe(x, idx, w, run, num_local=num_local, emulate=emulate)
@@ -89,6 +100,11 @@ def moe(x_TD: jax.Array, router_w_ED: jax.Array, router_b_E: jax.Array, experts_
         return y.astype(x.dtype)
 
     ex_specs = jax.tree.map(lambda _: P(None, "model"), experts_all)
-    fn = jax.shard_map(local, mesh=layout.mesh, in_specs=(P(token_axes), P(), P(), ex_specs, P()),
-                       out_specs=P(token_axes), check_vma=False)
+    fn = jax.shard_map(
+        local,
+        mesh=layout.mesh,
+        in_specs=(P(token_axes), P(), P(), ex_specs, P()),
+        out_specs=P(token_axes),
+        check_vma=False,
+    )
     return fn(x_TD, router_w_ED, router_b_E, experts_all, layer)

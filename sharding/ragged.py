@@ -19,8 +19,9 @@ def native(mesh) -> bool:
     return mesh.devices.flat[0].platform == "gpu"
 
 
-def all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name: str,
-               emulate: bool):
+def all_to_all(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name: str, emulate: bool
+):
     """`jax.lax.ragged_all_to_all` over `axis_name` (inside `shard_map`), or `emulated` when `emulate`."""
     fn = emulated if emulate else jax.lax.ragged_all_to_all
     return fn(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axis_name)
@@ -34,8 +35,8 @@ def emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_si
         raise ValueError(f"ragged all-to-all: {N} slices do not divide over the {n} devices of '{axis_name}'")
     m = N // n  # slices per destination device
     me = jax.lax.axis_index(axis_name)
-    ops = jax.lax.all_gather(operand, axis_name)               # [n, rows, ...]
-    in_off = jax.lax.all_gather(input_offsets, axis_name)      # [n, N]
+    ops = jax.lax.all_gather(operand, axis_name)  # [n, rows, ...]
+    in_off = jax.lax.all_gather(input_offsets, axis_name)  # [n, N]
     at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # where my received slices land
     rows = jnp.arange(output.shape[0])
     result = output

@@ -18,7 +18,8 @@ import dataclasses
 import math
 
 import jax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import params as params_lib
 from sharding import expert_parallel
@@ -28,15 +29,19 @@ DISPATCHES = ("all_gather", "all_to_all")  # expert dispatch (sharding/expert_pa
 
 RULES = {
     "low_latency": {
-        "batch": "replica", "pages": "replica",
-        "q_heads": "model", "heads": "model", "kv_heads": "model",
+        "batch": "replica",
+        "pages": "replica",
+        "q_heads": "model",
+        "heads": "model",
+        "kv_heads": "model",
         "experts": "model",
         "vocab": "model",
     },
     # Every device computes its own tokens end to end except the experts, so the embedding and the
     # unembedding are replicated (no per-token collective for the logits; 2 x 1.16 GB bf16 for 120b).
     "max_throughput": {
-        "batch": ("replica", "model"), "pages": ("replica", "model"),
+        "batch": ("replica", "model"),
+        "pages": ("replica", "model"),
         "experts": "model",
     },
 }
@@ -45,6 +50,7 @@ RULES = {
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """A mesh plus a mode: everything needed to place parameters, caches and activations."""
+
     mesh: Mesh
     mode: str
     dispatch: str = "all_gather"
@@ -86,10 +92,16 @@ class Layout:
         if self.num_ranks == 1:
             return fn
         specs = {"rows": self.batch_spec(), None: P()}
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=tuple(specs[k] for k in in_kinds),
-                             out_specs=specs[out_kinds] if isinstance(out_kinds, str) or out_kinds is None
-                             else tuple(specs[k] for k in out_kinds), axis_names=set(self.rank_axes),
-                             check_vma=False)
+        return jax.shard_map(
+            fn,
+            mesh=self.mesh,
+            in_specs=tuple(specs[k] for k in in_kinds),
+            out_specs=specs[out_kinds]
+            if isinstance(out_kinds, str) or out_kinds is None
+            else tuple(specs[k] for k in out_kinds),
+            axis_names=set(self.rank_axes),
+            check_vma=False,
+        )
 
     def constrain_rows(self, x: jax.Array) -> jax.Array:
         """Pin an activation's leading (batch) axis to the ranks; other dims left to XLA."""
@@ -109,8 +121,9 @@ class Layout:
         for i, axis in enumerate(logical):
             mesh_axes = rules.get(axis) if axis else None
             if mesh_axes is not None and shape is not None:
-                size = math.prod(self.mesh.shape[a] for a in (mesh_axes if isinstance(mesh_axes, tuple)
-                                                              else (mesh_axes,)))
+                size = math.prod(
+                    self.mesh.shape[a] for a in (mesh_axes if isinstance(mesh_axes, tuple) else (mesh_axes,))
+                )
                 if shape[i] % size:
                     mesh_axes = None
             out.append(mesh_axes)
@@ -127,11 +140,11 @@ class Layout:
         if shapes is None:
             return jax.tree.map(lambda a: self.sharding(a, num_kv_heads), axes, is_leaf=is_axes)
         if not isinstance(shapes.layers.experts, params_lib.Experts):  # the kernels' layout: [L, E, ...]
-            experts = jax.tree.map(lambda s: ("layers", "experts") + (None,) * (len(s.shape) - 2),
-                                   shapes.layers.experts)
+            experts = jax.tree.map(
+                lambda s: ("layers", "experts") + (None,) * (len(s.shape) - 2), shapes.layers.experts
+            )
             axes = axes.replace(layers=axes.layers.replace(experts=experts))
-        return jax.tree.map(lambda a, s: self.sharding(a, num_kv_heads, tuple(s.shape)), axes, shapes,
-                            is_leaf=is_axes)
+        return jax.tree.map(lambda a, s: self.sharding(a, num_kv_heads, tuple(s.shape)), axes, shapes, is_leaf=is_axes)
 
     def cache_sharding(self, num_kv_heads: int) -> NamedSharding:
         """The KV pools `[layers, pages, slot, kv_heads, head_dim]`: pages split over the ranks (each rank
@@ -148,8 +161,11 @@ class Layout:
     def shard_params(self, params: params_lib.Params, num_kv_heads: int) -> params_lib.Params:
         """Pad the experts (either layout) to the `model` axis and place every leaf by the table (from loaded
         parameters)."""
-        params = params.replace(layers=params.layers.replace(
-            experts=expert_parallel.pad_experts(params.layers.experts, self.model_size, axis=1)))
+        params = params.replace(
+            layers=params.layers.replace(
+                experts=expert_parallel.pad_experts(params.layers.experts, self.model_size, axis=1)
+            )
+        )
         return jax.device_put(params, self.param_shardings(num_kv_heads, params))
 
 
@@ -161,10 +177,12 @@ def make_mesh(model: int, replicas: int = 1, devices=None) -> Mesh:
         raise ValueError(f"mesh ({replicas} replicas x {model} model) needs {need} devices; {len(devices)} available")
     # Auto axes: XLA propagates shardings from parameters and caches (GSPMD) and shard_map reshards
     # its inputs, so call sites need no explicit resharding.
-    return jax.make_mesh((replicas, model), ("replica", "model"), devices=devices[:need],
-                         axis_types=(AxisType.Auto, AxisType.Auto))
+    return jax.make_mesh(
+        (replicas, model), ("replica", "model"), devices=devices[:need], axis_types=(AxisType.Auto, AxisType.Auto)
+    )
 
 
-def make_layout(model: int = 1, replicas: int = 1, mode: str = "low_latency", devices=None,
-                dispatch: str = "all_gather") -> Layout:
+def make_layout(
+    model: int = 1, replicas: int = 1, mode: str = "low_latency", devices=None, dispatch: str = "all_gather"
+) -> Layout:
     return Layout(make_mesh(model, replicas, devices), mode, dispatch)

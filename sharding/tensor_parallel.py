@@ -17,8 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import params as params_lib
 
-STACKED = ("q_w", "k_w", "v_w", "o_w")                               # [L, ...] with the layer index
-PER_LAYER = ("q_b", "k_b", "v_b", "o_b", "sinks")                    # this layer's slice (the scan's)
+STACKED = ("q_w", "k_w", "v_w", "o_w")  # [L, ...] with the layer index
+PER_LAYER = ("q_b", "k_b", "v_b", "o_b", "sinks")  # this layer's slice (the scan's)
 
 
 def heads_axis(layout, num_kv_heads: int) -> str | None:
@@ -39,5 +39,10 @@ def attention(layout, block, num_kv_heads: int, in_kinds: tuple, out_kinds):
     rows, pool = layout.batch_spec(), layout.cache_sharding(num_kv_heads).spec
     kinds = {"rows": rows, "pool": pool, "heads": P(rows[0], None, heads_axis(layout, num_kv_heads)), "same": P()}
     specs = lambda tree: jax.tree.map(kinds.__getitem__, tree)  # noqa: E731
-    return jax.shard_map(block, mesh=layout.mesh, in_specs=(stacked, per_layer, *specs(in_kinds)),
-                         out_specs=specs(out_kinds), check_vma=False)
+    return jax.shard_map(
+        block,
+        mesh=layout.mesh,
+        in_specs=(stacked, per_layer, *specs(in_kinds)),
+        out_specs=specs(out_kinds),
+        check_vma=False,
+    )

@@ -5,9 +5,9 @@ from pathlib import Path
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import pytest
+from parity_configs import PARITY
 
 from gptoss_jax import random_weights
-from parity_configs import PARITY
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_TOKENIZER = REPO.parent / "shared" / "tokenizer"
@@ -23,8 +23,9 @@ def parity_checkpoints(tmp_path_factory):
     out = {}
     for name, spec in PARITY.items():
         path = tmp_path_factory.mktemp(f"parity-{name}")
-        random_weights.write_checkpoint(path, spec["config"], seed=spec["seed"], sink_scale=spec["sink_scale"],
-                                        progress=False)
+        random_weights.write_checkpoint(
+            path, spec["config"], seed=spec["seed"], sink_scale=spec["sink_scale"], progress=False
+        )
         out[name] = path
     return out
 

@@ -30,7 +30,8 @@ def main(port: str, pid: int, ckpt: str) -> None:
     rep = jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec())
     put = lambda a: jax.make_array_from_callback(a.shape, rep, lambda idx: np.asarray(a)[idx])
     out = jax.jit(lambda *a: expert_parallel.moe(*a, **kw, layout=layout))(
-        xs, put(lp.router_w), put(lp.router_b), jax.tree.map(put, experts), put(jnp.int32(0)))
+        xs, put(lp.router_w), put(lp.router_b), jax.tree.map(put, experts), put(jnp.int32(0))
+    )
     for shard in out.addressable_shards:
         np.testing.assert_allclose(np.asarray(shard.data), ref[shard.index], rtol=1e-5, atol=1e-5)
     print(f"process {pid}: ok")

@@ -24,24 +24,24 @@ NUM_PAGES = 4096
 SCRIPTS = {
     "default": "<|channel|>final<|message|>Hello from the scripted engine.<|return|>",
     "reasoning": "<|channel|>analysis<|message|>The user asks 2+2. That is 4.<|end|>"
-                 "<|start|>assistant<|channel|>final<|message|>The answer is 4.<|return|>",
+    "<|start|>assistant<|channel|>final<|message|>The answer is 4.<|return|>",
     "tool": "<|channel|>analysis<|message|>Need the weather tool for Paris.<|end|>"
-            "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
-            '{"location": "Paris", "unit": "celsius"}<|call|>',
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    '{"location": "Paris", "unit": "celsius"}<|call|>',
     "preamble_tool": "<|channel|>analysis<|message|>Plan: tell the user, then call.<|end|>"
-                     "<|start|>assistant<|channel|>commentary<|message|>Let me check the weather.<|end|>"
-                     "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
-                     '{"location": "Tokyo"}<|call|>',
+    "<|start|>assistant<|channel|>commentary<|message|>Let me check the weather.<|end|>"
+    "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+    '{"location": "Tokyo"}<|call|>',
     "after_tool": "<|channel|>analysis<|message|>Tool said sunny.<|end|>"
-                  "<|start|>assistant<|channel|>final<|message|>It is sunny in Paris, 21 °C.<|return|>",
+    "<|start|>assistant<|channel|>final<|message|>It is sunny in Paris, 21 °C.<|return|>",
     "unicode": "<|channel|>analysis<|message|>Ünïcödé thoughts 思考 🤔<|end|>"
-               "<|start|>assistant<|channel|>final<|message|>héllo 世界 🌍🎉 naïve café<|return|>",
+    "<|start|>assistant<|channel|>final<|message|>héllo 世界 🌍🎉 naïve café<|return|>",
     "malformed": "<|channel|>analysis<|message|>hmm<|end|>stray text<|start|>assistant<|channel|>final"
-                 "<|message|>ok<|constrain|>!<|reserved_200013|><|return|>",
+    "<|message|>ok<|constrain|>!<|reserved_200013|><|return|>",
     "headerless": "I cannot help with that.<|return|>",
     "length": "<|channel|>analysis<|message|>" + "thinking " * 200 + "<|end|>",
     "stopword": "<|channel|>analysis<|message|>STOP in reasoning is fine<|end|>"
-                "<|start|>assistant<|channel|>final<|message|>one two STOP three four<|return|>",
+    "<|start|>assistant<|channel|>final<|message|>one two STOP three four<|return|>",
 }
 
 
@@ -107,8 +107,10 @@ class ScriptedEngine:
         if not prompt_token_ids:
             raise ValueError("empty prompt")
         if len(prompt_token_ids) + sampling_params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt of {len(prompt_token_ids)} tokens + max_tokens {sampling_params.max_tokens} "
-                             f"exceeds max_model_len {self.max_model_len}")
+            raise ValueError(
+                f"prompt of {len(prompt_token_ids)} tokens + max_tokens {sampling_params.max_tokens} "
+                f"exceeds max_model_len {self.max_model_len}"
+            )
         script, slow = self._script(list(prompt_token_ids))
         self.reqs[request_id] = _Req(request_id, len(prompt_token_ids), script, sampling_params, slow=slow)
         self.stats_.prompt_tokens_total += len(prompt_token_ids)
@@ -123,7 +125,7 @@ class ScriptedEngine:
         if r.pos < len(r.script):
             return r.script[r.pos]
         if r.slow:
-            return 1234   # " same" filler text forever
+            return 1234  # " same" filler text forever
         return tokenizer_lib.ENDOFTEXT
 
     def step(self) -> list[StepOutput]:
@@ -149,7 +151,7 @@ class ScriptedEngine:
                     break
             lps = None
             if want_lp is not None:
-                lps = [(-0.5, [(t, -0.5), (t + 1, -1.5), (t + 2, -2.5)][:max(want_lp, 0)]) for t in toks]
+                lps = [(-0.5, [(t, -0.5), (t + 1, -1.5), (t + 2, -2.5)][: max(want_lp, 0)]) for t in toks]
             self.stats_.generation_tokens_total += len(toks)
             outs.append(StepOutput(rid, toks, finish is not None, finish, stop, lps, r.prompt_len, 0))
             if finish is not None:

@@ -30,8 +30,18 @@ class Server:
         e = dict(os.environ)
         e.update(env or {})
         e.setdefault("JAX_PLATFORMS", "cpu")
-        cmd = [sys.executable, "-m", "gptoss_jax.serve", "--host", "127.0.0.1", "--port", str(self.port),
-               "--log-level", "warning", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "gptoss_jax.serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+            *args,
+        ]
         self.log = open(log_path, "w") if log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=e, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + timeout
@@ -83,8 +93,10 @@ def collect_chat_stream(stream) -> dict:
         if chunk.usage is not None:
             usage = chunk.usage
         for ch in chunk.choices:
-            acc = out.setdefault(ch.index, {"content": "", "reasoning": "", "tools": {}, "finish_reason": None,
-                                            "roles": 0, "logprobs": []})
+            acc = out.setdefault(
+                ch.index,
+                {"content": "", "reasoning": "", "tools": {}, "finish_reason": None, "roles": 0, "logprobs": []},
+            )
             d = ch.delta
             first_delta.setdefault(ch.index, d)
             if d.role:

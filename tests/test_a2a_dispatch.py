@@ -23,7 +23,7 @@ def _numpy_ragged_all_to_all(operands, outputs, input_offsets, send_sizes, outpu
     for s in range(n):
         for i in range(N):
             a, size = input_offsets[s][i], send_sizes[s][i]
-            results[i // (N // n)][output_offsets[s][i]:output_offsets[s][i] + size] = operands[s][a:a + size]
+            results[i // (N // n)][output_offsets[s][i] : output_offsets[s][i] + size] = operands[s][a : a + size]
     return results
 
 
@@ -46,14 +46,20 @@ def test_emulated_ragged_all_to_all_matches_the_numpy_model(slices_per_device):
                 recv[g, d, s * m + i % m] = send[g, s, i]
     operands = rng.normal(size=(reps, n, rows, 3)).astype(np.float32)
     outputs = np.full((reps, n, out_rows, 3), -7.0, np.float32)
-    want = np.stack([_numpy_ragged_all_to_all(operands[g], outputs[g], in_off[g], send[g], out_off[g])
-                     for g in range(reps)])
+    want = np.stack(
+        [_numpy_ragged_all_to_all(operands[g], outputs[g], in_off[g], send[g], out_off[g]) for g in range(reps)]
+    )
 
     mesh = make_mesh(n, reps)
-    flat = lambda a: jnp.asarray(a.reshape(reps * n * a.shape[2], *a.shape[3:]), a.dtype if a.dtype != np.int64
-                                 else jnp.int32)
-    fn = jax.shard_map(lambda *a: ragged.emulated(*a, axis_name="model"), mesh=mesh,
-                       in_specs=P(("replica", "model")), out_specs=P(("replica", "model")))
+    flat = lambda a: jnp.asarray(
+        a.reshape(reps * n * a.shape[2], *a.shape[3:]), a.dtype if a.dtype != np.int64 else jnp.int32
+    )
+    fn = jax.shard_map(
+        lambda *a: ragged.emulated(*a, axis_name="model"),
+        mesh=mesh,
+        in_specs=P(("replica", "model")),
+        out_specs=P(("replica", "model")),
+    )
     got = jax.jit(fn)(*map(flat, (operands, outputs, in_off, send, out_off, recv)))
     np.testing.assert_array_equal(np.asarray(got).reshape(want.shape), want)
     assert (want != -7.0).any() and (want == -7.0).any()  # both received and untouched rows are checked
@@ -101,7 +107,10 @@ def test_gpu_lowering_uses_two_ragged_all_to_alls(small_checkpoint, monkeypatch)
     layout = make_layout(4, 2, "max_throughput", dispatch="all_to_all")
     experts = expert_parallel.pad_experts(params.layers.experts, 4)
     monkeypatch.setattr(ragged, "native", lambda mesh: True)
-    text = jax.jit(lambda *a: expert_parallel.moe(*a, **kw, layout=layout)).lower(
-        x, rw, rb, experts, jnp.int32(1)).as_text()
+    text = (
+        jax.jit(lambda *a: expert_parallel.moe(*a, **kw, layout=layout))
+        .lower(x, rw, rb, experts, jnp.int32(1))
+        .as_text()
+    )
     assert text.count("ragged_all_to_all") == 2
     assert text.count("stablehlo.all_gather") == 1  # the [n] pair counts only

@@ -5,13 +5,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from parity_configs import PARITY
 
 import pallas_kernels
 from gptoss_jax import checkpoint, random_weights, safetensors_io
-from pallas_kernels import params as params_lib
-from pallas_kernels import KernelConfig, expert_format
 from gptoss_jax.checkpoint import CheckpointError
-from parity_configs import PARITY
+from pallas_kernels import KernelConfig, expert_format
+from pallas_kernels import params as params_lib
 
 CFG = PARITY["small"]["config"]
 
@@ -45,9 +45,14 @@ def _to_original(src, dst):
 
 def test_hf_single_sharded_and_original_layouts_agree(small_checkpoint, tmp_path):
     _, ref = checkpoint.load_params(small_checkpoint, jnp.float32, progress=False)
-    sharded = random_weights.write_checkpoint(tmp_path / "sharded", CFG, seed=PARITY["small"]["seed"],
-                                              sink_scale=PARITY["small"]["sink_scale"], max_shard_bytes=60_000,
-                                              progress=False)
+    sharded = random_weights.write_checkpoint(
+        tmp_path / "sharded",
+        CFG,
+        seed=PARITY["small"]["seed"],
+        sink_scale=PARITY["small"]["sink_scale"],
+        max_shard_bytes=60_000,
+        progress=False,
+    )
     assert len(list(sharded.glob("*.safetensors"))) > 2 and (sharded / "model.safetensors.index.json").exists()
     _, p_sharded = checkpoint.load_params(sharded, jnp.float32, progress=False)
     _leaves_equal(ref, p_sharded)
@@ -74,8 +79,9 @@ def test_kernel_layout_loads_tensor_by_tensor(small_checkpoint, tmp_path):
     _, plain = checkpoint.load(small_checkpoint, jnp.float32, cache_dir=tmp_path / "c", progress=False)
     assert len(list((tmp_path / "c").iterdir())) == 2
     _leaves_equal(want, cached)
-    _leaves_equal(want, checkpoint.load(small_checkpoint, jnp.float32, impl="pallas", cache_dir=tmp_path / "c",
-                                        progress=False)[1])
+    _leaves_equal(
+        want, checkpoint.load(small_checkpoint, jnp.float32, impl="pallas", cache_dir=tmp_path / "c", progress=False)[1]
+    )
     assert isinstance(plain.layers.experts, params_lib.Experts)
 
 
@@ -111,9 +117,14 @@ def test_missing_tensor_named(small_checkpoint, tmp_path):
 
 def test_wrong_shape_named(small_checkpoint, tmp_path):
     p = _copy(small_checkpoint, tmp_path / "c")
-    _rewrite(p, lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": t["model.layers.0.self_attn.q_proj.bias"][:10]}))
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor 'model\.layers\.0\.self_attn\.q_proj\.bias' "
-                                              r"has shape \[10\], expected \[64\]"):
+    _rewrite(
+        p, lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": t["model.layers.0.self_attn.q_proj.bias"][:10]})
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"model\.safetensors: tensor 'model\.layers\.0\.self_attn\.q_proj\.bias' "
+        r"has shape \[10\], expected \[64\]",
+    ):
         checkpoint.load_params(p, progress=False)
 
 

@@ -27,12 +27,14 @@ def test_rope_parameters_layout_equals_rope_scaling_layout():
 
 def test_original_config_equals_hf(tmp_path):
     from gptoss_jax.random_weights import to_original_config
+
     (tmp_path / "original").mkdir()
     (tmp_path / "original" / "config.json").write_text(json.dumps(to_original_config(_hf())))
     a, b = load_config(tmp_path), from_hf_dict(_hf())
     assert a.rope_beta_fast == 32 and a.rope_beta_slow == 1  # crossed ntk_alpha/ntk_beta naming
-    assert {k: v for k, v in vars(a).items() if k != "pad_token_id"} == \
-        {k: v for k, v in vars(b).items() if k != "pad_token_id"}
+    assert {k: v for k, v in vars(a).items() if k != "pad_token_id"} == {
+        k: v for k, v in vars(b).items() if k != "pad_token_id"
+    }
 
 
 def test_unknown_keys_tolerated():
@@ -83,9 +85,11 @@ def test_gpu_memory_fraction_default(preset_env, expected):
     env = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}
     if preset_env is not None:
         env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = preset_env
-    code = ("import os, gptoss_jax, gptoss_jax.llm, pallas_kernels, sharding.rules; "
-            "print(os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION')); "
-            "from gptoss_jax import runtime; runtime.prepare(); print(os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'])")
+    code = (
+        "import os, gptoss_jax, gptoss_jax.llm, pallas_kernels, sharding.rules; "
+        "print(os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION')); "
+        "from gptoss_jax import runtime; runtime.prepare(); print(os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'])"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == [str(preset_env), expected]
 
@@ -97,8 +101,10 @@ def test_lower_layers_load_no_engine(package):
     import subprocess
     import sys
 
-    code = (f"import sys, {package}; "
-            "print(sorted(m for m in sys.modules if m.startswith(('gptoss_jax.', 'sharding', 'pallas_kernels'))))")
+    code = (
+        f"import sys, {package}; "
+        "print(sorted(m for m in sys.modules if m.startswith(('gptoss_jax.', 'sharding', 'pallas_kernels'))))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded = eval(out.stdout)
     assert not [m for m in loaded if m.startswith("gptoss_jax.")], loaded

@@ -31,11 +31,22 @@ def test_two_cpu_processes_form_one_mesh(small_checkpoint):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "distributed_worker.py"), str(port), str(i),
-                               str(small_checkpoint)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for i in range(2)]
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "distributed_worker.py"), str(port), str(i), str(small_checkpoint)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outs = [p.communicate(timeout=240)[0] for p in procs]
     for i, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, out[-3000:]

@@ -12,8 +12,17 @@ from gptoss_jax.sampling import SamplingParams
 
 # 4-token pages and 8-token chunks so prompts span many pages and chunks; 12 usable full pages
 # (48 tokens) so a few long requests exhaust the cache and force preemption.
-SMALL = dict(page_size=4, max_num_seqs=4, max_num_batched_tokens=16, prefill_chunk_size=8, max_prefill_seqs=2,
-             num_pages=13, max_model_len=40, min_context_bucket=256, max_logprobs=5)
+SMALL = dict(
+    page_size=4,
+    max_num_seqs=4,
+    max_num_batched_tokens=16,
+    prefill_chunk_size=8,
+    max_prefill_seqs=2,
+    num_pages=13,
+    max_model_len=40,
+    min_context_bucket=256,
+    max_logprobs=5,
+)
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +87,10 @@ def test_seeded_sampling_independent_of_batch_and_preemption(engine):
     sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=7, max_tokens=20, stop_token_ids=[])
     p = prompts(1, 10, 11, seed=2)[0]
     ref = alone(engine, p, sp)
-    others = {f"o{i}": (q, SamplingParams(temperature=0.8, seed=i, max_tokens=30, stop_token_ids=[]))
-              for i, q in enumerate(prompts(3, 6, 12, seed=3))}
+    others = {
+        f"o{i}": (q, SamplingParams(temperature=0.8, seed=i, max_tokens=30, stop_token_ids=[]))
+        for i, q in enumerate(prompts(3, 6, 12, seed=3))
+    }
     got = run(engine, {"x": (p, sp), **others})
     assert got["x"] == ref
     assert alone(engine, p, SamplingParams(**{**vars(sp), "seed": 8}))[0] != ref[0]
@@ -173,6 +184,7 @@ def test_multi_step_decode_matches_single_step(small_checkpoint, engine):
 
 class ByteTokenizer:
     """Token t is the text '<t>'."""
+
     def decode_single_token_bytes(self, t):
         return f"<{t}>".encode()
 
@@ -187,39 +199,52 @@ def test_stop_strings_and_stop_tokens(small_checkpoint, engine):
     stop = f"{free[2]}>"  # completes with the third token
     toks, reason, stop_reason = run(e, {"s": (p, greedy(8, stop=["never", stop]))})["s"]
     assert (toks, reason, stop_reason) == (free[:3], "stop", stop)
-    toks, reason, stop_reason = run(e, {"t": (p, SamplingParams(temperature=0, max_tokens=8,
-                                                                stop_token_ids=[free[4]]))})["t"]
-    assert (toks, reason, stop_reason) == (free[:free.index(free[4])], "stop", free[4])
+    toks, reason, stop_reason = run(
+        e, {"t": (p, SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[free[4]]))}
+    )["t"]
+    assert (toks, reason, stop_reason) == (free[: free.index(free[4])], "stop", free[4])
 
 
-@pytest.mark.parametrize("prompt,kw,match", [
-    (list(range(2, 42)), {}, "prompt has 40 tokens; the context limit is 40"),
-    ([1, 2], dict(logprobs=6), r"SamplingParams\.logprobs=6: at most max_logprobs=5"),
-    ([1, 2], dict(stop=["x"]), r"SamplingParams\.stop=.*need a tokenizer"),
-    ([], {}, "empty prompt"),
-    ([1, 999], {}, "token id 999 is outside"),
-])
+@pytest.mark.parametrize(
+    "prompt,kw,match",
+    [
+        (list(range(2, 42)), {}, "prompt has 40 tokens; the context limit is 40"),
+        ([1, 2], dict(logprobs=6), r"SamplingParams\.logprobs=6: at most max_logprobs=5"),
+        ([1, 2], dict(stop=["x"]), r"SamplingParams\.stop=.*need a tokenizer"),
+        ([], {}, "empty prompt"),
+        ([1, 999], {}, "token id 999 is outside"),
+    ],
+)
 def test_bad_requests(engine, prompt, kw, match):
     with pytest.raises(ValueError, match=match):
         engine.add_request("bad", prompt, greedy(2, **kw))
     assert not engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(logprobs=-1), "logprobs"), (dict(stop=[""]), "stop"), (dict(stop=[3]), "stop"),
-    (dict(logprobs=True), "logprobs"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(logprobs=-1), "logprobs"),
+        (dict(stop=[""]), "stop"),
+        (dict(stop=[3]), "stop"),
+        (dict(logprobs=True), "logprobs"),
+    ],
+)
 def test_bad_new_sampling_params(kw, match):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{match}="):
         SamplingParams(**kw)
 
 
 def test_batch_job_resumes(engine, tmp_path):
-    from gptoss_jax import batch
     import json
+
+    from gptoss_jax import batch
+
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    rows = [{"id": "a", "prompt_token_ids": [5, 6, 7], "max_tokens": 4},
-            {"prompt_token_ids": [8, 9], "max_tokens": 3, "logprobs": 1}]
+    rows = [
+        {"id": "a", "prompt_token_ids": [5, 6, 7], "max_tokens": 4},
+        {"prompt_token_ids": [8, 9], "max_tokens": 3, "logprobs": 1},
+    ]
     src.write_text(json.dumps(rows[0]) + "\n")
     first = batch.run(engine, src, dst, dict(temperature=0, stop_token_ids=[]), progress=False)
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -242,14 +267,16 @@ def test_async_scheduling_matches_sync(small_checkpoint, engine):
     pipelined = Engine(small_checkpoint, dtype="float32", progress=False, **kw)
     ps = prompts(5, 4, 14, seed=10)
     free = alone(sync, ps[0], greedy(8))[0]
-    reqs = {"stop": (ps[0], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[free[4]])),
-            "seeded": (ps[1], SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=20, stop_token_ids=[])),
-            **{f"g{i}": (p, greedy(36 - len(p))) for i, p in enumerate(ps[2:])}}
+    reqs = {
+        "stop": (ps[0], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[free[4]])),
+        "seeded": (ps[1], SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=20, stop_token_ids=[])),
+        **{f"g{i}": (p, greedy(36 - len(p))) for i, p in enumerate(ps[2:])},
+    }
     expect = run(sync, reqs)
     before = pipelined.stats().num_preemptions
     assert run(pipelined, reqs) == expect
     assert pipelined.stats().num_preemptions > before and pipelined.stats().kv_cache_usage == 0
-    assert expect["stop"] == (free[:free.index(free[4])], "stop", free[4])
+    assert expect["stop"] == (free[: free.index(free[4])], "stop", free[4])
 
 
 def test_abort_while_a_call_is_in_flight(engine):

@@ -6,11 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from parity_configs import PARITY, _config
 
 import pallas_kernels
 from gptoss_jax import LLM, SamplingParams, inspection, model, random_weights
 from pallas_kernels import rope
-from parity_configs import PARITY, _config
 
 CHUNK = 16  # prefill chunk: a 40-token sequence runs as 3 chunks, past the 16-key window of "wide"
 
@@ -19,10 +19,18 @@ CHUNK = 16  # prefill chunk: a 40-token sequence runs as 3 chunks, past the 16-k
 def wide(tmp_path_factory):
     spec = PARITY["wide"]
     path = tmp_path_factory.mktemp("inspect-wide")
-    random_weights.write_checkpoint(path, spec["config"], seed=spec["seed"], sink_scale=spec["sink_scale"],
-                                    progress=False)
-    return LLM(path, dtype="float32", progress=False, prefill_chunk_size=CHUNK, min_prefill_bucket=CHUNK,
-               page_size=4, min_context_bucket=64)
+    random_weights.write_checkpoint(
+        path, spec["config"], seed=spec["seed"], sink_scale=spec["sink_scale"], progress=False
+    )
+    return LLM(
+        path,
+        dtype="float32",
+        progress=False,
+        prefill_chunk_size=CHUNK,
+        min_prefill_bucket=CHUNK,
+        page_size=4,
+        min_context_bucket=64,
+    )
 
 
 def _ids(n=40, vocab=384, seed=0):
@@ -75,10 +83,11 @@ def test_routing_equals_what_the_serving_path_used(wide, monkeypatch):
         monkeypatch.undo()
         jax.clear_caches()
     L = wide.config.num_layers
-    chunks = [ids[s:s + CHUNK] for s in range(0, len(ids), CHUNK)]
+    chunks = [ids[s : s + CHUNK] for s in range(0, len(ids), CHUNK)]
     assert len(captured) == L * len(chunks)
-    served = np.stack([np.concatenate([captured[c * L + l][:len(ch)] for c, ch in enumerate(chunks)])
-                       for l in range(L)])
+    served = np.stack(
+        [np.concatenate([captured[c * L + l][: len(ch)] for c, ch in enumerate(chunks)]) for l in range(L)]
+    )
     np.testing.assert_array_equal(wide.inspect(ids).expert_ids, served)
 
 
@@ -104,7 +113,7 @@ def test_sink_mass_in_unit_interval_and_equals_dense_layer0(wide):
     cos, sin = rope.cos_sin(cfg, jnp.arange(T), jnp.float32)
     q = rope.apply((t @ lp.q_w.T + lp.q_b).reshape(T, N, H), cos, sin)
     k = rope.apply((t @ lp.k_w.T + lp.k_b).reshape(T, K, H), cos, sin)
-    s = jnp.einsum("tnh,jnh->ntj", q, jnp.repeat(k, N // K, axis=1)) * H ** -0.5
+    s = jnp.einsum("tnh,jnh->ntj", q, jnp.repeat(k, N // K, axis=1)) * H**-0.5
     i, j = np.arange(T)[:, None], np.arange(T)[None]
     s = jnp.where((j <= i) & (i - j < cfg.sliding_window), s, -jnp.inf)
     full = jnp.concatenate([s, jnp.broadcast_to(lp.sinks[:, None, None], (N, T, 1))], axis=-1)
@@ -113,9 +122,21 @@ def test_sink_mass_in_unit_interval_and_equals_dense_layer0(wide):
 
 
 def test_odd_layer_count(tmp_path):
-    cfg = _config(num_hidden_layers=3, num_local_experts=4, num_experts_per_tok=2, experts_per_token=2,
-                  vocab_size=256, hidden_size=32, intermediate_size=32, head_dim=8, num_attention_heads=2,
-                  num_key_value_heads=1, sliding_window=8, eos_token_id=1, pad_token_id=0)
+    cfg = _config(
+        num_hidden_layers=3,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        experts_per_token=2,
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=32,
+        head_dim=8,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        sliding_window=8,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
     random_weights.write_checkpoint(tmp_path, cfg, seed=5, progress=False)
     llm = LLM(tmp_path, dtype="float32", progress=False)
     ins = llm.inspect(_ids(20, 256), hidden_states=True, logits=True)
@@ -150,8 +171,9 @@ def test_disabled_costs_nothing(wide):
     assert cost(off) and cost(off) == cost(dropped)
     # and serving never traces the inspection program
     before = dict(inspection.TRACES)
-    wide.generate(prompt_token_ids=[_ids(10)], sampling_params=SamplingParams(temperature=0, max_tokens=2),
-                  use_tqdm=False)
+    wide.generate(
+        prompt_token_ids=[_ids(10)], sampling_params=SamplingParams(temperature=0, max_tokens=2), use_tqdm=False
+    )
     assert dict(inspection.TRACES) == before
 
 

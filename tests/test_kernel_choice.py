@@ -30,24 +30,32 @@ def test_moe_on_hopper(device):
     Mosaic GEMMs, the 120b's 128 in Triton groups)."""
     assert _choices("moe", "gpt-oss-20b", device) == ["route", "route", "gemv16", "mosaic", "mosaic", "grouped"]
     assert _choices("moe", "gpt-oss-120b", device) == ["route", "route", "gemv16", "gemv16", "mosaic", "dense"]
-    assert _choices("experts", "gpt-oss-20b", device) == ["gemv16", "gemv16", "gemv16", "mosaic", "mosaic",
-                                                          "grouped"]
+    assert _choices("experts", "gpt-oss-20b", device) == ["gemv16", "gemv16", "gemv16", "mosaic", "mosaic", "grouped"]
 
 
 def test_moe_without_mosaic():
     """Before Hopper, or with `mosaic: false`, the Triton tensor-core kernels take the mid-batch; fp32 models run
     the f32 GEMV at a token and never the fused block or the Mosaic kernels."""
     no_mosaic = dataclasses.replace(PALLAS, mosaic=False)
-    assert _choices("moe", "gpt-oss-20b", H200, kernels=no_mosaic) == ["route", "route", "gemv16", "mma", "mma",
-                                                                       "dense"]
+    assert _choices("moe", "gpt-oss-20b", H200, kernels=no_mosaic) == [
+        "route",
+        "route",
+        "gemv16",
+        "mma",
+        "mma",
+        "dense",
+    ]
     assert _choices("moe", "gpt-oss-20b", CPU) == ["route", "route", "gemv16", "mma", "mma", "dense"]
     assert _choices("moe", "gpt-oss-120b", H200, dtype=jnp.float32) == ["gemv", "gemv", "gemv", "mma", "mma", "dense"]
 
 
 def test_reference_everywhere_off_gpu_by_default():
     auto = KernelConfig()
-    for op, shape in (("moe", _moe_shape("gpt-oss-20b")), ("projection", (2880, 4096, 512, 512)),
-                      ("attention", (1, 64, 8, 64))):
+    for op, shape in (
+        ("moe", _moe_shape("gpt-oss-20b")),
+        ("projection", (2880, 4096, 512, 512)),
+        ("attention", (1, 64, 8, 64)),
+    ):
         assert set(_choices(op, None, CPU, kernels=auto, shape=shape)) == {"reference"}
         assert "reference" not in _choices(op, None, H200, kernels=auto, shape=shape)[:1]
     assert set(_choices("moe", "gpt-oss-20b", H200, kernels=KernelConfig(impl="reference"))) == {"reference"}
@@ -61,10 +69,22 @@ def test_projections(preset):
     qkv = (c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim)
     o = (c.num_heads * c.head_dim, c.hidden_size)
     for shape in (qkv, o):
-        assert _choices("projection", None, H200, shape=shape) == ["gemv", "mosaic", "mosaic", "mosaic", "mosaic",
-                                                                   "reference"]
-        assert _choices("projection", None, CPU, shape=shape) == ["gemv", "gemv", "gemv", "gemv", "reference",
-                                                                  "reference"]
+        assert _choices("projection", None, H200, shape=shape) == [
+            "gemv",
+            "mosaic",
+            "mosaic",
+            "mosaic",
+            "mosaic",
+            "reference",
+        ]
+        assert _choices("projection", None, CPU, shape=shape) == [
+            "gemv",
+            "gemv",
+            "gemv",
+            "gemv",
+            "reference",
+            "reference",
+        ]
     fused = [choose("projection", T, qkv, jnp.bfloat16, CPU, PALLAS).kw["fuse"] for T in (1, 16, 17, 64)]
     assert fused == [True, True, False, False]
     # the Mosaic launch: one wave of the device's SMs, within shared memory (`linear_mosaic.config`)
@@ -87,10 +107,14 @@ def test_attention(device):
 def test_config_fields_are_the_switches():
     """Variants are configs: a threshold of 0 turns a kernel off, `for_device` resolves "auto"."""
     shape = _moe_shape("gpt-oss-20b")
-    assert choose("moe", 1, shape, jnp.bfloat16, H200, dataclasses.replace(PALLAS, moe_route_max_tokens=0)).kernel \
+    assert (
+        choose("moe", 1, shape, jnp.bfloat16, H200, dataclasses.replace(PALLAS, moe_route_max_tokens=0)).kernel
         == "gemv16"
-    assert choose("attention", 1, (1, 64, 8, 64), jnp.bfloat16, H200,
-                  dataclasses.replace(PALLAS, new_token_rows=0)).kernel == "paged"
+    )
+    assert (
+        choose("attention", 1, (1, 64, 8, 64), jnp.bfloat16, H200, dataclasses.replace(PALLAS, new_token_rows=0)).kernel
+        == "paged"
+    )
     resolved = KernelConfig().for_device(H100)
     assert (resolved.impl, resolved.mosaic, resolved.device) == ("pallas", True, H100)
     assert KernelConfig().for_device(CPU).impl == "reference"

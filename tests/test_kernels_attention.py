@@ -3,8 +3,8 @@
 import json
 from pathlib import Path
 
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from gptoss_jax import config, model
@@ -20,25 +20,27 @@ def _case(seed, B, N, K, H, S, ctxs, sink_scale):
     P = B * M + 1
     kp = jnp.asarray(rng.normal(size=(P, S, K, H)), jnp.bfloat16)
     vp = jnp.asarray(rng.normal(size=(P, S, K, H)), jnp.bfloat16)
-    bt = jnp.asarray(rng.permutation(np.arange(1, P))[:B * M].reshape(B, M).astype(np.int32))
+    bt = jnp.asarray(rng.permutation(np.arange(1, P))[: B * M].reshape(B, M).astype(np.int32))
     pos = jnp.asarray(np.array(ctxs, np.int32)[:, None] - 1)  # ctx 0 -> position -1 (padding row)
     q = jnp.asarray(rng.normal(size=(B, 1, N, H)), jnp.bfloat16)
     sinks = jnp.asarray(rng.normal(size=(N,)) * sink_scale, jnp.float32)
     return q, kp, vp, bt, pos, sinks
 
 
-@pytest.mark.parametrize("window,S,ctxs,sink_scale,splits", [
-    (FULL, 16, [1, 37, 200], 1.0, 1),
-    (FULL, 16, [1, 37, 200], 1.0, 3),
-    (128, 8, [5, 130, 300, 0], 30.0, 2),   # shorter and longer than the window, a padded row, big sinks
-    (128, 32, [129, 64], 1.0, 1),
-])
+@pytest.mark.parametrize(
+    "window,S,ctxs,sink_scale,splits",
+    [
+        (FULL, 16, [1, 37, 200], 1.0, 1),
+        (FULL, 16, [1, 37, 200], 1.0, 3),
+        (128, 8, [5, 130, 300, 0], 30.0, 2),  # shorter and longer than the window, a padded row, big sinks
+        (128, 32, [129, 64], 1.0, 1),
+    ],
+)
 def test_paged_decode_matches_reference(window, S, ctxs, sink_scale, splits):
     B = len(ctxs)
     q, kp, vp, bt, pos, sinks = _case(len(ctxs) * 10 + S, B, 16, 2, 64, S, ctxs, sink_scale)
     ref = attention_reference.attention(q, kp, vp, bt, pos, sinks, window)
-    out = paged_attention.attention(q, kp, vp, bt, pos, sinks, window, block_kv=32,
-                                    num_splits=splits, interpret=True)
+    out = paged_attention.attention(q, kp, vp, bt, pos, sinks, window, block_kv=32, num_splits=splits, interpret=True)
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     assert np.isfinite(out).all()
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
@@ -54,7 +56,7 @@ def _prefill_case(seed, N, K, H, S, chunks, T, sink_scale, dtype=jnp.bfloat16):
     P = B * M + 1
     kp = jnp.asarray(rng.normal(size=(P, S, K, H)), dtype)
     vp = jnp.asarray(rng.normal(size=(P, S, K, H)), dtype)
-    bt = jnp.asarray(rng.permutation(np.arange(1, P))[:B * M].reshape(B, M).astype(np.int32))
+    bt = jnp.asarray(rng.permutation(np.arange(1, P))[: B * M].reshape(B, M).astype(np.int32))
     pos = np.full((B, T), -1, np.int32)
     for b, (s, n) in enumerate(chunks):
         pos[b, :n] = np.arange(s, s + n)
@@ -63,18 +65,20 @@ def _prefill_case(seed, N, K, H, S, chunks, T, sink_scale, dtype=jnp.bfloat16):
     return q, kp, vp, bt, jnp.asarray(pos), sinks
 
 
-@pytest.mark.parametrize("window,S,chunks,T,sink_scale,block_q", [
-    (FULL, 4, [(0, 21), (9, 5), (0, 0)], 21, 1.0, 16),     # causal from 0, a continuation chunk, an all-padding row
-    (8, 4, [(0, 21), (30, 13), (3, 2)], 21, 30.0, 16),     # chunks longer / shorter than the window, big sinks
-    (8, 8, [(17, 6)], 6, 1.0, 32),                         # one tile; keys 0-7 are NaN: must be skipped
-])
+@pytest.mark.parametrize(
+    "window,S,chunks,T,sink_scale,block_q",
+    [
+        (FULL, 4, [(0, 21), (9, 5), (0, 0)], 21, 1.0, 16),  # causal from 0, a continuation chunk, an all-padding row
+        (8, 4, [(0, 21), (30, 13), (3, 2)], 21, 30.0, 16),  # chunks longer / shorter than the window, big sinks
+        (8, 8, [(17, 6)], 6, 1.0, 32),  # one tile; keys 0-7 are NaN: must be skipped
+    ],
+)
 def test_prefill_flash_matches_reference(window, S, chunks, T, sink_scale, block_q):
     q, kp, vp, bt, pos, sinks = _prefill_case(len(chunks) + S, 8, 2, 16, S, chunks, T, sink_scale)
     if chunks == [(17, 6)]:  # block 0 lies wholly before every query's window: poison it
         kp, vp = kp.at[bt[0, 0]].set(jnp.nan), vp.at[bt[0, 0]].set(jnp.nan)
     ref = attention_reference.attention(q, kp, vp, bt, pos, sinks, window)
-    out = flash_attention.attention(q, kp, vp, bt, pos, sinks, window, block_q=block_q, block_kv=8,
-                                    interpret=True)
+    out = flash_attention.attention(q, kp, vp, bt, pos, sinks, window, block_q=block_q, block_kv=8, interpret=True)
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     assert np.isfinite(out).all()
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
@@ -82,8 +86,9 @@ def test_prefill_flash_matches_reference(window, S, chunks, T, sink_scale, block
     assert np.abs(out[pad]).max(initial=0.0) == 0.0
 
 
-@pytest.mark.parametrize("window,S,splits,sink_scale", [(FULL, 8, 1, 1.0), (FULL, 8, 3, 1.0), (16, 4, 2, 30.0),
-                                                        (FULL, 4, 11, 5.0)])  # 11: two merge chunks, idle splits
+@pytest.mark.parametrize(
+    "window,S,splits,sink_scale", [(FULL, 8, 1, 1.0), (FULL, 8, 3, 1.0), (16, 4, 2, 30.0), (FULL, 4, 11, 5.0)]
+)  # 11: two merge chunks, idle splits
 def test_new_token_attention_matches_reference(window, S, splits, sink_scale):
     """Rows: fresh tokens at position 0, inside and past the window, a long context; a padding row; a row
     whose position is prefix-cached (null-page write: its key comes from the cache). Layer 1 of a 2-layer pool."""
@@ -94,7 +99,7 @@ def test_new_token_attention_matches_reference(window, S, splits, sink_scale):
     P = B * M + 1  # pages per layer; page 0 is the null page
     kp = jnp.asarray(rng.normal(size=(2 * P, S, K, H)), jnp.bfloat16)
     vp = jnp.asarray(rng.normal(size=(2 * P, S, K, H)), jnp.bfloat16)
-    bt = rng.permutation(np.arange(1, P))[:B * M].reshape(B, M).astype(np.int32)
+    bt = rng.permutation(np.arange(1, P))[: B * M].reshape(B, M).astype(np.int32)
     wpage = np.where(pos >= 0, bt[np.arange(B), np.maximum(pos, 0) // S], 0)
     wpage[5] = 0  # prefix-cached: not written, read from the cache
     wslot = np.maximum(pos, 0) % S
@@ -105,8 +110,9 @@ def test_new_token_attention_matches_reference(window, S, splits, sink_scale):
     sinks = jnp.asarray(rng.normal(size=(3, N)) * sink_scale, jnp.float32)  # 3 layers, like the biases
     args = (jnp.asarray(bt), P, jnp.asarray(pos), jnp.asarray(wpage), jnp.asarray(wslot), sinks, window)
     ref, ref_k, ref_v = paged_attention.new_token_reference(parts, biases, 2, cos, sin, kp, vp, *args)
-    out, got_k, got_v, done = paged_attention.attention_new_token(parts, biases, 2, cos, sin, kp, vp, *args, block_kv=8,
-                                                                  num_splits=splits, interpret=True)
+    out, got_k, got_v, done = paged_attention.attention_new_token(
+        parts, biases, 2, cos, sin, kp, vp, *args, block_kv=8, num_splits=splits, interpret=True
+    )
     assert not np.asarray(done).any()  # the last split of each (row, KV head) reset its count for the next launch
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     assert np.isfinite(out).all()

@@ -8,7 +8,6 @@ import pytest
 from pallas_kernels import linear_decode, linear_mosaic
 from pallas_kernels.choice import H200, Device, KernelConfig
 
-
 # Triton's fp32 dot runs in TF32 on GPUs (10-bit mantissa); the CPU interpreter computes in full fp32.
 F32_TOL = 2e-3 if jax.default_backend() == "gpu" else 1e-5
 
@@ -19,9 +18,16 @@ def _reference(*args):
         return linear_decode.reference(*args)
 
 
-@pytest.mark.parametrize("T,K,O,L,dtype,programs", [
-    (1, 300, 40, 3, jnp.bfloat16, 528), (5, 256, 64, 2, jnp.float32, 1), (33, 520, 17, 2, jnp.bfloat16, 528),
-    (33, 520, 17, 2, jnp.bfloat16, 2), (64, 128, 128, 1, jnp.float32, 528)])
+@pytest.mark.parametrize(
+    "T,K,O,L,dtype,programs",
+    [
+        (1, 300, 40, 3, jnp.bfloat16, 528),
+        (5, 256, 64, 2, jnp.float32, 1),
+        (33, 520, 17, 2, jnp.bfloat16, 528),
+        (33, 520, 17, 2, jnp.bfloat16, 2),
+        (64, 128, 128, 1, jnp.float32, 528),
+    ],
+)
 def test_linear_decode_matches_reference(T, K, O, L, dtype, programs):
     """Odd row counts, features not multiples of the blocks, K split evenly, unevenly (a last split with
     a step past K) or not at all, each layer of a stack read in place."""
@@ -40,8 +46,9 @@ def test_linear_decode_matches_reference(T, K, O, L, dtype, programs):
         assert L == 1 or not np.allclose(np.asarray(got), np.asarray(other))
 
 
-@pytest.mark.parametrize("T,dtype,programs", [(1, jnp.float32, 528), (3, jnp.bfloat16, 528), (17, jnp.float32, 4),
-                                               (64, jnp.bfloat16, 528)])
+@pytest.mark.parametrize(
+    "T,dtype,programs", [(1, jnp.float32, 528), (3, jnp.bfloat16, 528), (17, jnp.float32, 4), (64, jnp.bfloat16, 528)]
+)
 def test_linear_many_matches_reference_per_weight(T, dtype, programs):
     """q, k, v-like weights in one launch: outputs not multiples of block_n (72 = 2.25 tiles, 40), K not a
     multiple of block_k, a traced layer > 0. k and v have the same shape, and every weight and layer has
@@ -51,8 +58,7 @@ def test_linear_many_matches_reference_per_weight(T, dtype, programs):
     x_TI = jnp.asarray(rng.normal(size=(T, K)), dtype)
     ws_LOI = tuple(jnp.asarray(rng.normal(size=(L, O, K)), dtype) for O in Os)
     bs_O = tuple(jnp.asarray(rng.normal(size=(O,)), dtype) for O in Os)
-    run = jax.jit(lambda x, ws, bs, layer: linear_decode.linear_many(x, ws, bs, layer, block_k=128,
-                                                                     programs=programs))
+    run = jax.jit(lambda x, ws, bs, layer: linear_decode.linear_many(x, ws, bs, layer, block_k=128, programs=programs))
     jaxpr = jax.make_jaxpr(run)(x_TI, ws_LOI, bs_O, jnp.int32(0))
     assert str(jaxpr).count("pallas_call[") == 1  # one launch for all three
     tol = F32_TOL if dtype == jnp.float32 else 1e-2
@@ -64,15 +70,20 @@ def test_linear_many_matches_reference_per_weight(T, dtype, programs):
             want = _reference(x_TI, ws_LOI[i], bs_O[i], layer)
             np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=tol, atol=tol * np.abs(want).max())
             others = [_reference(x_TI, ws_LOI[i], bs_O[i], l) for l in range(L) if l != layer]
-            others += [_reference(x_TI, ws_LOI[j], bs_O[j], layer) for j in range(len(Os))
-                       if j != i and Os[j] == O]
-            assert all(not np.allclose(np.asarray(y), np.asarray(o), rtol=tol, atol=tol * np.abs(o).max())
-                       for o in others)
+            others += [_reference(x_TI, ws_LOI[j], bs_O[j], layer) for j in range(len(Os)) if j != i and Os[j] == O]
+            assert all(
+                not np.allclose(np.asarray(y), np.asarray(o), rtol=tol, atol=tol * np.abs(o).max()) for o in others
+            )
 
 
 def test_split_k_covers_k_once():
-    for O, K, bn, bk, programs in [(4096, 2880, 32, 256, 528), (2880, 4096, 32, 256, 528), (17, 520, 32, 128, 2),
-                                   (512, 2880, 32, 256, 528), (64, 100, 16, 128, 1000)]:
+    for O, K, bn, bk, programs in [
+        (4096, 2880, 32, 256, 528),
+        (2880, 4096, 32, 256, 528),
+        (17, 520, 32, 128, 2),
+        (512, 2880, 32, 256, 528),
+        (64, 100, 16, 128, 1000),
+    ]:
         splits, per = linear_decode.split_k(O, K, bn, bk, programs)
         steps = -(-K // bk)
         assert splits * per >= steps > (splits - 1) * per  # every step once, no empty split
@@ -91,11 +102,21 @@ def _mosaic_case(rng, T, Os, K, L):
     return x, ws, bs
 
 
-@pytest.mark.skipif(not Device.current().hopper, reason="the Mosaic projection kernel runs on Hopper GPUs only "
-                    "(Mosaic's interpreter lacks inline_mgpu and TMA reduce-add); tools/check_kernels.py runs it too")
-@pytest.mark.parametrize("T,Os,K,splits", [(2, (4096, 512, 512), 2880, None), (9, (200, 64), 640, 2),
-                                           (100, (2880,), 4096, None), (256, (4096, 512, 512), 2880, 45),
-                                           (256, (72, 136), 512, 1)])
+@pytest.mark.skipif(
+    not Device.current().hopper,
+    reason="the Mosaic projection kernel runs on Hopper GPUs only "
+    "(Mosaic's interpreter lacks inline_mgpu and TMA reduce-add); tools/check_kernels.py runs it too",
+)
+@pytest.mark.parametrize(
+    "T,Os,K,splits",
+    [
+        (2, (4096, 512, 512), 2880, None),
+        (9, (200, 64), 640, 2),
+        (100, (2880,), 4096, None),
+        (256, (4096, 512, 512), 2880, 45),
+        (256, (72, 136), 512, 1),
+    ],
+)
 def test_linear_mosaic_matches_reference(T, Os, K, splits):
     """Ragged row counts (padded to the token tile), weights whose rows end inside a CTA's 128 or a warpgroup's
     64, K split so the splits meet by reduce-add (45: one step each) or not at all, a traced layer > 0; each
@@ -116,9 +137,16 @@ def test_linear_mosaic_matches_reference(T, Os, K, splits):
             assert not np.allclose(np.asarray(y), other, rtol=1e-2, atol=1e-2 * np.abs(other).max())
 
 
-@pytest.mark.parametrize("T,I,Os,sms", [(256, 2880, (4096, 512, 512), 132), (1, 4096, (2880,), 132),
-                                         (64, 2880, (5120, 1024, 1024), 78), (150, 640, (200, 64), 132),
-                                         (256, 128, (8192,), 16)])
+@pytest.mark.parametrize(
+    "T,I,Os,sms",
+    [
+        (256, 2880, (4096, 512, 512), 132),
+        (1, 4096, (2880,), 132),
+        (64, 2880, (5120, 1024, 1024), 78),
+        (150, 640, (200, 64), 132),
+        (256, 128, (8192,), 16),
+    ],
+)
 def test_linear_mosaic_config_is_one_wave_within_shared_memory(T, I, Os, sms):
     cfg = linear_mosaic.config(T, I, Os, num_sms=sms)
     nk = I // linear_mosaic.TILE_K
@@ -141,16 +169,17 @@ def test_linear_mosaic_token_tile_and_limits():
     assert not linear_mosaic.fits(8, 2880, jnp.float32)  # wgmma reads 16-bit operands from shared memory
 
 
-@pytest.mark.parametrize("T,want", [(1, "triton"), (2, "mosaic"), (64, "mosaic"), (256, "mosaic"),
-                                    (257, "reference")])
+@pytest.mark.parametrize("T,want", [(1, "triton"), (2, "mosaic"), (64, "mosaic"), (256, "mosaic"), (257, "reference")])
 def test_linear_many_dispatch_on_hopper(monkeypatch, T, want):
     """Which kernel `pallas_kernels.linear_many` runs for T rows when the Mosaic kernel is available (recorded
     by stand-ins: this checks the routing, the tests above check the kernels)."""
     import pallas_kernels
+
     ran = []
 
     def record(name, fn):
         return lambda *a, **kw: ran.append(name) or fn(*a)  # the launch settings do not change the function
+
     ref = linear_decode.reference
     ref_many = lambda x, ws, bs, layer: tuple(ref(x, w, b, layer) for w, b in zip(ws, bs))  # noqa: E731
     ref_parts = lambda x, ws, layer: tuple(ref(x, w, jnp.float32(0), layer)[None] for w in ws)  # noqa: E731

@@ -18,10 +18,14 @@ LIMIT, ALPHA = 7.0, 1.702
 def _experts(rng, E, D, I, dtype):
     u8 = lambda *s: jnp.asarray(rng.integers(0, 256, s, dtype=np.uint8))
     sc = lambda *s: jnp.asarray(rng.integers(117, 129, s, dtype=np.uint8))
-    return Experts(gate_up_blocks=u8(E, 2 * I, D // 32, 16), gate_up_scales=sc(E, 2 * I, D // 32),
-                   gate_up_bias=jnp.asarray(rng.normal(size=(E, 2 * I)), dtype),
-                   down_blocks=u8(E, D, I // 32, 16), down_scales=sc(E, D, I // 32),
-                   down_bias=jnp.asarray(rng.normal(size=(E, D)), dtype))
+    return Experts(
+        gate_up_blocks=u8(E, 2 * I, D // 32, 16),
+        gate_up_scales=sc(E, 2 * I, D // 32),
+        gate_up_bias=jnp.asarray(rng.normal(size=(E, 2 * I)), dtype),
+        down_blocks=u8(E, D, I // 32, 16),
+        down_scales=sc(E, D, I // 32),
+        down_bias=jnp.asarray(rng.normal(size=(E, D)), dtype),
+    )
 
 
 def _rel(a, b):
@@ -36,7 +40,7 @@ def test_word_encoding_decodes_to_checkpoint_values():
     words = expert_format.encode_words(blocks)  # [5, 12]
     vals = np.stack([np.asarray(v) for v in expert_format.decode_words(words)], axis=-1)  # [5, 12, 8]
     ref = mxfp4.dequantize_np(np.asarray(blocks), np.full((5, 3), 127, np.uint8))
-    np.testing.assert_array_equal(vals.reshape(5, 96) * 2.0 ** 14, ref)
+    np.testing.assert_array_equal(vals.reshape(5, 96) * 2.0**14, ref)
 
 
 def test_prepare_experts_phase_order():
@@ -48,21 +52,25 @@ def test_prepare_experts_phase_order():
     gu = np.asarray(ex.gate_up_blocks)
     for c in (0, 5, I - 1):
         i = order[c]
-        np.testing.assert_array_equal(np.asarray(kx.gu_words[:, 0, c]),
-                                      np.asarray(expert_format.encode_words(jnp.asarray(gu[:, 2 * i]))))
+        np.testing.assert_array_equal(
+            np.asarray(kx.gu_words[:, 0, c]), np.asarray(expert_format.encode_words(jnp.asarray(gu[:, 2 * i])))
+        )
         np.testing.assert_array_equal(np.asarray(kx.gu_bias[:, 1, c]), np.asarray(ex.gate_up_bias[:, 2 * i + 1]))
     assert kx.dn_words.nbytes == ex.down_blocks.nbytes
     x = jnp.arange(2 * I, dtype=jnp.float32).reshape(2, I)
     np.testing.assert_array_equal(np.asarray(expert_format.to_phases(x)).reshape(2, I), np.asarray(x)[:, order])
 
 
-@pytest.mark.parametrize("T,E,k,D,I,empty,cfg", [
-    (1, 8, 4, 96, 64, False, {}),
-    (5, 8, 4, 96, 64, True, dict(kernel="gemv", block_m=2, block_k=64, block_n=32, prefetch=False)),  # K tail
-    (13, 4, 2, 64, 96, True, dict(kernel="mma", block_m=16, block_k=64)),
-    (1, 8, 4, 96, 64, False, dict(kernel="gemv16", block_k=64)),  # K tail
-    (9, 4, 4, 64, 96, True, dict(kernel="gemv16", block_m=2, block_k=64, prefetch=False)),
-])
+@pytest.mark.parametrize(
+    "T,E,k,D,I,empty,cfg",
+    [
+        (1, 8, 4, 96, 64, False, {}),
+        (5, 8, 4, 96, 64, True, dict(kernel="gemv", block_m=2, block_k=64, block_n=32, prefetch=False)),  # K tail
+        (13, 4, 2, 64, 96, True, dict(kernel="mma", block_m=16, block_k=64)),
+        (1, 8, 4, 96, 64, False, dict(kernel="gemv16", block_k=64)),  # K tail
+        (9, 4, 4, 64, 96, True, dict(kernel="gemv16", block_m=2, block_k=64, prefetch=False)),
+    ],
+)
 def test_moe_decode_matches_reference(T, E, k, D, I, empty, cfg):
     rng = np.random.default_rng(T * 100 + E)
     ex = _experts(rng, E, D, I, jnp.bfloat16)
@@ -86,8 +94,9 @@ def _moe(x, rw, rb, kexp, k, cfg):
     base = choose("experts", x.shape[0], (D, kexp.gu_words.shape[-2], E, k), x.dtype, CPU, KERNELS)
     launch = base.kw | cfg
     kernel = launch.pop("kernel", base.kernel)
-    return pallas_kernels._EXPERTS[kernel](x, idx, w, kexp, swiglu_limit=LIMIT, swiglu_alpha=ALPHA, interpret=True,
-                                           **launch)
+    return pallas_kernels._EXPERTS[kernel](
+        x, idx, w, kexp, swiglu_limit=LIMIT, swiglu_alpha=ALPHA, interpret=True, **launch
+    )
 
 
 def test_moe_prefill_fused_mma_f32_activations():
@@ -100,9 +109,22 @@ def test_moe_prefill_fused_mma_f32_activations():
     rb = jnp.asarray(np.where(np.arange(E) == 3, -1e4, 0.0), jnp.float32)
     ref = moe_reference.moe(x, rw, rb, ex, top_k=k, swiglu_limit=LIMIT, swiglu_alpha=ALPHA)
     idx, w, _ = moe_reference.route(x, rw, rb, k)
-    out = moe_mma.experts(x, idx, w, expert_format.prepare_experts(ex), swiglu_limit=LIMIT, swiglu_alpha=ALPHA,
-                          interpret=True, block_m=16, block_n=32, block_k=64, block_n_down=32, num_warps=4,
-                          num_stages=1, swap=True)
+    out = moe_mma.experts(
+        x,
+        idx,
+        w,
+        expert_format.prepare_experts(ex),
+        swiglu_limit=LIMIT,
+        swiglu_alpha=ALPHA,
+        interpret=True,
+        block_m=16,
+        block_n=32,
+        block_k=64,
+        block_n_down=32,
+        num_warps=4,
+        num_stages=1,
+        swap=True,
+    )
     assert _rel(out, ref) < 1e-2  # kernel operands are bf16
 
 
@@ -114,21 +136,39 @@ def test_dequantize_kernel_gives_checkpoint_values_in_natural_order():
     ex = _experts(rng, E, D, I, jnp.float32)
     kx = expert_format.prepare_experts(ex)
     ref = np.asarray(mxfp4.dequantize(ex.gate_up_blocks, ex.gate_up_scales, jnp.float32))  # [E, 2I, D] interleaved
-    ref = ref.reshape(E, I, 2, D).transpose(0, 2, 1, 3)                                    # [E, 2, I, D]
-    got = moe_dense.dequantize(kx.gu_words.reshape(-1, D // 8), kx.gu_scales.reshape(-1, D // 32),
-                                 jnp.int32(2 * I), 2 * 2 * I, jnp.float32, perm_I=I, interpret=True, block_k=64)
-    np.testing.assert_array_equal(np.asarray(got).reshape(2, 2, I, D) * 2.0 ** 14, ref[1:])
+    ref = ref.reshape(E, I, 2, D).transpose(0, 2, 1, 3)  # [E, 2, I, D]
+    got = moe_dense.dequantize(
+        kx.gu_words.reshape(-1, D // 8),
+        kx.gu_scales.reshape(-1, D // 32),
+        jnp.int32(2 * I),
+        2 * 2 * I,
+        jnp.float32,
+        perm_I=I,
+        interpret=True,
+        block_k=64,
+    )
+    np.testing.assert_array_equal(np.asarray(got).reshape(2, 2, I, D) * 2.0**14, ref[1:])
     ref_dn = np.asarray(mxfp4.dequantize(ex.down_blocks, ex.down_scales, jnp.float32))
-    got = moe_dense.dequantize(kx.dn_words.reshape(-1, I // 8), kx.dn_scales.reshape(-1, I // 32),
-                                 jnp.int32(0), E * D, jnp.float32, interpret=True, block_k=64)
-    np.testing.assert_array_equal(np.asarray(got).reshape(E, D, I) * 2.0 ** 14, ref_dn)
+    got = moe_dense.dequantize(
+        kx.dn_words.reshape(-1, I // 8),
+        kx.dn_scales.reshape(-1, I // 32),
+        jnp.int32(0),
+        E * D,
+        jnp.float32,
+        interpret=True,
+        block_k=64,
+    )
+    np.testing.assert_array_equal(np.asarray(got).reshape(E, D, I) * 2.0**14, ref_dn)
 
 
-@pytest.mark.parametrize("T,E,k,D,I,group,bn,dtype,valid", [
-    (37, 8, 4, 96, 64, 3, 64, jnp.float32, False),   # 3 expert groups, K tail, odd tokens, stacked layers,
-                                                     # a masked last feature tile of the down GEMM
-    (50, 4, 2, 64, 96, 4, 32, jnp.bfloat16, True),   # pairs skipped (expert parallelism)
-])
+@pytest.mark.parametrize(
+    "T,E,k,D,I,group,bn,dtype,valid",
+    [
+        (37, 8, 4, 96, 64, 3, 64, jnp.float32, False),  # 3 expert groups, K tail, odd tokens, stacked layers,
+        # a masked last feature tile of the down GEMM
+        (50, 4, 2, 64, 96, 4, 32, jnp.bfloat16, True),  # pairs skipped (expert parallelism)
+    ],
+)
 def test_dense_prefill_matches_reference(T, E, k, D, I, group, bn, dtype, valid):
     rng = np.random.default_rng(T)
     layers = [_experts(rng, E, D, I, dtype) for _ in range(2)]
@@ -138,10 +178,12 @@ def test_dense_prefill_matches_reference(T, E, k, D, I, group, bn, dtype, valid)
     w = jnp.asarray(rng.random((T, k)), jnp.float32)
     mask = jnp.asarray(rng.random((T, k)) < 0.6) if valid else None
     cfg = dict(block_m=16, block_n=bn, block_k=64, num_warps=4, num_stages=1, group=group)
-    out = moe_dense.experts(x, idx, w, stacked, jnp.int32(1), mask, swiglu_limit=LIMIT, swiglu_alpha=ALPHA,
-                            interpret=True, **cfg)
-    ref = moe_reference.apply_experts(x, idx, w if mask is None else jnp.where(mask, w, 0.0), layers[1],
-                                      swiglu_limit=LIMIT, swiglu_alpha=ALPHA)
+    out = moe_dense.experts(
+        x, idx, w, stacked, jnp.int32(1), mask, swiglu_limit=LIMIT, swiglu_alpha=ALPHA, interpret=True, **cfg
+    )
+    ref = moe_reference.apply_experts(
+        x, idx, w if mask is None else jnp.where(mask, w, 0.0), layers[1], swiglu_limit=LIMIT, swiglu_alpha=ALPHA
+    )
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert _rel(out, ref) < (1e-2 if dtype == jnp.bfloat16 else 1e-5)
 
@@ -159,17 +201,27 @@ def test_grouped_prefill_matches_reference(valid):
     w = jnp.asarray(rng.random((T, k)), jnp.float32)
     mask = jnp.asarray(rng.random((T, k)) < 0.6) if valid else None
     assert moe_dense.grouped_fits(D, I, E, T * k)
-    out = moe_dense.experts_grouped(x, idx, w, stacked, jnp.int32(1), mask, swiglu_limit=LIMIT, swiglu_alpha=ALPHA,
-                                    interpret=None if Device.current().hopper else True)
-    ref = moe_reference.apply_experts(x, idx, w if mask is None else jnp.where(mask, w, 0.0), layers[1],
-                                      swiglu_limit=LIMIT, swiglu_alpha=ALPHA)
+    out = moe_dense.experts_grouped(
+        x,
+        idx,
+        w,
+        stacked,
+        jnp.int32(1),
+        mask,
+        swiglu_limit=LIMIT,
+        swiglu_alpha=ALPHA,
+        interpret=None if Device.current().hopper else True,
+    )
+    ref = moe_reference.apply_experts(
+        x, idx, w if mask is None else jnp.where(mask, w, 0.0), layers[1], swiglu_limit=LIMIT, swiglu_alpha=ALPHA
+    )
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert _rel(out, ref) < 1e-2
 
 
 def test_grouped_prefill_limits(monkeypatch):
     rng = np.random.default_rng(0)
-    small = expert_format.prepare_experts(_experts(rng, 4, 128, 256, jnp.bfloat16))   # D: 2 K steps
+    small = expert_format.prepare_experts(_experts(rng, 4, 128, 256, jnp.bfloat16))  # D: 2 K steps
     assert not moe_dense.grouped_fits(128, 256, 4, 512)
     big = expert_format.prepare_experts(_experts(rng, 4, 256, 256, jnp.bfloat16))
     assert moe_dense.grouped_fits(256, 256, 4, 128) and not moe_dense.grouped_fits(256, 256, 4, 127)
@@ -182,9 +234,16 @@ def test_grouped_prefill_limits(monkeypatch):
     ran = []
     real = moe_dense.experts
     monkeypatch.setitem(pallas_kernels._EXPERTS, "dense", lambda *a, **kw: ran.append("dense") or real(*a, **kw))
-    out = pallas_kernels.experts(jnp.ones((64, 128), jnp.bfloat16), jnp.zeros((64, 4), jnp.int32),
-                                 jnp.full((64, 4), 0.25, jnp.float32), small, None, swiglu_limit=LIMIT,
-                                 swiglu_alpha=ALPHA, kernels=hopper)
+    out = pallas_kernels.experts(
+        jnp.ones((64, 128), jnp.bfloat16),
+        jnp.zeros((64, 4), jnp.int32),
+        jnp.full((64, 4), 0.25, jnp.float32),
+        small,
+        None,
+        swiglu_limit=LIMIT,
+        swiglu_alpha=ALPHA,
+        kernels=hopper,
+    )
     assert ran == ["dense"] and np.isfinite(np.asarray(out, np.float32)).all()
 
 
@@ -192,14 +251,14 @@ def test_grouped_prefill_limits(monkeypatch):
 def test_prefill_regimes(device):
     """The regimes per token count; mid-batch bf16 takes the Mosaic kernels where they run (Hopper), as do
     prefills of up to 32 experts (the grouped GEMMs)."""
+
     def auto_config(T, k, E, dtype):
         return {"kernel": choose("experts", T, (2880, 2880, E, k), dtype, device, KERNELS).kernel}
 
     mid = "mosaic" if device.hopper else "mma"
     assert auto_config(1, 4, 32, jnp.bfloat16)["kernel"] == "gemv16"
     assert auto_config(256, 4, 32, jnp.bfloat16)["kernel"] == mid  # 32 rows per expert
-    assert auto_config(8192, 4, 32, jnp.bfloat16)["kernel"] == (
-        "grouped" if device.hopper else "dense")
+    assert auto_config(8192, 4, 32, jnp.bfloat16)["kernel"] == ("grouped" if device.hopper else "dense")
     assert auto_config(8192, 4, 32, jnp.float32)["kernel"] == "dense"
     assert auto_config(32768, 4, 128, jnp.bfloat16)["kernel"] == "dense"  # 120b: 4 expert groups
     assert auto_config(1024, 4, 128, jnp.bfloat16)["kernel"] == mid  # 32 rows per expert
@@ -215,8 +274,8 @@ def test_dispatch_slots_cover_every_pair_once():
     e_sorted = np.asarray(idx).reshape(-1)[np.asarray(order)]
     for e, s, r in zip(np.asarray(se), np.asarray(ss), np.asarray(sr)):
         assert 0 <= r <= bm
-        seen[s:s + r] += 1
-        assert (e_sorted[s:s + r] == e).all()
+        seen[s : s + r] += 1
+        assert (e_sorted[s : s + r] == e).all()
     assert (seen == 1).all()
 
 
@@ -224,8 +283,7 @@ def test_half_pairs_scaling_is_exact_and_in_range():
     """The f16 activation pairs: each token scaled by a power of two below 2^14, pairs (j, j + 4) in
     phase order, and the returned factor undoing scaling and decode exactly."""
     rng = np.random.default_rng(3)
-    x = np.asarray(jnp.asarray(rng.normal(size=(3, 64)) * np.array([[1e-3], [1.0], [900.0]]), jnp.bfloat16),
-                   np.float32)
+    x = np.asarray(jnp.asarray(rng.normal(size=(3, 64)) * np.array([[1e-3], [1.0], [900.0]]), jnp.bfloat16), np.float32)
     x[1, 5] = 0.0
     words, factor = moe_gemv.half_pairs(jnp.asarray(x))
     halves = np.asarray(words).reshape(3, 4, 8).view(np.float16).reshape(3, 4, 8, 2).astype(np.float32)
@@ -233,23 +291,27 @@ def test_half_pairs_scaling_is_exact_and_in_range():
     for j in range(4):
         for h in range(2):  # pair j holds features 8m + j (low half) and 8m + j + 4 (high half)
             back[:, 8 * np.arange(8) + j + 4 * h] = halves[:, j, :, h]
-    scaled = back * np.asarray(factor)[:, None] / 2.0 ** 14
+    scaled = back * np.asarray(factor)[:, None] / 2.0**14
     np.testing.assert_array_equal(scaled, x)
-    assert np.abs(back).max() < 2.0 ** 14 and (np.abs(back).max(axis=1) >= 2.0 ** 13).all()
+    assert np.abs(back).max() < 2.0**14 and (np.abs(back).max(axis=1) >= 2.0**13).all()
 
 
 def test_activation_shift_bounds_clamped_swiglu():
     assert moe_gemv.activation_shift(7.0) == 8  # |a| <= 7 * 8 = 56 < 2^6
     g = jnp.linspace(-50, 50, 20001)
     a = moe_reference.swiglu(jnp.stack([g, g], -1).reshape(-1), 7.0, 1.702)
-    assert float(jnp.max(jnp.abs(a))) * 2.0 ** 8 < 2.0 ** 14
+    assert float(jnp.max(jnp.abs(a))) * 2.0**8 < 2.0**14
 
 
 def test_decode_config_choice():
     """bf16 takes the half-precision GEMV up to 2 rows per expert on average, fp32 never does."""
+
     def decode_config(T, k, E, half=False):  # where the Mosaic kernels do not run
-        return {"kernel": choose("experts", T, (2880, 2880, E, k), jnp.bfloat16 if half else jnp.float32, CPU,
-                                 KERNELS).kernel}
+        return {
+            "kernel": choose(
+                "experts", T, (2880, 2880, E, k), jnp.bfloat16 if half else jnp.float32, CPU, KERNELS
+            ).kernel
+        }
 
     assert decode_config(1, 4, 32, half=True)["kernel"] == "gemv16"
     assert decode_config(16, 4, 32, half=True)["kernel"] == "gemv16"
@@ -258,8 +320,13 @@ def test_decode_config_choice():
     assert decode_config(16, 4, 32)["kernel"] == "mma"
 
 
-@pytest.mark.parametrize("cfg", [dict(kernel="gemv16", block_k=64, prefetch=True),
-                                 dict(kernel="mma", block_m=16, block_n=16, block_n_down=16, block_k=64, num_stages=1)])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(kernel="gemv16", block_k=64, prefetch=True),
+        dict(kernel="mma", block_m=16, block_n=16, block_n_down=16, block_k=64, num_stages=1),
+    ],
+)
 def test_invalid_pairs_are_skipped_and_contribute_zero(cfg):
     """Pairs outside `valid_TK` cost no expert work and add exactly 0, even with a nonzero weight (their
     output rows are never written, so masking must not rely on weight 0)."""

@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_kernels_moe import ALPHA, LIMIT, _experts, _rel
 
 import pallas_kernels
 from pallas_kernels import expert_format, moe_mosaic, moe_reference
-from test_kernels_moe import ALPHA, LIMIT, _experts, _rel
 
 
 def test_mma_perm_is_a_permutation_pairing_each_threads_words():
@@ -38,20 +38,24 @@ def test_f16_operand_roundtrip():
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.normal(size=(5, 600)) * np.array([1e-3, 1, 30, 1e4, 0])[:, None], jnp.float32)
     x16, fac = moe_mosaic.f16_operand(x)
-    assert x16.shape == (5, 1024) and np.all(np.abs(np.asarray(x16, np.float32)) < 2 ** 14)
+    assert x16.shape == (5, 1024) and np.all(np.abs(np.asarray(x16, np.float32)) < 2**14)
     un = np.asarray(x16, np.float32).reshape(5, 2, 512)
     nat = np.zeros_like(un)
     nat[..., moe_mosaic.mma_perm()] = un
-    np.testing.assert_allclose(nat.reshape(5, 1024)[:, :600] * np.asarray(fac)[:, None], np.asarray(x),
-                               rtol=2 ** -10, atol=0)
+    np.testing.assert_allclose(
+        nat.reshape(5, 1024)[:, :600] * np.asarray(fac)[:, None], np.asarray(x), rtol=2**-10, atol=0
+    )
     assert np.all(nat.reshape(5, 1024)[:, 600:] == 0)
 
 
-@pytest.mark.parametrize("T,E,k,D,I,bm,empty", [
-    (24, 8, 4, 576, 512, 16, True),   # K tail in the gate/up (D not a multiple of 512), an expert never routed
-    (40, 4, 2, 512, 576, 8, False),   # K tail in the down; several slots per expert
-    (9, 16, 4, 512, 512, 16, True),   # most slots empty
-])
+@pytest.mark.parametrize(
+    "T,E,k,D,I,bm,empty",
+    [
+        (24, 8, 4, 576, 512, 16, True),  # K tail in the gate/up (D not a multiple of 512), an expert never routed
+        (40, 4, 2, 512, 576, 8, False),  # K tail in the down; several slots per expert
+        (9, 16, 4, 512, 512, 16, True),  # most slots empty
+    ],
+)
 def test_experts_match_reference(T, E, k, D, I, bm, empty):
     rng = np.random.default_rng(T + E)
     ex = _experts(rng, E, D, I, jnp.bfloat16)
@@ -62,8 +66,9 @@ def test_experts_match_reference(T, E, k, D, I, bm, empty):
         rb[0] = -1e4
     idx, w, _ = moe_reference.route(x, rw, jnp.asarray(rb, jnp.bfloat16), k)
     ref = moe_reference.apply_experts(x, idx, w, ex, swiglu_limit=LIMIT, swiglu_alpha=ALPHA)
-    out = moe_mosaic.experts(x, idx, w, expert_format.prepare_experts(ex), swiglu_limit=LIMIT,
-                                     swiglu_alpha=ALPHA, block_m=bm)
+    out = moe_mosaic.experts(
+        x, idx, w, expert_format.prepare_experts(ex), swiglu_limit=LIMIT, swiglu_alpha=ALPHA, block_m=bm
+    )
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert _rel(out, ref) < 1e-2
 
@@ -72,8 +77,14 @@ def test_shapes_that_do_not_tile_are_refused():
     ex = expert_format.prepare_experts(_experts(np.random.default_rng(0), 4, 96, 512, jnp.bfloat16))
     assert not moe_mosaic.fits(96, 512)
     with pytest.raises(ValueError, match="D=96, I=512 do not tile"):
-        moe_mosaic.experts(jnp.zeros((4, 96), jnp.bfloat16), jnp.zeros((4, 2), jnp.int32),
-                                   jnp.ones((4, 2)), ex, swiglu_limit=LIMIT, swiglu_alpha=ALPHA)
+        moe_mosaic.experts(
+            jnp.zeros((4, 96), jnp.bfloat16),
+            jnp.zeros((4, 2), jnp.int32),
+            jnp.ones((4, 2)),
+            ex,
+            swiglu_limit=LIMIT,
+            swiglu_alpha=ALPHA,
+        )
 
 
 def test_stacked_layers_and_invalid_pairs():
@@ -86,10 +97,10 @@ def test_stacked_layers_and_invalid_pairs():
     idx = jnp.asarray(rng.integers(0, E, (T, k)), jnp.int32)
     w = jnp.asarray(rng.random((T, k)), jnp.float32)
     valid = jnp.asarray(rng.random((T, k)) < 0.6).at[0].set(False)
-    out = moe_mosaic.experts(x, idx, w, kx, jnp.int32(2), valid, swiglu_limit=LIMIT, swiglu_alpha=ALPHA,
-                                     block_m=8)
-    ref = moe_reference.apply_experts(x, idx, jnp.where(valid, w, 0.0), layers[2], swiglu_limit=LIMIT,
-                                      swiglu_alpha=ALPHA)
+    out = moe_mosaic.experts(x, idx, w, kx, jnp.int32(2), valid, swiglu_limit=LIMIT, swiglu_alpha=ALPHA, block_m=8)
+    ref = moe_reference.apply_experts(
+        x, idx, jnp.where(valid, w, 0.0), layers[2], swiglu_limit=LIMIT, swiglu_alpha=ALPHA
+    )
     assert np.all(np.asarray(out[0], np.float32) == 0.0)
     assert _rel(out, ref) < 1e-2
 
@@ -112,8 +123,16 @@ def test_stored_scale_operands_give_the_same_output():
     x = jnp.asarray(rng.normal(size=(T, D)), jnp.bfloat16)
     idx = jnp.asarray(rng.integers(0, E, (T, k)), jnp.int32)
     w = jnp.asarray(rng.random((T, k)), jnp.float32)
-    run = lambda ex: moe_mosaic.experts(x, idx, w, ex, jnp.int32(1), swiglu_limit=LIMIT,  # noqa: E731
-                                                swiglu_alpha=ALPHA, block_m=8)
+    run = lambda ex: moe_mosaic.experts(
+        x,
+        idx,
+        w,
+        ex,
+        jnp.int32(1),
+        swiglu_limit=LIMIT,  # noqa: E731
+        swiglu_alpha=ALPHA,
+        block_m=8,
+    )
     np.testing.assert_array_equal(np.asarray(run(stored), np.float32), np.asarray(run(kx), np.float32))
 
 
@@ -133,7 +152,7 @@ def test_act_exponent_keeps_the_activation_in_f16_range():
     2^14, like the token operand."""
     for limit in (7.0, 1.0, 30.0, 0.5):
         bound, a = limit * (limit + 1), moe_mosaic.act_exponent(limit)
-        assert bound * 2.0 ** a <= 2 ** 14 < bound * 2.0 ** (a + 1)
+        assert bound * 2.0**a <= 2**14 < bound * 2.0 ** (a + 1)
     g = jnp.linspace(-50, 50, 1001)
     act = expert_format.clamped_swiglu(g[:, None], g[None, :], 7.0, ALPHA)
     assert float(jnp.max(jnp.abs(act))) <= 7.0 * 8.0
@@ -142,5 +161,11 @@ def test_act_exponent_keeps_the_activation_in_f16_range():
 def test_unbounded_swiglu_limit_is_refused():
     ex = expert_format.prepare_experts(_experts(np.random.default_rng(0), 4, 512, 512, jnp.bfloat16))
     with pytest.raises(ValueError, match="swiglu_limit=inf"):
-        moe_mosaic.experts(jnp.zeros((4, 512), jnp.bfloat16), jnp.zeros((4, 2), jnp.int32),
-                                   jnp.ones((4, 2)), ex, swiglu_limit=float("inf"), swiglu_alpha=ALPHA)
+        moe_mosaic.experts(
+            jnp.zeros((4, 512), jnp.bfloat16),
+            jnp.zeros((4, 2), jnp.int32),
+            jnp.ones((4, 2)),
+            ex,
+            swiglu_limit=float("inf"),
+            swiglu_alpha=ALPHA,
+        )

@@ -21,8 +21,12 @@ def _inputs(rng, T, E, D, L):
     gain = rng.normal(size=(L, D))
     router = rng.normal(size=(L, E, D)) * 0.05
     bias = rng.normal(size=(L, E))
-    return (jnp.asarray(x, jnp.float32), jnp.asarray(gain, jnp.float32), jnp.asarray(router, jnp.bfloat16),
-            jnp.asarray(bias, jnp.bfloat16))
+    return (
+        jnp.asarray(x, jnp.float32),
+        jnp.asarray(gain, jnp.float32),
+        jnp.asarray(router, jnp.bfloat16),
+        jnp.asarray(bias, jnp.bfloat16),
+    )
 
 
 @pytest.mark.parametrize("T, E, D, L", [(1, 32, 2880, 3), (5, 12, 96, 2), (16, 128, 256, 2), (3, 3, 64, 1)])
@@ -30,8 +34,9 @@ def test_front_kernel_matches_reference(T, E, D, L):
     """Activation words and factors bit-exact; logits to f32 summation order."""
     x, gain, router, bias = _inputs(np.random.default_rng(T * E), T, E, D, L)
     layer = jnp.int32(L - 1)
-    logits, words, xs = (np.asarray(a) for a in moe_route.front(x, gain, router, bias, layer, eps=EPS,
-                                                                 dtype=jnp.bfloat16))
+    logits, words, xs = (
+        np.asarray(a) for a in moe_route.front(x, gain, router, bias, layer, eps=EPS, dtype=jnp.bfloat16)
+    )
     ref = moe_route.reference(x, gain, router, bias, layer, eps=EPS, dtype=jnp.bfloat16)
     np.testing.assert_allclose(logits, np.asarray(ref[0]), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(words, np.asarray(ref[1]))
@@ -44,10 +49,14 @@ def test_front_kernel_matches_reference(T, E, D, L):
 def _experts(rng, L, E, D, I):
     u8 = lambda *s: jnp.asarray(rng.integers(0, 256, s, dtype=np.uint8))
     sc = lambda *s: jnp.asarray(rng.integers(117, 129, s, dtype=np.uint8))
-    return Experts(gate_up_blocks=u8(L, E, 2 * I, D // 32, 16), gate_up_scales=sc(L, E, 2 * I, D // 32),
-                   gate_up_bias=jnp.asarray(rng.normal(size=(L, E, 2 * I)), jnp.bfloat16),
-                   down_blocks=u8(L, E, D, I // 32, 16), down_scales=sc(L, E, D, I // 32),
-                   down_bias=jnp.asarray(rng.normal(size=(L, E, D)), jnp.bfloat16))
+    return Experts(
+        gate_up_blocks=u8(L, E, 2 * I, D // 32, 16),
+        gate_up_scales=sc(L, E, 2 * I, D // 32),
+        gate_up_bias=jnp.asarray(rng.normal(size=(L, E, 2 * I)), jnp.bfloat16),
+        down_blocks=u8(L, E, D, I // 32, 16),
+        down_scales=sc(L, E, D, I // 32),
+        down_bias=jnp.asarray(rng.normal(size=(L, E, D)), jnp.bfloat16),
+    )
 
 
 @pytest.mark.parametrize("T", [1, 3])
@@ -67,10 +76,20 @@ def test_moe_block_takes_the_fused_kernels_and_matches_reference(monkeypatch, T)
         monkeypatch.setattr(moe_route, name, lambda *a, _spy=spy, _n=name, **kw: calls.append(_n) or _spy(*a, **kw))
     kw = dict(eps=EPS, dtype=jnp.bfloat16, top_k=k, swiglu_limit=7.0, swiglu_alpha=1.702)
     for layer in range(L):
-        got_x, got_t = pallas_kernels.moe_block(x, gain, router, bias, expert_format.prepare_experts(ex),
-                                                jnp.int32(layer), gains, kernels=KernelConfig(impl="pallas"), **kw)
-        ref_x, ref_t = pallas_kernels.moe_block(x, gain, router, bias, ex, jnp.int32(layer), gains,
-                                                kernels=KernelConfig(impl="reference"), **kw)
+        got_x, got_t = pallas_kernels.moe_block(
+            x,
+            gain,
+            router,
+            bias,
+            expert_format.prepare_experts(ex),
+            jnp.int32(layer),
+            gains,
+            kernels=KernelConfig(impl="pallas"),
+            **kw,
+        )
+        ref_x, ref_t = pallas_kernels.moe_block(
+            x, gain, router, bias, ex, jnp.int32(layer), gains, kernels=KernelConfig(impl="reference"), **kw
+        )
         assert got_x.dtype == ref_x.dtype == jnp.float32 and got_t.dtype == ref_t.dtype == jnp.bfloat16
         # the MoE output alone: the residual rows of near-1 magnitude would hide its error
         a, b = np.asarray(got_x - x, np.float64), np.asarray(ref_x - x, np.float64)
@@ -104,6 +123,7 @@ def test_back_kernel_matches_reference():
 def test_fused_front_end_regime(device):
     """bf16 models, up to `moe_route_max_tokens` (4) tokens, and only while experts average <= 2 routed rows (the
     `gemv16` regime)."""
+
     def applies(T, k, E, dtype):
         return choose("moe", T, (2880, 2880, E, k), dtype, device, KernelConfig(impl="pallas")).kernel == "route"
 
@@ -133,5 +153,7 @@ def test_in_kernel_routing_matches_dispatched_pairs():
     y = moe_gemv.run_routed(words, xs, logits, jnp.int32(1), flat, top_k=k, **kw, **cfg)
     got = moe_slots.combine(y, None, None, T, k, jnp.bfloat16)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
-    assert np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32)).max() <= 2 ** -7 * np.abs(
-        np.asarray(want, np.float32)).max()
+    assert (
+        np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32)).max()
+        <= 2**-7 * np.abs(np.asarray(want, np.float32)).max()
+    )

@@ -27,8 +27,9 @@ def test_pool_refcounts_and_lru_eviction():
 
 
 def test_sliding_pages_stay_bounded_and_full_pages_grow():
-    kv = KVCacheManager(num_pages_full=64, num_pages_sliding=8, page_size=4, window=8, num_sliding_layers=1,
-                        enable_prefix_caching=False)
+    kv = KVCacheManager(
+        num_pages_full=64, num_pages_sliding=8, page_size=4, window=8, num_sliding_layers=1, enable_prefix_caching=False
+    )
     pages = SequencePages()
     for pos in range(100):
         kv.allocate(pages, pos, pos + 1)

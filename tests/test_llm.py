@@ -1,12 +1,12 @@
+import json
 import subprocess
 import sys
-import json
 
 import numpy as np
 import pytest
+from parity_configs import PARITY
 
 from gptoss_jax import LLM, SamplingParams, random_weights
-from parity_configs import PARITY
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +21,11 @@ def _prompts(n, seed=0, vocab=512):
 
 def test_result_shape_and_greedy_matches_full_forward(llm):
     ids = _prompts(1)[0]
-    out = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(temperature=0, max_tokens=12,
-                       stop_token_ids=[]), use_tqdm=False)
+    out = llm.generate(
+        prompt_token_ids=[ids],
+        sampling_params=SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[]),
+        use_tqdm=False,
+    )
     assert len(out) == 1 and out[0].prompt_token_ids == ids
     c = out[0].outputs[0]
     assert len(c.token_ids) == 12 and c.finish_reason == "length" and c.text is None
@@ -49,36 +52,73 @@ def test_seeded_sampling_reproducible_regardless_of_batch(llm):
     other = SamplingParams(temperature=0.7, seed=99, max_tokens=8, stop_token_ids=[])
     mixed = llm.generate(prompt_token_ids=prompts, sampling_params=[sp, other, other], use_tqdm=False)
     assert mixed[0].outputs[0].token_ids == alone
-    again = llm.generate(prompt_token_ids=[prompts[0]], sampling_params=SamplingParams(
-        temperature=1.0, top_p=0.9, top_k=50, seed=1235, max_tokens=8, stop_token_ids=[]), use_tqdm=False)
+    again = llm.generate(
+        prompt_token_ids=[prompts[0]],
+        sampling_params=SamplingParams(
+            temperature=1.0, top_p=0.9, top_k=50, seed=1235, max_tokens=8, stop_token_ids=[]
+        ),
+        use_tqdm=False,
+    )
     assert again[0].outputs[0].token_ids != alone
 
 
 def test_top_k_1_is_greedy(llm):
     p = _prompts(1, seed=3)
-    greedy = llm.generate(prompt_token_ids=p, sampling_params=SamplingParams(temperature=0, max_tokens=6,
-                          stop_token_ids=[]), use_tqdm=False)[0].outputs[0].token_ids
-    k1 = llm.generate(prompt_token_ids=p, sampling_params=SamplingParams(temperature=1.5, top_k=1, seed=5,
-                      max_tokens=6, stop_token_ids=[]), use_tqdm=False)[0].outputs[0].token_ids
+    greedy = (
+        llm.generate(
+            prompt_token_ids=p,
+            sampling_params=SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[]),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
+    k1 = (
+        llm.generate(
+            prompt_token_ids=p,
+            sampling_params=SamplingParams(temperature=1.5, top_k=1, seed=5, max_tokens=6, stop_token_ids=[]),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     assert greedy == k1
 
 
 def test_stop_token_ends_and_is_excluded(llm):
     p = _prompts(1, seed=4)
-    free = llm.generate(prompt_token_ids=p, sampling_params=SamplingParams(temperature=0, max_tokens=10,
-                        stop_token_ids=[]), use_tqdm=False)[0].outputs[0].token_ids
+    free = (
+        llm.generate(
+            prompt_token_ids=p,
+            sampling_params=SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[]),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     stop = free[3]
-    out = llm.generate(prompt_token_ids=p, sampling_params=SamplingParams(temperature=0, max_tokens=10,
-                       stop_token_ids=[stop]), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        prompt_token_ids=p,
+        sampling_params=SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
-    assert out.token_ids == free[:free.index(stop)]
+    assert out.token_ids == free[: free.index(stop)]
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-2), "top_k"),
-    (dict(min_p=1.5), "min_p"), (dict(max_tokens=0), "max_tokens"), (dict(seed="x"), "seed"),
-    (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(temperature=float("nan")), "temperature"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(seed="x"), "seed"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        (dict(temperature=float("nan")), "temperature"),
+    ],
+)
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{match}="):
         SamplingParams(**kwargs)
@@ -103,8 +143,11 @@ def test_context_limit(small_checkpoint):
     llm = LLM(small_checkpoint, dtype="float32", max_model_len=20, progress=False)
     with pytest.raises(ValueError, match="context limit is 20"):
         llm.generate(prompt_token_ids=[list(range(2, 22))], use_tqdm=False)
-    out = llm.generate(prompt_token_ids=[list(range(2, 17))], sampling_params=SamplingParams(
-        temperature=0, max_tokens=50, stop_token_ids=[]), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        prompt_token_ids=[list(range(2, 17))],
+        sampling_params=SamplingParams(temperature=0, max_tokens=50, stop_token_ids=[]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
 
 
@@ -113,8 +156,9 @@ def test_sliding_layer_zero_ignores_tokens_outside_window(tmp_path):
     spec = PARITY["small"]
     W = spec["config"]["sliding_window"]
     for layers, sees_far_token in ((1, False), (2, True)):
-        cfg = dict(spec["config"], num_hidden_layers=layers,
-                   layer_types=["sliding_attention", "full_attention"][:layers])
+        cfg = dict(
+            spec["config"], num_hidden_layers=layers, layer_types=["sliding_attention", "full_attention"][:layers]
+        )
         path = random_weights.write_checkpoint(tmp_path / str(layers), cfg, seed=3, progress=False)
         llm = LLM(path, dtype="float32", progress=False)
         ids = list(range(2, 2 + 3 * W))
@@ -130,22 +174,36 @@ def test_demo_checkpoint_text_round_trip(tmp_path, monkeypatch):
     monkeypatch.setenv("GPTOSS_JAX_HOME", str(tmp_path))
     llm = LLM(dtype="float32", progress=False)
     assert llm.config.vocab_size == 201088 and llm.tokenizer is not None
-    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4, stop_token_ids=[]),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        "The capital of France is", SamplingParams(temperature=0, max_tokens=4, stop_token_ids=[]), use_tqdm=False
+    )[0]
     assert out.prompt_token_ids == llm.tokenizer.encode("The capital of France is")
     assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
 
 
 @pytest.mark.slow  # the CLI as subprocesses
 def test_cli_json_and_errors(small_checkpoint):
-    cmd = [sys.executable, "-m", "gptoss_jax.generate", "--model", str(small_checkpoint), "--prompt-ids",
-           "5,6,7", "--max-tokens", "4", "--json", "--dtype", "float32"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gptoss_jax.generate",
+        "--model",
+        str(small_checkpoint),
+        "--prompt-ids",
+        "5,6,7",
+        "--max-tokens",
+        "4",
+        "--json",
+        "--dtype",
+        "float32",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["prompt_token_ids"] == [5, 6, 7] and len(out["token_ids"]) <= 4
     bad = subprocess.run(cmd[:6] + ["5,x"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "comma-separated integers" in bad.stderr
-    bad = subprocess.run(cmd[:3] + ["--prompt-ids", "1", "--model", "/nonexistent"], capture_output=True, text=True,
-                         timeout=300)
+    bad = subprocess.run(
+        cmd[:3] + ["--prompt-ids", "1", "--model", "/nonexistent"], capture_output=True, text=True, timeout=300
+    )
     assert bad.returncode == 1 and "checkpoint folder not found" in bad.stderr

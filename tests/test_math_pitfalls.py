@@ -7,9 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import rope
 from gptoss_jax.config import preset
-from pallas_kernels import attention_reference, moe_reference, mxfp4
+from pallas_kernels import attention_reference, moe_reference, mxfp4, rope
 from pallas_kernels.params import Experts
 
 
@@ -32,13 +31,21 @@ def test_mxfp4_full_lut():
     blocks = (codes[0::2] | (codes[1::2] << 4)).astype(np.uint8)
     blocks = np.concatenate([blocks, np.zeros(8, np.uint8)])[None]
     w = mxfp4.dequantize_np(blocks, np.array([127], np.uint8))[:16]
-    np.testing.assert_array_equal(w, [0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+    np.testing.assert_array_equal(w, [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
 
 
 def test_yarn_inv_freq_values_without_truncation():
     f = rope.inv_freq(preset("gpt-oss-20b"))
-    expected = {0: 1.0, 8: 5.081327e-02, 9: 3.170570e-02, 12: 6.794959e-03, 15: 1.052602e-03,
-                17: 1.293187e-04, 18: 3.830881e-05, 31: 3.023511e-07}
+    expected = {
+        0: 1.0,
+        8: 5.081327e-02,
+        9: 3.170570e-02,
+        12: 6.794959e-03,
+        15: 1.052602e-03,
+        17: 1.293187e-04,
+        18: 3.830881e-05,
+        31: 3.023511e-07,
+    }
     for i, v in expected.items():
         assert f[i] == pytest.approx(v, rel=1e-6), i
     truncated = rope.inv_freq(preset("gpt-oss-20b").__class__(**{**vars(preset("gpt-oss-20b")), "rope_truncate": True}))
@@ -49,7 +56,7 @@ def test_yarn_concentration_on_cos_and_sin():
     cfg = preset("gpt-oss-20b")
     assert cfg.rope_concentration == pytest.approx(0.1 * math.log(32) + 1)
     cos, sin = rope.cos_sin(cfg, jnp.arange(5), jnp.float32)
-    assert np.allclose(np.asarray(cos) ** 2 + np.asarray(sin) ** 2, cfg.rope_concentration ** 2, rtol=1e-5)
+    assert np.allclose(np.asarray(cos) ** 2 + np.asarray(sin) ** 2, cfg.rope_concentration**2, rtol=1e-5)
 
 
 def test_rope_is_half_split():
@@ -61,8 +68,11 @@ def test_rope_is_half_split():
 
 def _attn_inputs(T, N=2, K=1, H=8, seed=0):
     k = jax.random.split(jax.random.PRNGKey(seed), 4)
-    return (jax.random.normal(k[0], (1, T, N, H)), jax.random.normal(k[1], (1, T, K, H)),
-            jax.random.normal(k[2], (1, T, K, H)))
+    return (
+        jax.random.normal(k[0], (1, T, N, H)),
+        jax.random.normal(k[1], (1, T, K, H)),
+        jax.random.normal(k[2], (1, T, K, H)),
+    )
 
 
 def _paged(q, k, v, sinks, pos, window, page_size=4):
@@ -71,11 +81,12 @@ def _paged(q, k, v, sinks, pos, window, page_size=4):
     n = -(-T // page_size)
     pad = ((0, 0), (0, n * page_size - T), (0, 0), (0, 0))
     order = np.random.default_rng(T).permutation(n) + 1  # page of block i
+
     def pages(x):
         blocks = jnp.pad(x, pad)[0].reshape(n, page_size, *x.shape[2:])
         return jnp.zeros((n + 1, *blocks.shape[1:]), x.dtype).at[order].set(blocks)
-    return attention_reference.attention(q, pages(k), pages(v), jnp.asarray(order[None], jnp.int32), pos, sinks,
-                                         window)
+
+    return attention_reference.attention(q, pages(k), pages(v), jnp.asarray(order[None], jnp.int32), pos, sinks, window)
 
 
 def test_window_boundary_128_keys_including_self():
@@ -125,10 +136,13 @@ def _experts(E, D, I, seed, zero_weights=False):
     if zero_weights:
         gu_b[:], dn_b[:] = 0, 0
     return Experts(
-        gate_up_blocks=jnp.asarray(gu_b), gate_up_scales=jnp.full((E, 2 * I, D // 32), 124, jnp.uint8),
+        gate_up_blocks=jnp.asarray(gu_b),
+        gate_up_scales=jnp.full((E, 2 * I, D // 32), 124, jnp.uint8),
         gate_up_bias=jnp.asarray(rng.standard_normal((E, 2 * I)), jnp.float32),
-        down_blocks=jnp.asarray(dn_b), down_scales=jnp.full((E, D, I // 32), 124, jnp.uint8),
-        down_bias=jnp.asarray(rng.standard_normal((E, D)), jnp.float32))
+        down_blocks=jnp.asarray(dn_b),
+        down_scales=jnp.full((E, D, I // 32), 124, jnp.uint8),
+        down_bias=jnp.asarray(rng.standard_normal((E, D)), jnp.float32),
+    )
 
 
 def test_expert_bias_inside_weighted_sum():

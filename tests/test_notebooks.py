@@ -33,8 +33,9 @@ def kernel_env(tmp_path_factory):
         env["XLA_FLAGS"] = flags
     else:
         env.pop("XLA_FLAGS", None)
-    env.update(JAX_PLATFORMS="cpu", MPLBACKEND="Agg",
-               JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax-cache")))
+    env.update(
+        JAX_PLATFORMS="cpu", MPLBACKEND="Agg", JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax-cache"))
+    )
     for var in ("GPTOSS_JAX_MODEL", "GPTOSS_JAX_SERVER_URL", "GPTOSS_JAX_RESULTS"):
         env.pop(var, None)  # always the demo checkpoint, a fresh server, the committed results
     return env
@@ -43,8 +44,9 @@ def kernel_env(tmp_path_factory):
 @pytest.mark.parametrize("name", list(CASES))
 def test_notebook_runs(name, kernel_env, tmp_path):
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=240, kernel_name="python3",
-                                     resources={"metadata": {"path": str(NOTEBOOKS)}})
+    client = nbclient.NotebookClient(
+        nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}
+    )
     client.execute(env=dict(kernel_env, GPTOSS_JAX_FIGURES=str(tmp_path)))
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors

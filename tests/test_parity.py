@@ -6,14 +6,13 @@ eager attention, its own MXFP4 dequantisation, on checkpoints our writer rebuild
 
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
-
-import jax
+from parity_configs import MIN_ROUTER_MARGIN, PARITY
 
 from gptoss_jax import LLM, SamplingParams
 from pallas_kernels import moe_reference
-from parity_configs import MIN_ROUTER_MARGIN, PARITY
 
 pytestmark = pytest.mark.slow  # transformers parity: both checkpoints, fp32 and bf16, the kernel path
 
@@ -36,9 +35,11 @@ def test_fp32_logits_and_greedy_tokens(case):
     logits = llm.logits(g["prompt_ids"].tolist())
     assert logits.shape == g["logits"].shape
     assert _rel(logits, g["logits"]) < 1e-4, name
-    out = llm.generate(prompt_token_ids=[g["prompt_ids"].tolist()],
-                       sampling_params=SamplingParams(temperature=0, max_tokens=len(g["greedy_ids"]), stop_token_ids=[]),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        prompt_token_ids=[g["prompt_ids"].tolist()],
+        sampling_params=SamplingParams(temperature=0, max_tokens=len(g["greedy_ids"]), stop_token_ids=[]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.token_ids == g["greedy_ids"].tolist(), name
 
 
@@ -72,7 +73,9 @@ def test_goldens_have_no_routing_near_ties(case, monkeypatch):
     monkeypatch.setattr(moe_reference, "route", spy)
     with jax.disable_jit():
         # un-jitted ops copy the cache: keep it small (on GPUs the default fills free memory)
-        LLM(path, dtype="float32", impl="reference", kv_cache_tokens=256, progress=False).logits(g["prompt_ids"].tolist())
+        LLM(path, dtype="float32", impl="reference", kv_cache_tokens=256, progress=False).logits(
+            g["prompt_ids"].tolist()
+        )
     assert len(seen) == PARITY[name]["config"]["num_hidden_layers"]
     assert min(seen) >= MIN_ROUTER_MARGIN, (name, min(seen))
 
@@ -82,7 +85,9 @@ def test_kernel_path_matches_goldens(parity_checkpoints):
     g = np.load(GOLDEN / "small.npz", allow_pickle=False)
     llm = LLM(parity_checkpoints["small"], dtype="float32", impl="pallas", progress=False)
     assert _rel(llm.logits(g["prompt_ids"].tolist()), g["logits"]) < 1e-4
-    out = llm.generate(prompt_token_ids=[g["prompt_ids"].tolist()],
-                       sampling_params=SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[]),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        prompt_token_ids=[g["prompt_ids"].tolist()],
+        sampling_params=SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.token_ids == g["greedy_ids"][:6].tolist()

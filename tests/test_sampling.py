@@ -32,9 +32,22 @@ def test_draws_stay_inside_the_filtered_set(V):
     min_p = rng.choice([0.0, 0.05, 0.3], B).astype(np.float32)
     f = jax.jit(sampling.sample)
     keys = jnp.stack([jax.random.PRNGKey(i) for i in range(B)])
-    draws = np.stack([np.asarray(f(jnp.asarray(logits), jax.vmap(jax.random.fold_in)(keys, jnp.full(B, r)),
-                                   jnp.asarray(temp), jnp.asarray(top_k), jnp.asarray(top_p), jnp.asarray(min_p)))
-                      for r in range(12)], axis=1)
+    draws = np.stack(
+        [
+            np.asarray(
+                f(
+                    jnp.asarray(logits),
+                    jax.vmap(jax.random.fold_in)(keys, jnp.full(B, r)),
+                    jnp.asarray(temp),
+                    jnp.asarray(top_k),
+                    jnp.asarray(top_p),
+                    jnp.asarray(min_p),
+                )
+            )
+            for r in range(12)
+        ],
+        axis=1,
+    )
     for b in range(B):
         allowed = _allowed(logits[b], temp[b], top_k[b], top_p[b], min_p[b])
         assert set(draws[b].tolist()) <= allowed, b
@@ -44,8 +57,13 @@ def test_draws_stay_inside_the_filtered_set(V):
 
 def test_draw_frequencies_follow_the_distribution():
     logits = np.log(np.array([[0.5, 0.3, 0.2, 1e-9]], np.float32))
-    f = jax.jit(jax.vmap(lambda k: sampling.sample(jnp.asarray(logits), k[None], jnp.ones(1), jnp.zeros(1, jnp.int32),
-                                                   jnp.ones(1), jnp.zeros(1))[0]))
+    f = jax.jit(
+        jax.vmap(
+            lambda k: sampling.sample(
+                jnp.asarray(logits), k[None], jnp.ones(1), jnp.zeros(1, jnp.int32), jnp.ones(1), jnp.zeros(1)
+            )[0]
+        )
+    )
     draws = np.asarray(f(jax.random.split(jax.random.PRNGKey(0), 4000)))
     freq = np.bincount(draws, minlength=4) / len(draws)
     np.testing.assert_allclose(freq[:3], [0.5, 0.3, 0.2], atol=0.03)
@@ -55,11 +73,19 @@ def test_draws_across_draw_blocks_follow_the_distribution():
     """Mass spread over several `DRAW_BLOCK`s of a vocabulary that is not a multiple of it, with
     temperature only (the path that skips the candidates)."""
     V = 3 * sampling.DRAW_BLOCK + 77
-    where, probs = [5, sampling.DRAW_BLOCK + 3, 3 * sampling.DRAW_BLOCK + 76, 2 * sampling.DRAW_BLOCK], [.4, .3, .2, .1]
+    where, probs = (
+        [5, sampling.DRAW_BLOCK + 3, 3 * sampling.DRAW_BLOCK + 76, 2 * sampling.DRAW_BLOCK],
+        [0.4, 0.3, 0.2, 0.1],
+    )
     logits = np.full((1, V), -1e9, np.float32)
     logits[0, where] = np.log(probs)
-    f = jax.jit(jax.vmap(lambda k: sampling.sample(jnp.asarray(logits), k[None], jnp.ones(1), jnp.zeros(1, jnp.int32),
-                                                   jnp.ones(1), jnp.zeros(1))[0]))
+    f = jax.jit(
+        jax.vmap(
+            lambda k: sampling.sample(
+                jnp.asarray(logits), k[None], jnp.ones(1), jnp.zeros(1, jnp.int32), jnp.ones(1), jnp.zeros(1)
+            )[0]
+        )
+    )
     draws = np.asarray(f(jax.random.split(jax.random.PRNGKey(1), 4000)))
     assert set(draws.tolist()) <= set(where)
     freq = np.array([np.mean(draws == t) for t in where])
@@ -92,6 +118,7 @@ def test_max_argmax_matches_jnp():
     got_max, got_id = jax.jit(sampling._max_argmax)(jnp.asarray(x))
     np.testing.assert_array_equal(np.asarray(got_id), np.argmax(x, axis=-1))
     np.testing.assert_array_equal(np.asarray(got_max), x.max(axis=-1))
+
 
 def _reference_threshold(s, top_k, top_p, margin=1e-5):
     """Sort-based top-k / top-p threshold of one row of scaled logits, in float64: `(lo, hi)`, the
@@ -173,11 +200,27 @@ def test_rank_threshold_ties_and_signed_zeros():
     row = np.concatenate([np.log(probs), [-np.inf, -np.inf]]).astype(np.float32)
     zeros = np.array([0.0, -1.0, -0.0, 1.0, -np.inf, -0.0, -2.0], np.float32)
     cases = [  # row, top_k, top_p, tokens kept
-        (row, 1, 1.0, 1), (row, 2, 1.0, 4), (row, 4, 1.0, 4), (row, 5, 1.0, 5), (row, 6, 1.0, 7),
-        (row, 0, 0.25, 1), (row, 0, 0.4, 4), (row, 0, 0.75, 4), (row, 0, 0.95, 5), (row, 2, 0.25, 1),
-        (row, 1, 0.4, 1), (row, 3, 0.6, 4), (row, 0, 1e-6, 1),
-        (zeros, 1, 1.0, 1), (zeros, 2, 1.0, 4), (zeros, 3, 1.0, 4), (zeros, 4, 1.0, 4), (zeros, 5, 1.0, 5),
-        (zeros, 6, 1.0, 6), (zeros, 7, 1.0, 7), (zeros, 0, 0.5, 4),
+        (row, 1, 1.0, 1),
+        (row, 2, 1.0, 4),
+        (row, 4, 1.0, 4),
+        (row, 5, 1.0, 5),
+        (row, 6, 1.0, 7),
+        (row, 0, 0.25, 1),
+        (row, 0, 0.4, 4),
+        (row, 0, 0.75, 4),
+        (row, 0, 0.95, 5),
+        (row, 2, 0.25, 1),
+        (row, 1, 0.4, 1),
+        (row, 3, 0.6, 4),
+        (row, 0, 1e-6, 1),
+        (zeros, 1, 1.0, 1),
+        (zeros, 2, 1.0, 4),
+        (zeros, 3, 1.0, 4),
+        (zeros, 4, 1.0, 4),
+        (zeros, 5, 1.0, 5),
+        (zeros, 6, 1.0, 6),
+        (zeros, 7, 1.0, 7),
+        (zeros, 0, 0.5, 4),
     ]
     scaled = np.stack([c[0] for c in cases])
     top_k = np.array([c[1] for c in cases], np.int32)
@@ -205,9 +248,9 @@ def test_top_k_matches_lax_top_k(k):
     tied values by lower id, -inf entries last, and k equal to the row length."""
     rng = np.random.default_rng(k)
     x = rng.standard_normal((4, 500)).astype(np.float32)
-    x[0, ::7] = 1.5              # a tie across the top
-    x[1, 3:] = -np.inf           # fewer finite values than k
-    x[2] = np.round(x[2], 1)     # many small ties
+    x[0, ::7] = 1.5  # a tie across the top
+    x[1, 3:] = -np.inf  # fewer finite values than k
+    x[2] = np.round(x[2], 1)  # many small ties
     got_v, got_i = jax.jit(sampling.top_k, static_argnums=1)(jnp.asarray(x), k)
     want_v, want_i = jax.lax.top_k(jnp.asarray(x), k)
     np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))

@@ -39,8 +39,12 @@ min_context_bucket: 2048
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("real-server")
     (d / "engine.yaml").write_text(CONFIG)
-    s = Server(["--config", str(d / "engine.yaml"), "--dtype", "float32"], env={"GPTOSS_JAX_HOME": str(d / "home")},
-               log_path=d / "server.log", timeout=300)
+    s = Server(
+        ["--config", str(d / "engine.yaml"), "--dtype", "float32"],
+        env={"GPTOSS_JAX_HOME": str(d / "home")},
+        log_path=d / "server.log",
+        timeout=300,
+    )
     yield s
     s.stop()
 
@@ -52,16 +56,22 @@ def client(server):
 
 def view(resp):
     m = resp.choices[0].message
-    return {"content": m.content or "", "reasoning": (m.model_extra or {}).get("reasoning_content") or "",
-            "tools": [(t.function.name, t.function.arguments) for t in m.tool_calls or []],
-            "finish_reason": resp.choices[0].finish_reason}
+    return {
+        "content": m.content or "",
+        "reasoning": (m.model_extra or {}).get("reasoning_content") or "",
+        "tools": [(t.function.name, t.function.arguments) for t in m.tool_calls or []],
+        "finish_reason": resp.choices[0].finish_reason,
+    }
 
 
 def sview(collected):
     c = collected["choices"][0]
-    return {"content": c["content"], "reasoning": c["reasoning"],
-            "tools": [(t["name"], t["arguments"]) for _, t in sorted(c["tools"].items())],
-            "finish_reason": c["finish_reason"]}
+    return {
+        "content": c["content"],
+        "reasoning": c["reasoning"],
+        "tools": [(t["name"], t["arguments"]) for _, t in sorted(c["tools"].items())],
+        "finish_reason": c["finish_reason"],
+    }
 
 
 def test_models_and_health(server, client):
@@ -71,8 +81,9 @@ def test_models_and_health(server, client):
 
 
 def test_greedy_stream_equals_nonstream_and_seeded_sampling_repeats(client):
-    kw = dict(model="gpt-oss-demo", messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=24,
-              temperature=0)
+    kw = dict(
+        model="gpt-oss-demo", messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=24, temperature=0
+    )
     full = client.chat.completions.create(**kw)
     got = collect_chat_stream(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
     assert sview(got) == view(full)
@@ -84,8 +95,13 @@ def test_greedy_stream_equals_nonstream_and_seeded_sampling_repeats(client):
 
 
 def test_completions_ids_and_logprobs(client):
-    r = client.completions.create(model="gpt-oss-demo", prompt=[200006, 1428, 200008, 12194, 200007, 200006, 173781],
-                                  max_tokens=8, temperature=0, logprobs=3)
+    r = client.completions.create(
+        model="gpt-oss-demo",
+        prompt=[200006, 1428, 200008, 12194, 200007, 200006, 173781],
+        max_tokens=8,
+        temperature=0,
+        logprobs=3,
+    )
     lp = r.choices[0].logprobs
     assert r.usage.prompt_tokens == 7 and r.usage.completion_tokens == 8
     assert "".join(lp.tokens) == r.choices[0].text
@@ -96,16 +112,20 @@ def test_context_overflow(client):
     with pytest.raises(openai.BadRequestError, match="maximum context length is 1024 tokens"):
         client.chat.completions.create(model="gpt-oss-demo", messages=[{"role": "user", "content": "go " * 1500}])
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
-        client.chat.completions.create(model="gpt-oss-demo", messages=[{"role": "user", "content": "hi"}],
-                                       max_tokens=1000)
+        client.chat.completions.create(
+            model="gpt-oss-demo", messages=[{"role": "user", "content": "hi"}], max_tokens=1000
+        )
 
 
 def idle(server, timeout=30.0):
     deadline = time.time() + timeout
     while time.time() < deadline:
         m = server.metrics()
-        if m["gptoss:num_requests_running"] == 0 and m["gptoss:num_requests_waiting"] == 0 and \
-                m["gptoss:kv_cache_usage_perc"] == 0:
+        if (
+            m["gptoss:num_requests_running"] == 0
+            and m["gptoss:num_requests_waiting"] == 0
+            and m["gptoss:kv_cache_usage_perc"] == 0
+        ):
             return m
         time.sleep(0.1)
     raise AssertionError(f"engine not idle: {server.metrics()}")
@@ -113,8 +133,12 @@ def idle(server, timeout=30.0):
 
 def test_disconnect_frees_kv_pages(server):
     idle(server)
-    body = {"messages": [{"role": "user", "content": "Write forever."}], "max_tokens": 900, "stream": True,
-            "temperature": 0}
+    body = {
+        "messages": [{"role": "user", "content": "Write forever."}],
+        "max_tokens": 900,
+        "stream": True,
+        "temperature": 0,
+    }
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         for _ in range(4):
@@ -127,8 +151,12 @@ def test_disconnect_frees_kv_pages(server):
 
 def test_32_concurrent_streams_match_nonstreamed(server, client):
     def run(i, stream):
-        kw = dict(model="gpt-oss-demo", messages=[{"role": "user", "content": f"Request number {i}."}],
-                  max_tokens=32, temperature=0)
+        kw = dict(
+            model="gpt-oss-demo",
+            messages=[{"role": "user", "content": f"Request number {i}."}],
+            max_tokens=32,
+            temperature=0,
+        )
         if stream:
             return sview(collect_chat_stream(client.chat.completions.create(stream=True, **kw)))
         return view(client.chat.completions.create(**kw))

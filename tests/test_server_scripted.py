@@ -19,18 +19,41 @@ pytest.importorskip("starlette")
 from server_utils import REPO, Server, collect_chat_stream  # noqa: E402
 
 KEY = "sk-test-123"
-WEATHER = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather for a city.",
-    "parameters": {"type": "object", "properties": {"location": {"type": "string"}, "unit": {
-        "type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["location"]}}}]
+WEATHER = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather for a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "location": {"type": "string"},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["location"],
+            },
+        },
+    }
+]
 SCRIPTS = ["default", "reasoning", "tool", "preamble_tool", "after_tool", "unicode", "malformed", "headerless"]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    s = Server(["--test-engine", str(REPO / "tests" / "scripted_engine.py") + ":make_engine", "--api-key", KEY,
-                "--max-body-bytes", "200000"], log_path=log, timeout=60)
+    s = Server(
+        [
+            "--test-engine",
+            str(REPO / "tests" / "scripted_engine.py") + ":make_engine",
+            "--api-key",
+            KEY,
+            "--max-body-bytes",
+            "200000",
+        ],
+        log_path=log,
+        timeout=60,
+    )
     yield s
     s.stop()
 
@@ -49,17 +72,28 @@ def nonstream_view(resp):
     for ch in resp.choices:
         m = ch.message
         extra = m.model_extra or {}
-        out[ch.index] = {"content": m.content or "", "reasoning": extra.get("reasoning_content") or "",
-                         "tools": {i: {"name": t.function.name, "arguments": t.function.arguments}
-                                   for i, t in enumerate(m.tool_calls or [])},
-                         "finish_reason": ch.finish_reason}
+        out[ch.index] = {
+            "content": m.content or "",
+            "reasoning": extra.get("reasoning_content") or "",
+            "tools": {
+                i: {"name": t.function.name, "arguments": t.function.arguments}
+                for i, t in enumerate(m.tool_calls or [])
+            },
+            "finish_reason": ch.finish_reason,
+        }
     return out
 
 
 def stream_view(collected):
-    return {i: {"content": c["content"], "reasoning": c["reasoning"],
-                "tools": {k: {"name": t["name"], "arguments": t["arguments"]} for k, t in c["tools"].items()},
-                "finish_reason": c["finish_reason"]} for i, c in collected["choices"].items()}
+    return {
+        i: {
+            "content": c["content"],
+            "reasoning": c["reasoning"],
+            "tools": {k: {"name": t["name"], "arguments": t["arguments"]} for k, t in c["tools"].items()},
+            "finish_reason": c["finish_reason"],
+        }
+        for i, c in collected["choices"].items()
+    }
 
 
 def assert_no_control_tokens(view):
@@ -68,15 +102,23 @@ def assert_no_control_tokens(view):
 
 # ---- basics -------------------------------------------------------------------------------------
 
+
 def test_health_models_metrics(server, client):
-    assert httpx.get(server.url + "/health").status_code == 200        # no key needed
+    assert httpx.get(server.url + "/health").status_code == 200  # no key needed
     models = client.models.list()
     assert [m.id for m in models.data] == ["gpt-oss-demo"]
     m = server.metrics()
-    for name in ("gptoss:num_requests_running", "gptoss:num_requests_waiting", "gptoss:kv_cache_usage_perc",
-                 "gptoss:prompt_tokens_total", "gptoss:generation_tokens_total", "gptoss:num_preemptions_total",
-                 "gptoss:time_to_first_token_seconds_count", "gptoss:inter_token_latency_seconds_count",
-                 "gptoss:e2e_request_latency_seconds_count"):
+    for name in (
+        "gptoss:num_requests_running",
+        "gptoss:num_requests_waiting",
+        "gptoss:kv_cache_usage_perc",
+        "gptoss:prompt_tokens_total",
+        "gptoss:generation_tokens_total",
+        "gptoss:num_preemptions_total",
+        "gptoss:time_to_first_token_seconds_count",
+        "gptoss:inter_token_latency_seconds_count",
+        "gptoss:e2e_request_latency_seconds_count",
+    ):
         assert name in m, name
 
 
@@ -96,8 +138,9 @@ def test_reasoning_split_and_usage(client):
 def test_stream_equals_nonstream(client, script):
     kw = dict(model="gpt-oss-demo", messages=ask(script), tools=WEATHER)
     full = nonstream_view(client.chat.completions.create(**kw))
-    streamed = collect_chat_stream(client.chat.completions.create(stream=True, stream_options={"include_usage": True},
-                                                                  **kw))
+    streamed = collect_chat_stream(
+        client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
     assert stream_view(streamed) == full
     assert streamed["usage"] is not None and streamed["usage"].completion_tokens > 0
     assert_no_control_tokens(full)
@@ -127,9 +170,12 @@ def test_length_mid_reasoning_returns_reasoning_and_empty_content(client):
 
 # ---- tools --------------------------------------------------------------------------------------
 
+
 def test_tool_round_trip(client):
-    messages = [{"role": "system", "content": "You are a weather bot."},
-                {"role": "user", "content": "Weather in Paris? [[script:tool]]"}]
+    messages = [
+        {"role": "system", "content": "You are a weather bot."},
+        {"role": "user", "content": "Weather in Paris? [[script:tool]]"},
+    ]
     r = client.chat.completions.create(model="gpt-oss-demo", messages=messages, tools=WEATHER)
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls"
@@ -137,8 +183,14 @@ def test_tool_round_trip(client):
     (call,) = ch.message.tool_calls
     assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
     assert json.loads(call.function.arguments) == {"location": "Paris", "unit": "celsius"}
-    messages.append({"role": "assistant", "content": None, "tool_calls": [call.model_dump()],
-                     "reasoning_content": ch.message.model_extra["reasoning_content"]})
+    messages.append(
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [call.model_dump()],
+            "reasoning_content": ch.message.model_extra["reasoning_content"],
+        }
+    )
     messages.append({"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny"} [[script:after_tool]]'})
     r2 = client.chat.completions.create(model="gpt-oss-demo", messages=messages, tools=WEATHER)
     assert r2.choices[0].message.content == "It is sunny in Paris, 21 °C."
@@ -147,8 +199,9 @@ def test_tool_round_trip(client):
 
 
 def test_preamble_and_streamed_tool_call_shape(client):
-    got = collect_chat_stream(client.chat.completions.create(model="gpt-oss-demo", messages=ask("preamble_tool"),
-                                                             tools=WEATHER, stream=True))
+    got = collect_chat_stream(
+        client.chat.completions.create(model="gpt-oss-demo", messages=ask("preamble_tool"), tools=WEATHER, stream=True)
+    )
     c = got["choices"][0]
     assert c["content"] == "Let me check the weather." and c["finish_reason"] == "tool_calls"
     assert c["tools"][0]["name"] == "get_weather" and json.loads(c["tools"][0]["arguments"]) == {"location": "Tokyo"}
@@ -156,6 +209,7 @@ def test_preamble_and_streamed_tool_call_shape(client):
 
 
 # ---- request options ----------------------------------------------------------------------------
+
 
 def test_n_choices(client):
     kw = dict(model="gpt-oss-demo", messages=ask("reasoning"), n=3, seed=7)
@@ -184,11 +238,21 @@ def test_logprobs(client):
 
 
 def test_sampling_fields_accepted(client):
-    r = client.chat.completions.create(model="gpt-oss-demo", messages=ask("default"), temperature=0.7, top_p=0.9,
-                                       seed=3, max_tokens=50, extra_body={"top_k": 20, "min_p": 0.05})
+    r = client.chat.completions.create(
+        model="gpt-oss-demo",
+        messages=ask("default"),
+        temperature=0.7,
+        top_p=0.9,
+        seed=3,
+        max_tokens=50,
+        extra_body={"top_k": 20, "min_p": 0.05},
+    )
     assert r.choices[0].message.content == "Hello from the scripted engine."
-    for effort_kw in ({"reasoning_effort": "low"}, {"extra_body": {"chat_template_kwargs": {"reasoning_effort": "high"}}},
-                      {"extra_body": {"reasoning": {"effort": "medium"}}}):
+    for effort_kw in (
+        {"reasoning_effort": "low"},
+        {"extra_body": {"chat_template_kwargs": {"reasoning_effort": "high"}}},
+        {"extra_body": {"reasoning": {"effort": "medium"}}},
+    ):
         client.chat.completions.create(model="gpt-oss-demo", messages=ask("default"), **effort_kw)
 
 
@@ -197,22 +261,27 @@ def test_completions(client):
     # raw completion: no harmony parsing, control tokens skipped, the channel name is plain text
     assert r.choices[0].text == "final t0 t1 t2 t3 t4 t5" and r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens > 6
-    chunks = list(client.completions.create(model="gpt-oss-demo", prompt="Count [[count:6]]", max_tokens=100,
-                                            stream=True))
+    chunks = list(
+        client.completions.create(model="gpt-oss-demo", prompt="Count [[count:6]]", max_tokens=100, stream=True)
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "stop"
     r = client.completions.create(model="gpt-oss-demo", prompt="x [[count:3]]", max_tokens=4, logprobs=1)
     assert r.choices[0].finish_reason == "length"
-    assert "".join(r.choices[0].logprobs.tokens) == r.choices[0].text   # control tokens are skipped
+    assert "".join(r.choices[0].logprobs.tokens) == r.choices[0].text  # control tokens are skipped
     assert "<|" not in r.choices[0].text
-    ids = httpx.post(client.base_url.join("completions").__str__(), headers={"Authorization": f"Bearer {KEY}"},
-                     json={"prompt": [200006, 1428, 200008, 77, 200007], "max_tokens": 3}).json()
+    ids = httpx.post(
+        client.base_url.join("completions").__str__(),
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"prompt": [200006, 1428, 200008, 77, 200007], "max_tokens": 3},
+    ).json()
     assert ids["usage"]["prompt_tokens"] == 5
 
 
 def test_responses_api(client):
-    r = client.responses.create(model="gpt-oss-demo", input="2+2? [[script:reasoning]]", reasoning={"effort": "low"},
-                                instructions="Be brief.")
+    r = client.responses.create(
+        model="gpt-oss-demo", input="2+2? [[script:reasoning]]", reasoning={"effort": "low"}, instructions="Be brief."
+    )
     kinds = [o.type for o in r.output]
     assert kinds == ["reasoning", "message"]
     assert r.output_text == "The answer is 4."
@@ -223,29 +292,40 @@ def test_responses_api(client):
     assert types[0] == "response.created" and types[-1] == "response.completed"
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "The answer is 4."
-    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == \
-        "The user asks 2+2. That is 4."
+    assert (
+        "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "The user asks 2+2. That is 4."
+    )
     assert events[-1].response.output_text == "The answer is 4."
 
 
 def test_responses_function_call_round_trip(client):
-    tools = [{"type": "function", "name": "get_weather", "description": "weather",
-              "parameters": WEATHER[0]["function"]["parameters"]}]
+    tools = [
+        {
+            "type": "function",
+            "name": "get_weather",
+            "description": "weather",
+            "parameters": WEATHER[0]["function"]["parameters"],
+        }
+    ]
     r = client.responses.create(model="gpt-oss-demo", input="Paris? [[script:tool]]", tools=tools)
     call = [o for o in r.output if o.type == "function_call"][0]
     assert call.name == "get_weather" and json.loads(call.arguments)["location"] == "Paris"
-    events = list(client.responses.create(model="gpt-oss-demo", input="Paris? [[script:tool]]", tools=tools,
-                                          stream=True))
+    events = list(
+        client.responses.create(model="gpt-oss-demo", input="Paris? [[script:tool]]", tools=tools, stream=True)
+    )
     args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     assert args == call.arguments
-    follow = [{"role": "user", "content": "Paris? [[script:tool]]"},
-              {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
-              {"type": "function_call_output", "call_id": call.call_id, "output": "sunny [[script:after_tool]]"}]
+    follow = [
+        {"role": "user", "content": "Paris? [[script:tool]]"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny [[script:after_tool]]"},
+    ]
     r2 = client.responses.create(model="gpt-oss-demo", input=follow, tools=tools)
     assert r2.output_text == "It is sunny in Paris, 21 °C."
 
 
 # ---- errors ---------------------------------------------------------------------------------------
+
 
 def post(server, path, body=None, raw=None, key=KEY, **kw):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -270,20 +350,32 @@ def test_error_cases(server, client):
     chat = "/v1/chat/completions"
     msgs = ask("default")
     assert_error(post(server, chat, raw=b'{"messages": [}'), 400, contains="JSON")
-    assert_error(post(server, chat, raw=b'[1, 2]'), 400)
+    assert_error(post(server, chat, raw=b"[1, 2]"), 400)
     assert_error(post(server, chat, {"messages": msgs, "temperature": "hot"}), 400, param="temperature")
     assert_error(post(server, chat, {"messages": msgs, "max_tokens": 0}), 400, param="max_tokens")
     assert_error(post(server, chat, {"messages": msgs, "n": 1000}), 400, param="n")
     assert_error(post(server, chat, {"messages": "hi"}), 400, param="messages")
     assert_error(post(server, chat, {}), 400, param="messages")
     assert_error(post(server, chat, {"messages": [{"role": "wizard", "content": "x"}]}), 400)
-    assert_error(post(server, chat, {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}), 400)
-    assert_error(post(server, chat, {"messages": msgs, "reasoning_effort": "extreme"}), 400,
-                 param="reasoning_effort")
+    assert_error(
+        post(
+            server,
+            chat,
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]},
+        ),
+        400,
+    )
+    assert_error(post(server, chat, {"messages": msgs, "reasoning_effort": "extreme"}), 400, param="reasoning_effort")
     assert_error(post(server, chat, {"messages": msgs, "chat_template_kwargs": {"reasoning_effort": "max"}}), 400)
-    assert_error(post(server, chat, {"messages": msgs, "tool_choice": {"type": "function", "function": {
-        "name": "nope"}}, "tools": WEATHER}), 400, param="tool_choice")
+    assert_error(
+        post(
+            server,
+            chat,
+            {"messages": msgs, "tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": WEATHER},
+        ),
+        400,
+        param="tool_choice",
+    )
     err = assert_error(post(server, chat, {"model": "gpt-5", "messages": msgs}), 404, param="model")
     assert err["code"] == "model_not_found"
     assert_error(post(server, chat, raw=b'{"messages": "' + b"a" * 300000 + b'"}'), 413)
@@ -320,6 +412,7 @@ def test_auth(server):
 
 # ---- disconnects and concurrency ------------------------------------------------------------------
 
+
 def wait_idle(server, timeout=10.0):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -334,8 +427,9 @@ def test_disconnect_aborts_and_frees_pages(server):
     wait_idle(server)
     before = server.metrics()["gptoss:num_aborted_requests_total"]
     body = {"messages": [{"role": "user", "content": "go [[slow:x]]"}], "max_tokens": 3900, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body,
-                      headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as r:
+    with httpx.stream(
+        "POST", server.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30
+    ) as r:
         lines = r.iter_lines()
         for _ in range(6):
             next(lines)
@@ -346,8 +440,12 @@ def test_disconnect_aborts_and_frees_pages(server):
     assert m["gptoss:num_aborted_requests_total"] == before + 1
     # non-streaming: the client gives up (timeout) and the server aborts too
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.url + "/v1/chat/completions", json=dict(body, stream=False),
-                   headers={"Authorization": f"Bearer {KEY}"}, timeout=0.5)
+        httpx.post(
+            server.url + "/v1/chat/completions",
+            json=dict(body, stream=False),
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=0.5,
+        )
     m = wait_idle(server)
     assert m["gptoss:num_aborted_requests_total"] == before + 2
 
@@ -357,9 +455,14 @@ def test_32_concurrent_streams_no_lost_or_duplicated_tokens(server, client):
 
     def one(i):
         n = 40 + i
-        got = collect_chat_stream(client.chat.completions.create(
-            model="gpt-oss-demo", messages=[{"role": "user", "content": f"[[count:{n}]]"}], stream=True,
-            stream_options={"include_usage": True}))
+        got = collect_chat_stream(
+            client.chat.completions.create(
+                model="gpt-oss-demo",
+                messages=[{"role": "user", "content": f"[[count:{n}]]"}],
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         return n, got
 
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
@@ -374,12 +477,36 @@ def test_32_concurrent_streams_no_lost_or_duplicated_tokens(server, client):
 def test_bench_serving_tool(server, tmp_path):
     import subprocess
     import sys
+
     out = tmp_path / "bench.json"
     for endpoint in ("chat", "completions"):
-        r = subprocess.run([sys.executable, str(REPO / "tools" / "bench_serving.py"), "--base-url", server.url,
-                            "--api-key", KEY, "--num-prompts", "12", "--concurrency", "4", "--input-len", "64",
-                            "--output-len", "16", "--request-rate", "50", "--endpoint", endpoint, "--json", str(out)],
-                           capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "tools" / "bench_serving.py"),
+                "--base-url",
+                server.url,
+                "--api-key",
+                KEY,
+                "--num-prompts",
+                "12",
+                "--concurrency",
+                "4",
+                "--input-len",
+                "64",
+                "--output-len",
+                "16",
+                "--request-rate",
+                "50",
+                "--endpoint",
+                endpoint,
+                "--json",
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert r.returncode == 0, r.stdout + r.stderr
         res = json.loads(out.read_text())
         assert res["completed"] == 12 and res["failed"] == 0 and res["total_output_tokens"] > 0

@@ -29,13 +29,21 @@ def _sharded_moe(layout, params, x, layer, kw, impl="reference"):
     experts = expert_parallel.pad_experts(params.layers.experts, layout.model_size)
     lp = jax.tree.map(lambda a: a[layer], params.layers)
     return jax.jit(lambda *a: expert_parallel.moe(*a, **kw, layout=layout, kernels=KernelConfig(impl=impl)))(
-        x, lp.router_w, lp.router_b, experts, jnp.int32(layer))
+        x, lp.router_w, lp.router_b, experts, jnp.int32(layer)
+    )
 
 
 @pytest.mark.parametrize("dispatch", ["all_gather", "all_to_all"])
-@pytest.mark.parametrize("mode,model,replicas", [("low_latency", 8, 1), ("max_throughput", 8, 1),
-                                                 ("low_latency", 4, 2), ("max_throughput", 2, 4),
-                                                 ("max_throughput", 3, 2)])
+@pytest.mark.parametrize(
+    "mode,model,replicas",
+    [
+        ("low_latency", 8, 1),
+        ("max_throughput", 8, 1),
+        ("low_latency", 4, 2),
+        ("max_throughput", 2, 4),
+        ("max_throughput", 3, 2),
+    ],
+)
 def test_expert_parallel_moe_matches_single_device(small_checkpoint, mode, model, replicas, dispatch):
     cfg, params, x, kw = _moe_case(small_checkpoint, model)
     assert cfg.num_experts % model or model in (2, 4, 8)  # E=4: 8 and 3 need padding
@@ -55,8 +63,12 @@ def test_param_shardings_follow_the_table(small_checkpoint):
     assert ll.layers.experts.down_blocks.spec[1] == "model" and ll.unembed.spec[0] == "model"
     big = Layout(make_mesh(8, 1), "low_latency").param_shardings(cfg.num_kv_heads)
     # 2 KV heads < 8: no whole GQA group per device, so attention (q and o too) is replicated over `model`
-    assert big.layers.k_w.spec == big.layers.q_w.spec == big.layers.o_w.spec == jax.sharding.PartitionSpec(
-        None, None, None)
+    assert (
+        big.layers.k_w.spec
+        == big.layers.q_w.spec
+        == big.layers.o_w.spec
+        == jax.sharding.PartitionSpec(None, None, None)
+    )
     assert big.layers.experts.down_blocks.spec[1] == "model"
     mt = Layout(make_mesh(8, 1), "max_throughput").param_shardings(cfg.num_kv_heads)
     assert mt.layers.q_w.spec == jax.sharding.PartitionSpec(None, None, None)
@@ -71,8 +83,15 @@ def test_param_shardings_follow_the_table(small_checkpoint):
 # ---- the whole engine on a mesh: logits and greedy tokens equal the single-device run ----------------
 
 _PROMPTS = [[int(t) for t in np.random.default_rng(i).integers(2, 512, n)] for i, n in enumerate((40, 9, 23))]
-_ENGINE = dict(dtype="float32", progress=False, min_context_bucket=64, max_num_seqs=8, decode_batch_buckets=(8,),
-               prefill_chunk_size=64, min_prefill_bucket=64)  # few compiled shapes: the test stays short
+_ENGINE = dict(
+    dtype="float32",
+    progress=False,
+    min_context_bucket=64,
+    max_num_seqs=8,
+    decode_batch_buckets=(8,),
+    prefill_chunk_size=64,
+    min_prefill_bucket=64,
+)  # few compiled shapes: the test stays short
 
 
 @pytest.fixture(scope="module")
@@ -81,31 +100,47 @@ def single_device_run(small_checkpoint):
 
     llm = LLM(small_checkpoint, **_ENGINE)
     sp = SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[])
-    return llm.logits(_PROMPTS[0]), [o.outputs[0].token_ids for o in
-                                     llm.generate(prompt_token_ids=_PROMPTS, sampling_params=sp, use_tqdm=False)]
+    return llm.logits(_PROMPTS[0]), [
+        o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=_PROMPTS, sampling_params=sp, use_tqdm=False)
+    ]
 
 
-@pytest.mark.parametrize("mode,model,replicas,generate,dispatch", [
-    ("low_latency", 8, 1, False, "all_gather"), ("low_latency", 2, 4, True, "all_gather"),
-    ("max_throughput", 8, 1, True, "all_gather"), ("max_throughput", 4, 2, False, "all_gather"),
-    ("max_throughput", 3, 2, True, "all_gather"),
-    # tokens replicated over `model` (low latency): nothing to dispatch, the option is accepted
-    ("low_latency", 8, 1, False, "all_to_all"),
-    ("max_throughput", 8, 1, True, "all_to_all"), ("max_throughput", 4, 2, False, "all_to_all"),
-    ("max_throughput", 3, 2, True, "all_to_all")])
+@pytest.mark.parametrize(
+    "mode,model,replicas,generate,dispatch",
+    [
+        ("low_latency", 8, 1, False, "all_gather"),
+        ("low_latency", 2, 4, True, "all_gather"),
+        ("max_throughput", 8, 1, True, "all_gather"),
+        ("max_throughput", 4, 2, False, "all_gather"),
+        ("max_throughput", 3, 2, True, "all_gather"),
+        # tokens replicated over `model` (low latency): nothing to dispatch, the option is accepted
+        ("low_latency", 8, 1, False, "all_to_all"),
+        ("max_throughput", 8, 1, True, "all_to_all"),
+        ("max_throughput", 4, 2, False, "all_to_all"),
+        ("max_throughput", 3, 2, True, "all_to_all"),
+    ],
+)
 @pytest.mark.slow  # engines on simulated multi-device meshes
-def test_sharded_engine_matches_single_device(small_checkpoint, single_device_run, mode, model, replicas, generate,
-                                              dispatch):
+def test_sharded_engine_matches_single_device(
+    small_checkpoint, single_device_run, mode, model, replicas, generate, dispatch
+):
     """fp32, 4 experts over 8 or 3 devices (padded): logits to 1e-5 and 24 greedy tokens exactly."""
     from gptoss_jax import LLM, SamplingParams
 
     ref_logits, ref_tokens = single_device_run
-    llm = LLM(small_checkpoint, model_parallel=model, replicas=replicas, parallel_mode=mode, expert_dispatch=dispatch,
-              **_ENGINE)
+    llm = LLM(
+        small_checkpoint,
+        model_parallel=model,
+        replicas=replicas,
+        parallel_mode=mode,
+        expert_dispatch=dispatch,
+        **_ENGINE,
+    )
     layout = llm.engine.layout
     assert layout.dispatch == dispatch
     assert layout.mesh.devices.size == model * replicas and llm.engine.num_ranks == (
-        replicas if mode == "low_latency" else model * replicas)
+        replicas if mode == "low_latency" else model * replicas
+    )
     assert llm.params.layers.experts.down_blocks.shape[1] == expert_parallel.padded_count(4, model)
     assert llm.engine.runner.cache.k_full.sharding.spec[1] == layout.batch_spec()[0]  # pages split over the ranks
     np.testing.assert_allclose(llm.logits(_PROMPTS[0]), ref_logits, rtol=1e-5, atol=1e-5 * np.abs(ref_logits).max())
@@ -124,17 +159,20 @@ def test_sharded_engine_matches_single_device(small_checkpoint, single_device_ru
         assert [o.outputs[0].token_ids for o in outs] == ref_tokens
 
 
-@pytest.mark.parametrize("mode,model,replicas,dispatch,generate", [("low_latency", 2, 4, "all_gather", False),
-                                                                   ("max_throughput", 3, 2, "all_to_all", True)])
+@pytest.mark.parametrize(
+    "mode,model,replicas,dispatch,generate",
+    [("low_latency", 2, 4, "all_gather", False), ("max_throughput", 3, 2, "all_to_all", True)],
+)
 @pytest.mark.slow  # engines on simulated multi-device meshes
-def test_kernels_under_a_layout_match_single_device(small_checkpoint, single_device_run, monkeypatch, mode, model,
-                                                    replicas, dispatch, generate):
+def test_kernels_under_a_layout_match_single_device(
+    small_checkpoint, single_device_run, monkeypatch, mode, model, replicas, dispatch, generate
+):
     """The kernels (interpreted on CPU) under a layout: every kernel is traced per device on its own shard
     (heads split in low latency, 4 experts padded to 6 over 3 devices, in the kernels' layout), and the
     logits and greedy tokens equal the single-device reference run. Interpreted kernels compile slowly:
     one case checks the prefill chunk only, the other adds decode steps."""
-    from gptoss_jax import LLM, SamplingParams
     import pallas_kernels
+    from gptoss_jax import LLM, SamplingParams
     from pallas_kernels import KernelExperts, flash_attention, linear_decode, paged_attention
 
     seen = {}
@@ -145,20 +183,30 @@ def test_kernels_under_a_layout_match_single_device(small_checkpoint, single_dev
         def wrapped(*args, **kwargs):
             seen.setdefault(f"{module.__name__}.{name}", set()).add(shape_of(*args))
             return real(*args, **kwargs)
+
         monkeypatch.setattr(module, name, wrapped)
 
     for kernel, real in dict(pallas_kernels._EXPERTS).items():  # every MoE kernel the choice may take
+
         def record(x, idx, w, kexp, *args, _real=real, _kernel=kernel, **kw):
             seen.setdefault(f"experts.{_kernel}", set()).add(kexp.gu_words.shape[:2])
             return _real(x, idx, w, kexp, *args, **kw)
+
         monkeypatch.setitem(pallas_kernels._EXPERTS, kernel, record)
     spy(linear_decode, "partial_sums", lambda x, ws, *_: tuple(w.shape[1] for w in ws))
     for kernel in (paged_attention, flash_attention):
         spy(kernel, "attention", lambda q, *_: q.shape[2])
 
     ref_logits, ref_tokens = single_device_run
-    llm = LLM(small_checkpoint, impl="pallas", model_parallel=model, replicas=replicas, parallel_mode=mode,
-              expert_dispatch=dispatch, **_ENGINE)
+    llm = LLM(
+        small_checkpoint,
+        impl="pallas",
+        model_parallel=model,
+        replicas=replicas,
+        parallel_mode=mode,
+        expert_dispatch=dispatch,
+        **_ENGINE,
+    )
     experts = llm.params.layers.experts
     assert isinstance(experts, KernelExperts)
     assert experts.gu_words.shape[1] == expert_parallel.padded_count(4, model)
@@ -177,8 +225,9 @@ def test_kernels_under_a_layout_match_single_device(small_checkpoint, single_dev
     # <= 64 rows take the projection kernel on the local shard (q and o local; k, v: 2 KV heads of 16 over the
     # split); up to 16 rows (decode) q, k and v share one launch, the 64-row prefill chunks launch each
     q, kv = 16 * heads, 16 * heads // 2
-    assert seen["pallas_kernels.linear_decode.partial_sums"] == {(q,), (kv,), (64,)} | ({(q, kv, kv)} if generate
-                                                                                       else set())
+    assert seen["pallas_kernels.linear_decode.partial_sums"] == {(q,), (kv,), (64,)} | (
+        {(q, kv, kv)} if generate else set()
+    )
 
 
 def test_sharded_loading_reads_each_slice(small_checkpoint):

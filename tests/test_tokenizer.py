@@ -8,9 +8,17 @@ def test_o200k_harmony_from_shared_folder():
     assert enc.n_vocab == 201088
     ids = enc.encode("Hello, world!")
     assert enc.decode(ids) == "Hello, world!"
-    specials = {"<|return|>": 200002, "<|constrain|>": 200003, "<|channel|>": 200005, "<|start|>": 200006,
-                "<|end|>": 200007, "<|message|>": 200008, "<|call|>": 200012, "<|endoftext|>": 199999,
-                "<|startoftext|>": 199998}
+    specials = {
+        "<|return|>": 200002,
+        "<|constrain|>": 200003,
+        "<|channel|>": 200005,
+        "<|start|>": 200006,
+        "<|end|>": 200007,
+        "<|message|>": 200008,
+        "<|call|>": 200012,
+        "<|endoftext|>": 199999,
+        "<|startoftext|>": 199998,
+    }
     for text, i in specials.items():
         assert enc.encode(text, allowed_special="all") == [i]
     assert enc.encode("<|start|>assistant", allowed_special="all")[:1] == [200006]
@@ -18,6 +26,7 @@ def test_o200k_harmony_from_shared_folder():
 
 def test_explicit_path_and_checkpoint_folder(tmp_path, monkeypatch):
     import shutil
+
     src = tokenizer._candidates(None, None)[0]
     monkeypatch.delenv("TIKTOKEN_ENCODINGS_BASE")
     shutil.copy(src, tmp_path / tokenizer.RANK_FILE)

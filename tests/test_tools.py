@@ -53,11 +53,27 @@ def test_bench_throughput_smoke(tmp_path):
 @pytest.mark.slow  # a tool run on 8 simulated devices
 def test_bench_sharded_smoke(tmp_path):
     """The sharded benchmark on 8 simulated devices: random weights in the kernels' layout, both dispatches."""
-    _run("bench_sharded", "--smoke", "--mode", "max_throughput", "--dispatch", "both", "--batch", "2", "--layers", "2",
-         "--context", "64", "--json", tmp_path / "s.json")
+    _run(
+        "bench_sharded",
+        "--smoke",
+        "--mode",
+        "max_throughput",
+        "--dispatch",
+        "both",
+        "--batch",
+        "2",
+        "--layers",
+        "2",
+        "--context",
+        "64",
+        "--json",
+        tmp_path / "s.json",
+    )
     rows = json.loads((tmp_path / "s.json").read_text())["results"]
     assert [(r["mode"], r["dispatch"], r["impl"]) for r in rows] == [
-        ("max_throughput", "all_gather", "pallas"), ("max_throughput", "all_to_all", "pallas")]
+        ("max_throughput", "all_gather", "pallas"),
+        ("max_throughput", "all_to_all", "pallas"),
+    ]
     for r in rows:
         assert r["global_batch"] == 16 and r["devices"] == 8 and r["step_ms"] > 0
         assert abs(r["tok_s"] - 16e3 / r["step_ms"]) < 1e-6 * r["tok_s"]
@@ -75,8 +91,15 @@ def test_inspect_kernels_lowers_the_decode_step_for_cuda_on_the_cpu():
     by_name = {}
     for k in kernels:
         by_name.setdefault(k["name"], []).append(k)
-    assert set(by_name) == {"decode_linear_x3", "decode_linear", "paged_decode_attention_new_token", "moe_route",
-                            "mxfp4_gate_up_swiglu_gemv16", "mxfp4_down_gemv16", "moe_residual_norm"}, set(by_name)
+    assert set(by_name) == {
+        "decode_linear_x3",
+        "decode_linear",
+        "paged_decode_attention_new_token",
+        "moe_route",
+        "mxfp4_gate_up_swiglu_gemv16",
+        "mxfp4_down_gemv16",
+        "moe_residual_norm",
+    }, set(by_name)
     [gate_up] = by_name["mxfp4_gate_up_swiglu_gemv16"]
     assert gate_up["grid"][0] == 2 and gate_up["num_warps"] == 4 and "tt.load" in gate_up["ir"]  # one row per pair
     assert len(by_name["paged_decode_attention_new_token"]) == 2  # sliding and full layers differ
@@ -137,12 +160,14 @@ def test_variants_are_kernel_configs():
     assert parse_variant("tree", base) == ("tree", base)
     assert parse_variant("ref:impl=reference,mosaic=None")[1] == KernelConfig(impl="reference", mosaic=None)
     assert parse_variant("q:impl='pallas',mosaic=True")[1] == KernelConfig(impl="pallas", mosaic=True)
-    for spec, error in [("x:linear_stagez=2", "KernelConfig has no field 'linear_stagez'"),
-                        ("x:device=1", "no field 'device'"),  # detected, never configured
-                        ("x:linear_stages=0", "must be an integer >= 1"),  # KernelConfig's own check
-                        ("x:linear_stages=2+", "not a Python literal"),
-                        ("x:linear_stages", "is not field=value"),
-                        (":linear_stages=2", "expected NAME:")]:
+    for spec, error in [
+        ("x:linear_stagez=2", "KernelConfig has no field 'linear_stagez'"),
+        ("x:device=1", "no field 'device'"),  # detected, never configured
+        ("x:linear_stages=0", "must be an integer >= 1"),  # KernelConfig's own check
+        ("x:linear_stages=2+", "not a Python literal"),
+        ("x:linear_stages", "is not field=value"),
+        (":linear_stages=2", "expected NAME:"),
+    ]:
         with pytest.raises(ValueError, match=error):
             parse_variant(spec)
     res = _python("-m", "tools.ab_decode", "--variant", "x:no_such_field=1", check=False)

@@ -36,8 +36,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5, help="timed calls per variant and round")
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--variant", action="append", default=[], help="NAME:field=value[,...]: KernelConfig fields "
-                    "(repeatable)")
+    ap.add_argument(
+        "--variant", action="append", default=[], help="NAME:field=value[,...]: KernelConfig fields (repeatable)"
+    )
     ap.add_argument("--out", default="ab_decode.json")
     args = ap.parse_args()
     base = KernelConfig(impl="pallas")
@@ -51,8 +52,10 @@ def main() -> None:
         # with what else each variant's kernels store (the Mosaic kernels' scale operands)
         prepared = [pallas_kernels.prepare_params(params, k) for _, k in variants]
         for batch in [int(b) for b in args.batches.split(",")]:
-            calls = [decode_step(p, cfg, batch, args.context, k, num_steps=args.steps)
-                     for p, (_, k) in zip(prepared, variants)]
+            calls = [
+                decode_step(p, cfg, batch, args.context, k, num_steps=args.steps)
+                for p, (_, k) in zip(prepared, variants)
+            ]
             for step in calls:  # its first call compiles it
                 step()
             times = [[] for _ in variants]
@@ -63,14 +66,27 @@ def main() -> None:
             for (name, _), t, step in zip(variants, times, calls):
                 step.free()
                 tpot = statistics.median(t)
-                rows.append(dict(preset=preset, variant=name, batch=batch, context=args.context, tpot_ms=tpot * 1e3,
-                                 rounds_ms=[v * 1e3 for v in t]))
-                print(f"{preset} B={batch:3d} {name:16s} TPOT {tpot * 1e3:7.3f} ms  {1 / tpot:7.1f} tok/s/user  "
-                      f"x{base_tpot / tpot:.3f} vs {variants[0][0]}  (rounds {min(t) * 1e3:.3f}-{max(t) * 1e3:.3f})",
-                      flush=True)
+                rows.append(
+                    dict(
+                        preset=preset,
+                        variant=name,
+                        batch=batch,
+                        context=args.context,
+                        tpot_ms=tpot * 1e3,
+                        rounds_ms=[v * 1e3 for v in t],
+                    )
+                )
+                print(
+                    f"{preset} B={batch:3d} {name:16s} TPOT {tpot * 1e3:7.3f} ms  {1 / tpot:7.1f} tok/s/user  "
+                    f"x{base_tpot / tpot:.3f} vs {variants[0][0]}  (rounds {min(t) * 1e3:.3f}-{max(t) * 1e3:.3f})",
+                    flush=True,
+                )
         del params, prepared
-    Path(args.out).write_text(json.dumps(dict(device=jax.devices()[0].device_kind, copy_TBps=bw / 1e12,
-                                              variants=args.variant, rows=rows), indent=1))
+    Path(args.out).write_text(
+        json.dumps(
+            dict(device=jax.devices()[0].device_kind, copy_TBps=bw / 1e12, variants=args.variant, rows=rows), indent=1
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -35,19 +35,27 @@ def main() -> None:
     ap.add_argument("--contexts", default="1024,8192")
     ap.add_argument("--steps", type=int, default=8, help="decode tokens per device call (multi-step)")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--reference", default="1,64",
-                    help="batches also run on the reference path (first preset, first context)")
+    ap.add_argument(
+        "--reference", default="1,64", help="batches also run on the reference path (first preset, first context)"
+    )
     ap.add_argument("--memory-gib", type=float, default=None, help="device memory to plan with (default: read)")
     ap.add_argument("--out", default="decode.json")
     args = ap.parse_args()
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     bw = copy_bandwidth(warmup=1)
-    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "commit": commit or "unknown",
-              "copy_TBps": bw / 1e12, "steps_per_call": args.steps, "rows": []}
+    result = {
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "commit": commit or "unknown",
+        "copy_TBps": bw / 1e12,
+        "steps_per_call": args.steps,
+        "rows": [],
+    }
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    limit = (args.memory_gib * 2**30 if args.memory_gib else
-             (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0))
+    limit = (
+        args.memory_gib * 2**30 if args.memory_gib else (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0)
+    )
     contexts = [int(c) for c in args.contexts.split(",")]
     ref_batches = {int(b) for b in args.reference.split(",") if b}
     kernels = {"pallas": KernelConfig(impl="pallas"), "reference": REFERENCE}
@@ -72,13 +80,24 @@ def main() -> None:
                     tpot = timeit(step, warmup=1, reps=args.reps) / args.steps
                     step.free()
                     need = decode_bytes(cfg, batch, context)
-                    row = {"preset": preset, "impl": impl, "batch": batch, "context": context, "tpot_ms": tpot * 1e3,
-                           "tok_s_per_user": 1 / tpot, "tok_s_per_gpu": batch / tpot, "min_bytes": need,
-                           "roofline_fraction": need / tpot / bw}
+                    row = {
+                        "preset": preset,
+                        "impl": impl,
+                        "batch": batch,
+                        "context": context,
+                        "tpot_ms": tpot * 1e3,
+                        "tok_s_per_user": 1 / tpot,
+                        "tok_s_per_gpu": batch / tpot,
+                        "min_bytes": need,
+                        "roofline_fraction": need / tpot / bw,
+                    }
                     result["rows"].append(row)
-                    print(f"{preset} {impl:9s} B={batch:3d} ctx={context:5d}: TPOT {tpot * 1e3:7.2f} ms, "
-                          f"{1 / tpot:7.1f} tok/s/user, {batch / tpot:8.0f} tok/s/GPU, "
-                          f"{100 * row['roofline_fraction']:5.1f}% of roofline", flush=True)
+                    print(
+                        f"{preset} {impl:9s} B={batch:3d} ctx={context:5d}: TPOT {tpot * 1e3:7.2f} ms, "
+                        f"{1 / tpot:7.1f} tok/s/user, {batch / tpot:8.0f} tok/s/GPU, "
+                        f"{100 * row['roofline_fraction']:5.1f}% of roofline",
+                        flush=True,
+                    )
         del params
     Path(args.out).write_text(json.dumps(result, indent=1))
 

@@ -22,10 +22,20 @@ import numpy as np
 
 import pallas_kernels
 from gptoss_jax import runtime
-from pallas_kernels import (KernelConfig, attention_reference, expert_format, flash_attention, linear_decode,
-                            linear_mosaic, moe_dense, moe_reference, paged_attention)
+from pallas_kernels import (
+    KernelConfig,
+    attention_reference,
+    expert_format,
+    flash_attention,
+    linear_decode,
+    linear_mosaic,
+    moe_dense,
+    moe_reference,
+    paged_attention,
+)
 from pallas_kernels.choice import Device, choose
-from tools import common, kernel_cases as kc
+from tools import common
+from tools import kernel_cases as kc
 
 LINES = []
 
@@ -72,8 +82,10 @@ def ceilings():
         bw_torch, mm_torch = common.torch_copy_bandwidth(2 << 30), common.torch_matmul_rate(8192)
     except Exception as e:  # noqa: BLE001
         log(f"(torch ceilings unavailable: {e!r})")
-    log(f"copy bandwidth: XLA {bw_xla/1e12:.2f} TB/s, torch copy_ {bw_torch/1e12:.2f} TB/s; "
-        f"bf16 matmul 8192^3: XLA {mm_xla/1e12:.0f} TFLOP/s, torch {mm_torch/1e12:.0f} TFLOP/s")
+    log(
+        f"copy bandwidth: XLA {bw_xla / 1e12:.2f} TB/s, torch copy_ {bw_torch / 1e12:.2f} TB/s; "
+        f"bf16 matmul 8192^3: XLA {mm_xla / 1e12:.0f} TFLOP/s, torch {mm_torch / 1e12:.0f} TFLOP/s"
+    )
     return max(bw_xla, bw_torch), max(mm_xla, mm_torch)
 
 
@@ -88,8 +100,9 @@ def chosen(kernels: KernelConfig, model: str, T: int) -> dict:
 def run_experts(cfg: dict, x, idx, w, kexp):
     """The MoE kernel module `cfg["kernel"]` names (`pallas_kernels._EXPERTS`), the rest of `cfg` its launch."""
     launch = dict(cfg)
-    return pallas_kernels._EXPERTS[launch.pop("kernel")](x, idx, w, kexp, swiglu_limit=kc.LIMIT,
-                                                         swiglu_alpha=kc.ALPHA, **launch)
+    return pallas_kernels._EXPERTS[launch.pop("kernel")](
+        x, idx, w, kexp, swiglu_limit=kc.LIMIT, swiglu_alpha=kc.ALPHA, **launch
+    )
 
 
 def expert_bytes(D, I):
@@ -111,30 +124,48 @@ def bench_moe_decode(model, Ts, bw, configs, L, engine: KernelConfig):
             xs.append(x), idxs.append(idx), ws.append(w)
             uniq += len(np.unique(np.asarray(idx)))
         nbytes = uniq * expert_bytes(D, I) / L
-        best = fastest(f"moe_decode {model} T={T}", configs(T),
-                       lambda cfg: jax.jit(lambda xs, kx, cfg=cfg: [run_experts(cfg, xs[i], idxs[i], ws[i], kx[i])
-                                                                    for i in range(L)]),
-                       (xs, kx), L,
-                       lambda t, cfg: f"  moe_decode {model} T={T:3d} experts {t*1e6:8.1f} us  {nbytes/t/1e12:5.2f} "
-                                      f"TB/s = {nbytes/t/bw*100:5.1f}% of copy  cfg={cfg}")
+        best = fastest(
+            f"moe_decode {model} T={T}",
+            configs(T),
+            lambda cfg: jax.jit(
+                lambda xs, kx, cfg=cfg: [run_experts(cfg, xs[i], idxs[i], ws[i], kx[i]) for i in range(L)]
+            ),
+            (xs, kx),
+            L,
+            lambda t, cfg: (
+                f"  moe_decode {model} T={T:3d} experts {t * 1e6:8.1f} us  {nbytes / t / 1e12:5.2f} "
+                f"TB/s = {nbytes / t / bw * 100:5.1f}% of copy  cfg={cfg}"
+            ),
+        )
         if best is None:
             continue
 
         def as_chosen(xs, kx):
-            return [pallas_kernels.experts(xs[i], idxs[i], ws[i], kx[i], None, swiglu_limit=kc.LIMIT,
-                                           swiglu_alpha=kc.ALPHA, kernels=engine) for i in range(L)]
+            return [
+                pallas_kernels.experts(
+                    xs[i], idxs[i], ws[i], kx[i], None, swiglu_limit=kc.LIMIT, swiglu_alpha=kc.ALPHA, kernels=engine
+                )
+                for i in range(L)
+            ]
+
         t_chosen = timeit(jax.jit(as_chosen), xs, kx) / L
-        t_ref = timeit(jax.jit(lambda xs, ex: [_ref_experts(xs[i], idxs[i], ws[i], ex[i]) for i in range(L)]),
-                       xs, ex) / L
-        log(f"ROW moe_decode {model:4s} T={T:3d} | pallas best {best[0]*1e6:8.1f} us {nbytes/best[0]/1e12:5.2f} TB/s "
-            f"({nbytes/best[0]/bw*100:4.1f}% of {bw/1e12:.2f}) | as chosen ({chosen(engine, model, T)['kernel']}) "
-            f"{t_chosen*1e6:8.1f} us | XLA gather+dequant+einsum {t_ref*1e6:8.1f} us | bytes {nbytes/1e6:.1f} MB")
+        t_ref = (
+            timeit(jax.jit(lambda xs, ex: [_ref_experts(xs[i], idxs[i], ws[i], ex[i]) for i in range(L)]), xs, ex) / L
+        )
+        log(
+            f"ROW moe_decode {model:4s} T={T:3d} | "
+            f"pallas best {best[0] * 1e6:8.1f} us {nbytes / best[0] / 1e12:5.2f} TB/s "
+            f"({nbytes / best[0] / bw * 100:4.1f}% of {bw / 1e12:.2f}) | "
+            f"as chosen ({chosen(engine, model, T)['kernel']}) "
+            f"{t_chosen * 1e6:8.1f} us | XLA gather+dequant+einsum {t_ref * 1e6:8.1f} us | bytes {nbytes / 1e6:.1f} MB"
+        )
     del ex, kx
 
 
 def _ref_experts(x, idx, w, ex):
     """moe_reference's gather path with given routing (XLA: gather packed experts, dequantize, einsum)."""
     from pallas_kernels import mxfp4
+
     dtype = x.dtype
     f32 = jnp.float32
     gu = mxfp4.dequantize(ex.gate_up_blocks[idx], ex.gate_up_scales[idx], dtype)
@@ -163,8 +194,9 @@ def bench_ragged_decode(model, T, bw):
         z = jax.lax.ragged_dot(xs, wgu, gs, preferred_element_type=jnp.float32)
         a = moe_reference.swiglu(z, kc.LIMIT, kc.ALPHA).astype(x.dtype)
         return jax.lax.ragged_dot(a, wdn, gs, preferred_element_type=jnp.float32)
+
     t = timeit(f, x, idx, wgu, wdn, n=5, reps=3)
-    log(f"ROW ragged_dot(bf16) {model} T={T}: {t*1e6:.1f} us (reads all {E} experts in bf16)")
+    log(f"ROW ragged_dot(bf16) {model} T={T}: {t * 1e6:.1f} us (reads all {E} experts in bf16)")
     del wgu, wdn
     return t
 
@@ -182,21 +214,24 @@ def bench_moe_prefill(model, T, mm, configs, bw, ragged=True):
     nbytes = len(np.unique(np.asarray(idx))) * expert_bytes(D, I)
 
     def rate(t):
-        return (f"{flops/t/1e12:6.1f} TFLOP/s = {flops/t/mm*100:5.1f}% of matmul, "
-                f"{nbytes/t/1e12:5.2f} TB/s = {nbytes/t/bw*100:5.1f}% of copy")
+        return (
+            f"{flops / t / 1e12:6.1f} TFLOP/s = {flops / t / mm * 100:5.1f}% of matmul, "
+            f"{nbytes / t / 1e12:5.2f} TB/s = {nbytes / t / bw * 100:5.1f}% of copy"
+        )
+
     best = None
     for cfg in configs:
         f = jax.jit(lambda x, idx, w, kx, cfg=cfg: run_experts(cfg, x, idx, w, kx))
         t = timed(f"moe_prefill {model} T={T} {cfg}", f, x, idx, w, kx, n=5, reps=3)
         if t is None:
             continue
-        log(f"  moe_prefill {model} T={T} {t*1e3:8.3f} ms {rate(t)} cfg={cfg}")
+        log(f"  moe_prefill {model} T={T} {t * 1e3:8.3f} ms {rate(t)} cfg={cfg}")
         if best is None or t < best[0]:
             best = (t, cfg)
     if not best:
         return
     if not ragged:
-        log(f"ROW moe_grouped {model:4s} T={T} | pallas {best[0]*1e3:7.3f} ms {rate(best[0])} | cfg={best[1]}")
+        log(f"ROW moe_grouped {model:4s} T={T} | pallas {best[0] * 1e3:7.3f} ms {rate(best[0])} | cfg={best[1]}")
         return
     wgu = jax.random.normal(jax.random.PRNGKey(3), (E, D, 2 * I), jnp.float32).astype(jnp.bfloat16)
     wdn = jax.random.normal(jax.random.PRNGKey(4), (E, I, D), jnp.float32).astype(jnp.bfloat16)
@@ -210,17 +245,31 @@ def bench_moe_prefill(model, T, mm, configs, bw, ragged=True):
         z = jax.lax.ragged_dot(xs, wgu, gs, preferred_element_type=jnp.float32)
         a = moe_reference.swiglu(z, kc.LIMIT, kc.ALPHA).astype(x.dtype)
         return jax.lax.ragged_dot(a, wdn, gs, preferred_element_type=jnp.float32)
+
     try:
         t_rd = timeit(rd, x, idx, wgu, wdn, n=1, reps=2)
     except Exception as e:  # noqa: BLE001
         t_rd = float("nan")
         log(f"  ragged_dot failed: {e!r}"[:300])
     del wgu, wdn
-    t_ref = timeit(jax.jit(lambda x, rw, rb, ex: moe_reference.moe(
-        x, rw, rb, ex, top_k=k, swiglu_limit=kc.LIMIT, swiglu_alpha=kc.ALPHA)), x, rw, rb, ex, n=1, reps=2)
-    log(f"ROW moe_prefill {model:4s} T={T} | pallas {best[0]*1e3:7.2f} ms {flops/best[0]/1e12:6.1f} TFLOP/s "
-        f"({flops/best[0]/mm*100:4.1f}% of {mm/1e12:.0f}) | ragged_dot bf16 {t_rd*1e3:8.2f} ms "
-        f"(pallas {t_rd/best[0]:5.1f}x faster) | XLA dequant+einsum scan {t_ref*1e3:8.2f} ms | cfg={best[1]}")
+    t_ref = timeit(
+        jax.jit(
+            lambda x, rw, rb, ex: moe_reference.moe(
+                x, rw, rb, ex, top_k=k, swiglu_limit=kc.LIMIT, swiglu_alpha=kc.ALPHA
+            )
+        ),
+        x,
+        rw,
+        rb,
+        ex,
+        n=1,
+        reps=2,
+    )
+    log(
+        f"ROW moe_prefill {model:4s} T={T} | pallas {best[0] * 1e3:7.2f} ms {flops / best[0] / 1e12:6.1f} TFLOP/s "
+        f"({flops / best[0] / mm * 100:4.1f}% of {mm / 1e12:.0f}) | ragged_dot bf16 {t_rd * 1e3:8.2f} ms "
+        f"(pallas {t_rd / best[0]:5.1f}x faster) | XLA dequant+einsum scan {t_ref * 1e3:8.2f} ms | cfg={best[1]}"
+    )
 
 
 def bench_linear(bw, Ts, configs, L=8):
@@ -234,20 +283,37 @@ def bench_linear(bw, Ts, configs, L=8):
         nbytes = O * K * 2
         for T in Ts:
             x = jax.random.normal(jax.random.PRNGKey(T), (T, K), jnp.float32).astype(jnp.bfloat16)
-            best = fastest(f"linear {name} T={T}", configs,
-                           lambda cfg: jax.jit(lambda x, w, ls: [linear_decode.linear(x, w, b, ls[i], **cfg)
-                                                                 for i in range(L)]),
-                           (x, w, layers), L,
-                           lambda t, cfg: f"  linear {name} T={T:3d} {t*1e6:7.1f} us {nbytes/t/1e12:5.2f} TB/s "
-                                          f"cfg={cfg}")
-            t_stk = timeit(jax.jit(lambda x, w, ls: [linear_decode.reference(x, w, b, ls[i]) for i in range(L)]),
-                           x, w, layers) / L
-            t_sep = timeit(jax.jit(lambda x, ws: [jnp.einsum("ti,oi->to", x, wi, preferred_element_type=jnp.float32)
-                                                  for wi in ws]), x, sep) / L
-            log(f"ROW linear_decode {name} [{O}x{K}] T={T:3d} | pallas {best[0]*1e6:6.1f} us "
-                f"{nbytes/best[0]/1e12:5.2f} TB/s ({nbytes/best[0]/bw*100:4.1f}% of {bw/1e12:.2f}) | XLA stacked "
-                f"(slice copy + GEMM) {t_stk*1e6:6.1f} us | XLA separate arrays {t_sep*1e6:6.1f} us "
-                f"({nbytes/t_sep/bw*100:4.1f}%) | best {best[1]}")
+            best = fastest(
+                f"linear {name} T={T}",
+                configs,
+                lambda cfg: jax.jit(lambda x, w, ls: [linear_decode.linear(x, w, b, ls[i], **cfg) for i in range(L)]),
+                (x, w, layers),
+                L,
+                lambda t, cfg: f"  linear {name} T={T:3d} {t * 1e6:7.1f} us {nbytes / t / 1e12:5.2f} TB/s cfg={cfg}",
+            )
+            t_stk = (
+                timeit(
+                    jax.jit(lambda x, w, ls: [linear_decode.reference(x, w, b, ls[i]) for i in range(L)]), x, w, layers
+                )
+                / L
+            )
+            t_sep = (
+                timeit(
+                    jax.jit(
+                        lambda x, ws: [jnp.einsum("ti,oi->to", x, wi, preferred_element_type=jnp.float32) for wi in ws]
+                    ),
+                    x,
+                    sep,
+                )
+                / L
+            )
+            log(
+                f"ROW linear_decode {name} [{O}x{K}] T={T:3d} | pallas {best[0] * 1e6:6.1f} us "
+                f"{nbytes / best[0] / 1e12:5.2f} TB/s ({nbytes / best[0] / bw * 100:4.1f}% of {bw / 1e12:.2f}) | "
+                f"XLA stacked "
+                f"(slice copy + GEMM) {t_stk * 1e6:6.1f} us | XLA separate arrays {t_sep * 1e6:6.1f} us "
+                f"({nbytes / t_sep / bw * 100:4.1f}%) | best {best[1]}"
+            )
         del w, sep
 
 
@@ -255,26 +321,44 @@ def bench_linear_many(bw, configs, T=1, L=8):
     """Batch-1 q, k, v projections (gpt-oss [4096, 512, 512] x 2880, 20b and 120b alike) over L stacked
     layers: one fused launch (`linear_many`) vs three `linear` launches, same configuration, same bytes."""
     Os, K = (4096, 512, 512), 2880
-    ws = tuple((jax.random.normal(jax.random.PRNGKey(O + i), (L, O, K), jnp.float32) * 0.02).astype(jnp.bfloat16)
-               for i, O in enumerate(Os))
+    ws = tuple(
+        (jax.random.normal(jax.random.PRNGKey(O + i), (L, O, K), jnp.float32) * 0.02).astype(jnp.bfloat16)
+        for i, O in enumerate(Os)
+    )
     bs = tuple(jnp.zeros((O,), jnp.bfloat16) for O in Os)
     x = jax.random.normal(jax.random.PRNGKey(T), (T, K), jnp.float32).astype(jnp.bfloat16)
     layers = jnp.arange(L, dtype=jnp.int32)  # traced, as in the layer scan
     nbytes = sum(Os) * K * 2
-    makers = {"fused": lambda cfg: jax.jit(lambda x, ws, ls: [linear_decode.linear_many(x, ws, bs, ls[i], **cfg)
-                                                               for i in range(L)]),
-              "3 launches": lambda cfg: jax.jit(lambda x, ws, ls: [linear_decode.linear(x, w, b, ls[i], **cfg)
-                                                                    for i in range(L) for w, b in zip(ws, bs)])}
-    best = {name: fastest(f"linear qkv {name} T={T}", configs, make, (x, ws, layers), L,
-                          lambda t, cfg, name=name: f"  linear qkv {name:10s} T={T:3d} {t*1e6:7.1f} us "
-                                                    f"{nbytes/t/1e12:5.2f} TB/s cfg={cfg}")
-            for name, make in makers.items()}
+    makers = {
+        "fused": lambda cfg: jax.jit(
+            lambda x, ws, ls: [linear_decode.linear_many(x, ws, bs, ls[i], **cfg) for i in range(L)]
+        ),
+        "3 launches": lambda cfg: jax.jit(
+            lambda x, ws, ls: [linear_decode.linear(x, w, b, ls[i], **cfg) for i in range(L) for w, b in zip(ws, bs)]
+        ),
+    }
+    best = {
+        name: fastest(
+            f"linear qkv {name} T={T}",
+            configs,
+            make,
+            (x, ws, layers),
+            L,
+            lambda t, cfg, name=name: (
+                f"  linear qkv {name:10s} T={T:3d} {t * 1e6:7.1f} us {nbytes / t / 1e12:5.2f} TB/s cfg={cfg}"
+            ),
+        )
+        for name, make in makers.items()
+    }
     best = {k: v for k, v in best.items() if v}
     if len(best) == 2:
         (tf, cf), (ts, cs) = best["fused"], best["3 launches"]
-        log(f"ROW linear_decode qkv fused [({'+'.join(map(str, Os))}) x {K}] T={T:3d} | pallas fused {tf*1e6:6.1f} us "
-            f"{nbytes/tf/1e12:5.2f} TB/s ({nbytes/tf/bw*100:4.1f}% of {bw/1e12:.2f}) cfg={cf} | 3 launches "
-            f"{ts*1e6:6.1f} us {nbytes/ts/1e12:5.2f} TB/s cfg={cs}")
+        log(
+            f"ROW linear_decode qkv fused [({'+'.join(map(str, Os))}) x {K}] T={T:3d} | "
+            f"pallas fused {tf * 1e6:6.1f} us "
+            f"{nbytes / tf / 1e12:5.2f} TB/s ({nbytes / tf / bw * 100:4.1f}% of {bw / 1e12:.2f}) cfg={cf} | 3 launches "
+            f"{ts * 1e6:6.1f} us {nbytes / ts / 1e12:5.2f} TB/s cfg={cs}"
+        )
     del ws
 
 
@@ -283,8 +367,10 @@ def bench_linear_mosaic(bw, mm, Ts, splits_opts, L=8):
     as in the scan: the Mosaic kernel (configurations swept; `linear_mosaic.config`'s marked) vs the Triton kernel
     (up to its 64 rows) and XLA (layer slice copied, then GEMM; and on separate arrays: no copy)."""
     for name, Os, K in (("o", (2880,), 4096), ("qkv", (4096, 512, 512), 2880)):
-        ws = tuple((jax.random.normal(jax.random.PRNGKey(O + i), (L, O, K), jnp.float32) * 0.02).astype(jnp.bfloat16)
-                   for i, O in enumerate(Os))
+        ws = tuple(
+            (jax.random.normal(jax.random.PRNGKey(O + i), (L, O, K), jnp.float32) * 0.02).astype(jnp.bfloat16)
+            for i, O in enumerate(Os)
+        )
         bs = tuple(jnp.zeros((O,), jnp.bfloat16) for O in Os)
         seps = [[w[i] + 0 for i in range(L)] for w in ws]
         layers = jnp.arange(L, dtype=jnp.int32)
@@ -294,48 +380,95 @@ def bench_linear_mosaic(bw, mm, Ts, splits_opts, L=8):
             flops = 2 * T * sum(Os) * K
             base = linear_mosaic.config(T, K, Os, Device.current().num_sms)
             cfgs = [base] + [dict(base, splits=s) for s in splits_opts if s != base["splits"] and (K // 64) % s == 0]
-            best = fastest(f"linear_mosaic {name} T={T}", cfgs,
-                           lambda cfg: jax.jit(lambda x, ws, ls: [linear_mosaic.linear_many(x, ws, bs, ls[i], **cfg)
-                                                                  for i in range(L)]),
-                           (x, ws, layers), L,
-                           lambda t, cfg: f"  linear_mosaic {name} T={T:3d} {t*1e6:7.1f} us {nbytes/t/1e12:5.2f} TB/s "
-                                          f"{flops/t/1e12:6.1f} TFLOP/s cfg={cfg}{' (config)' if cfg is base else ''}")
+            best = fastest(
+                f"linear_mosaic {name} T={T}",
+                cfgs,
+                lambda cfg: jax.jit(
+                    lambda x, ws, ls: [linear_mosaic.linear_many(x, ws, bs, ls[i], **cfg) for i in range(L)]
+                ),
+                (x, ws, layers),
+                L,
+                lambda t, cfg: (
+                    f"  linear_mosaic {name} T={T:3d} {t * 1e6:7.1f} us {nbytes / t / 1e12:5.2f} TB/s "
+                    f"{flops / t / 1e12:6.1f} TFLOP/s cfg={cfg}{' (config)' if cfg is base else ''}"
+                ),
+            )
             t_tri = None
             if T <= linear_decode.MAX_ROWS:
-                t_tri = timeit(jax.jit(lambda x, ws, ls: [linear_decode.linear_many(x, ws, bs, ls[i])
-                                                          if T <= KernelConfig().linear_fuse_rows else
-                                                          [linear_decode.linear(x, w, b, ls[i]) for w, b in zip(ws, bs)]
-                                                          for i in range(L)]), x, ws, layers) / L
-            t_stk = timeit(jax.jit(lambda x, ws, ls: [[linear_decode.reference(x, w, b, ls[i])
-                                                       for w, b in zip(ws, bs)] for i in range(L)]), x, ws, layers) / L
-            t_sep = timeit(jax.jit(lambda x, seps: [[jnp.einsum("ti,oi->to", x, s[i],
-                                                                preferred_element_type=jnp.float32)
-                                                     for s in seps] for i in range(L)]), x, seps) / L
-            tri = f"{t_tri*1e6:6.1f} us" if t_tri else "-"
+                t_tri = (
+                    timeit(
+                        jax.jit(
+                            lambda x, ws, ls: [
+                                linear_decode.linear_many(x, ws, bs, ls[i])
+                                if T <= KernelConfig().linear_fuse_rows
+                                else [linear_decode.linear(x, w, b, ls[i]) for w, b in zip(ws, bs)]
+                                for i in range(L)
+                            ]
+                        ),
+                        x,
+                        ws,
+                        layers,
+                    )
+                    / L
+                )
+            t_stk = (
+                timeit(
+                    jax.jit(
+                        lambda x, ws, ls: [
+                            [linear_decode.reference(x, w, b, ls[i]) for w, b in zip(ws, bs)] for i in range(L)
+                        ]
+                    ),
+                    x,
+                    ws,
+                    layers,
+                )
+                / L
+            )
+            t_sep = (
+                timeit(
+                    jax.jit(
+                        lambda x, seps: [
+                            [jnp.einsum("ti,oi->to", x, s[i], preferred_element_type=jnp.float32) for s in seps]
+                            for i in range(L)
+                        ]
+                    ),
+                    x,
+                    seps,
+                )
+                / L
+            )
+            tri = f"{t_tri * 1e6:6.1f} us" if t_tri else "-"
             if best:
-                log(f"ROW linear_mosaic {name} [{'+'.join(map(str, Os))} x {K}] T={T:3d} | mosaic "
-                    f"{best[0]*1e6:6.1f} us {nbytes/best[0]/1e12:5.2f} TB/s "
-                    f"({nbytes/best[0]/bw*100:4.1f}% of copy {bw/1e12:.2f}; "
-                    f"{flops/best[0]/mm*100:4.1f}% of matmul) cfg={best[1]} | triton {tri} | XLA stacked "
-                    f"{t_stk*1e6:6.1f} us | XLA separate {t_sep*1e6:6.1f} us")
+                log(
+                    f"ROW linear_mosaic {name} [{'+'.join(map(str, Os))} x {K}] T={T:3d} | mosaic "
+                    f"{best[0] * 1e6:6.1f} us {nbytes / best[0] / 1e12:5.2f} TB/s "
+                    f"({nbytes / best[0] / bw * 100:4.1f}% of copy {bw / 1e12:.2f}; "
+                    f"{flops / best[0] / mm * 100:4.1f}% of matmul) cfg={best[1]} | triton {tri} | XLA stacked "
+                    f"{t_stk * 1e6:6.1f} us | XLA separate {t_sep * 1e6:6.1f} us"
+                )
         del ws, seps
 
 
 def bench_paged(bw, cases, split_opts):
-    for (B, ctx, window, S) in cases:
+    for B, ctx, window, S in cases:
         q, kp, vp, bt, pos, sinks = kc.paged(jax.random.PRNGKey(B + ctx), B, 64, 8, 64, S, [ctx] * B)
         vis = min(ctx, window)
         nbytes = B * vis * 8 * 64 * 2 * 2
         best = None
         for ns in split_opts(B):
             for bkv in (64, 128):
-                f = jax.jit(lambda q, kp, vp, bt, pos, sinks, ns=ns, bkv=bkv: paged_attention.attention(
-                    q, kp, vp, bt, pos, sinks, window, num_splits=ns, block_kv=bkv))
+                f = jax.jit(
+                    lambda q, kp, vp, bt, pos, sinks, ns=ns, bkv=bkv: paged_attention.attention(
+                        q, kp, vp, bt, pos, sinks, window, num_splits=ns, block_kv=bkv
+                    )
+                )
                 t = timed(f"paged B={B} ctx={ctx} ns={ns} bkv={bkv}", f, q, kp, vp, bt, pos, sinks, n=20)
                 if t is None:
                     continue
-                log(f"  paged B={B} ctx={ctx} win={window} page={S} splits={ns} bkv={bkv}: {t*1e6:8.1f} us "
-                    f"{nbytes/t/1e12:5.2f} TB/s = {nbytes/t/bw*100:5.1f}%")
+                log(
+                    f"  paged B={B} ctx={ctx} win={window} page={S} splits={ns} bkv={bkv}: {t * 1e6:8.1f} us "
+                    f"{nbytes / t / 1e12:5.2f} TB/s = {nbytes / t / bw * 100:5.1f}%"
+                )
                 if best is None or t < best[0]:
                     best = (t, ns, bkv)
         t_ref = timeit(jax.jit(lambda *a: attention_reference.attention(*a, window)), q, kp, vp, bt, pos, sinks, n=5)
@@ -344,24 +477,29 @@ def bench_paged(bw, cases, split_opts):
         res = {}
         for impl in ("cudnn", "xla"):
             try:
-                g = jax.jit(lambda q, k, v, impl=impl: jax.nn.dot_product_attention(
-                    q, k, v, implementation=impl,
-                    local_window_size=(window - 1, 0) if window < ctx else None))
+                g = jax.jit(
+                    lambda q, k, v, impl=impl: jax.nn.dot_product_attention(
+                        q, k, v, implementation=impl, local_window_size=(window - 1, 0) if window < ctx else None
+                    )
+                )
                 res[impl] = timeit(g, q, kc_, kc_, n=10)
             except Exception:  # noqa: BLE001
                 res[impl] = float("nan")
         del kp, vp, kc_
-        log(f"ROW paged_decode B={B} ctx={ctx} win={window} page={S} | pallas {best[0]*1e6:8.1f} us "
-            f"{nbytes/best[0]/1e12:5.2f} TB/s ({nbytes/best[0]/bw*100:4.1f}% of {bw/1e12:.2f}) splits={best[1]} "
-            f"bkv={best[2]} | XLA paged reference {t_ref*1e6:8.1f} us | jax.nn.dpa contiguous cudnn "
-            f"{res['cudnn']*1e6:8.1f} us xla {res['xla']*1e6:8.1f} us | KV bytes {nbytes/1e6:.0f} MB")
+        log(
+            f"ROW paged_decode B={B} ctx={ctx} win={window} page={S} | pallas {best[0] * 1e6:8.1f} us "
+            f"{nbytes / best[0] / 1e12:5.2f} TB/s ({nbytes / best[0] / bw * 100:4.1f}% of {bw / 1e12:.2f}) "
+            f"splits={best[1]} "
+            f"bkv={best[2]} | XLA paged reference {t_ref * 1e6:8.1f} us | jax.nn.dpa contiguous cudnn "
+            f"{res['cudnn'] * 1e6:8.1f} us xla {res['xla'] * 1e6:8.1f} us | KV bytes {nbytes / 1e6:.0f} MB"
+        )
 
 
 def bench_flash(mm, cases, cfgs):
     """Prefill attention: Pallas kernel vs the paged reference and jax.nn.dot_product_attention (cudnn,
     contiguous K/V, causal + window, no sinks and no paging: a lower bound for what a library gives)."""
     N, K, H, S = 64, 8, 64, 16
-    for (B, T, start, window) in cases:
+    for B, T, start, window in cases:
         q, kp, vp, bt, pos, sinks = kc.prefill(jax.random.PRNGKey(T + B), N, K, H, S, [(start, T)] * B, T)
         vis = [min(start + t + 1, window) for t in range(T)]
         flops = 4 * B * N * H * sum(vis)
@@ -371,30 +509,42 @@ def bench_flash(mm, cases, cfgs):
             t = timed(f"flash B={B} T={T} {cfg}", f, q, kp, vp, bt, pos, sinks, n=5, reps=3)
             if t is None:
                 continue
-            log(f"  flash B={B} T={T} start={start} win={window} {t*1e3:7.3f} ms {flops/t/1e12:6.1f} TFLOP/s "
-                f"cfg={cfg}")
+            log(
+                f"  flash B={B} T={T} start={start} win={window} {t * 1e3:7.3f} ms {flops / t / 1e12:6.1f} TFLOP/s "
+                f"cfg={cfg}"
+            )
             if best is None or t < best[0]:
                 best = (t, cfg)
         try:
-            t_ref = timeit(jax.jit(lambda *a: attention_reference.attention(*a, window)), q, kp, vp, bt, pos,
-                           sinks, n=2, reps=2)
+            t_ref = timeit(
+                jax.jit(lambda *a: attention_reference.attention(*a, window)), q, kp, vp, bt, pos, sinks, n=2, reps=2
+            )
         except Exception as e:  # noqa: BLE001
             t_ref = float("nan")
             log(f"  reference failed: {type(e).__name__}: {str(e)[:150]}")
         kc_ = jax.random.normal(jax.random.PRNGKey(9), (B, start + T, K, H), jnp.float32).astype(jnp.bfloat16)
         try:
-            g = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-                q, k, v, implementation="cudnn", is_causal=start == 0,
-                local_window_size=(window - 1, 0) if window < start + T else None))
+            g = jax.jit(
+                lambda q, k, v: jax.nn.dot_product_attention(
+                    q,
+                    k,
+                    v,
+                    implementation="cudnn",
+                    is_causal=start == 0,
+                    local_window_size=(window - 1, 0) if window < start + T else None,
+                )
+            )
             t_dpa = timeit(g, q, kc_, kc_, n=5, reps=3)
         except Exception as e:  # noqa: BLE001
             t_dpa = float("nan")
             log(f"  dpa cudnn failed: {type(e).__name__}: {str(e)[:150]}")
         del kp, vp, kc_
-        log(f"ROW flash_prefill B={B} T={T} start={start} win={'full' if window > 2**30 else window} | pallas "
-            f"{best[0]*1e3:7.3f} ms {flops/best[0]/1e12:6.1f} TFLOP/s ({flops/best[0]/mm*100:4.1f}% of "
-            f"{mm/1e12:.0f}) {best[1]} | paged reference {t_ref*1e3:8.3f} ms | dpa cudnn contiguous "
-            f"(no sinks) {t_dpa*1e3:7.3f} ms")
+        log(
+            f"ROW flash_prefill B={B} T={T} start={start} win={'full' if window > 2**30 else window} | pallas "
+            f"{best[0] * 1e3:7.3f} ms {flops / best[0] / 1e12:6.1f} TFLOP/s ({flops / best[0] / mm * 100:4.1f}% of "
+            f"{mm / 1e12:.0f}) {best[1]} | paged reference {t_ref * 1e3:8.3f} ms | dpa cudnn contiguous "
+            f"(no sinks) {t_dpa * 1e3:7.3f} ms"
+        )
 
 
 def main():
@@ -409,8 +559,11 @@ def main():
     args = ap.parse_args()
     log(f"device: {jax.devices()[0].device_kind}  date {time.strftime('%Y-%m-%d %H:%M')}")
     bw, mm = ceilings()
-    only = set(args.only.split(",")) if args.only else {"linear", "linear_mosaic", "moe_decode", "paged", "flash",
-                                                        "moe_prefill", "ragged"}
+    only = (
+        set(args.only.split(","))
+        if args.only
+        else {"linear", "linear_mosaic", "moe_decode", "paged", "flash", "moe_prefill", "ragged"}
+    )
 
     auto, triton = (KernelConfig(impl="pallas", mosaic=m).for_device() for m in (None, False))
 
@@ -419,69 +572,124 @@ def main():
         out = [chosen(triton, model, T)]
         if args.quick:
             return out
-        g16 = dict(kernel="gemv16", block_m=1, block_n=16, block_k=512, block_n_down=16, num_warps=4,
-                   num_stages=1, prefetch=T == 1)
+        g16 = dict(
+            kernel="gemv16",
+            block_m=1,
+            block_n=16,
+            block_k=512,
+            block_n_down=16,
+            num_warps=4,
+            num_stages=1,
+            prefetch=T == 1,
+        )
         if T == 1:  # latency-bound: fewer, larger K steps and smaller row tiles put more bytes in flight
-            return out + [dict(g16, block_n=bn, block_n_down=bn, block_k=bk, prefetch=pf, num_warps=w)
-                          for bn, bk, pf, w in ((8, 1024, True, 4), (8, 2048, False, 4), (8, 4096, False, 4),
-                                                (4, 4096, False, 4), (8, 4096, False, 8), (16, 2048, False, 4))]
+            return out + [
+                dict(g16, block_n=bn, block_n_down=bn, block_k=bk, prefetch=pf, num_warps=w)
+                for bn, bk, pf, w in (
+                    (8, 1024, True, 4),
+                    (8, 2048, False, 4),
+                    (8, 4096, False, 4),
+                    (4, 4096, False, 4),
+                    (8, 4096, False, 8),
+                    (16, 2048, False, 4),
+                )
+            ]
         if T * k <= E:
-            return out + [g16, dict(g16, prefetch=T != 1), dict(g16, block_k=1024), dict(g16, block_n=32,
-                                                                                       block_n_down=32)]
-        return out + [dict(kernel="mma", block_m=bm, block_n=bn, block_k=bk, block_n_down=bn, num_warps=4,
-                           num_stages=3, swap=sw) for bm, bn, bk, sw in ((16, 64, 128, True), (32, 32, 256, False),
-                                                                         (16, 32, 128, False))]
+            return out + [
+                g16,
+                dict(g16, prefetch=T != 1),
+                dict(g16, block_k=1024),
+                dict(g16, block_n=32, block_n_down=32),
+            ]
+        return out + [
+            dict(kernel="mma", block_m=bm, block_n=bn, block_k=bk, block_n_down=bn, num_warps=4, num_stages=3, swap=sw)
+            for bm, bn, bk, sw in ((16, 64, 128, True), (32, 32, 256, False), (16, 32, 128, False))
+        ]
 
     t0 = time.time()
     if "linear" in only:
-        lcfgs = [dict(block_n=32, block_k=256, programs=528, num_warps=4, num_stages=3),
-                 dict(block_n=16, block_k=256, programs=1056, num_warps=4, num_stages=2),
-                 dict(block_n=32, block_k=128, programs=1056, num_warps=4, num_stages=2),
-                 dict(block_n=64, block_k=256, programs=528, num_warps=4, num_stages=2),
-                 dict(block_n=32, block_k=512, programs=264, num_warps=4, num_stages=2),
-                 dict(block_n=32, block_k=256, programs=1056, num_warps=4, num_stages=2)]
+        lcfgs = [
+            dict(block_n=32, block_k=256, programs=528, num_warps=4, num_stages=3),
+            dict(block_n=16, block_k=256, programs=1056, num_warps=4, num_stages=2),
+            dict(block_n=32, block_k=128, programs=1056, num_warps=4, num_stages=2),
+            dict(block_n=64, block_k=256, programs=528, num_warps=4, num_stages=2),
+            dict(block_n=32, block_k=512, programs=264, num_warps=4, num_stages=2),
+            dict(block_n=32, block_k=256, programs=1056, num_warps=4, num_stages=2),
+        ]
         bench_linear(bw, (1, 16, 64), lcfgs[:1] if args.quick else lcfgs)
         bench_linear_many(bw, lcfgs[:1] if args.quick else lcfgs)
     if "linear_mosaic" in only and Device.current().hopper:
         bench_linear_mosaic(bw, mm, (1, 2, 8, 32, 64, 128, 256), () if args.quick else (1, 2, 3, 4, 5, 8, 9, 16))
-    log(f"[{time.time()-t0:.0f}s]")
+    log(f"[{time.time() - t0:.0f}s]")
     if "moe_decode" in only:
         for model, Ts, L in (("20b", (1, 4, 16, 64), 3), ("120b", (1, 4, 16, 64), 2)):
             if args.tokens:
                 Ts = tuple(int(t) for t in args.tokens.split(","))
             if model in args.models.split(","):
                 bench_moe_decode(model, Ts, bw, lambda T, model=model: dec_cfgs(model, T), L, auto)
-    log(f"[{time.time()-t0:.0f}s]")
+    log(f"[{time.time() - t0:.0f}s]")
     if "paged" in only:
-        bench_paged(bw, [(64, 8192, 2**31 - 1, 16), (64, 8192, 128, 16), (8, 32768, 2**31 - 1, 16)],
-                    lambda B: (1, 2) if B >= 32 else (4, 16))
-    log(f"[{time.time()-t0:.0f}s]")
+        bench_paged(
+            bw,
+            [(64, 8192, 2**31 - 1, 16), (64, 8192, 128, 16), (8, 32768, 2**31 - 1, 16)],
+            lambda B: (1, 2) if B >= 32 else (4, 16),
+        )
+    log(f"[{time.time() - t0:.0f}s]")
     if "flash" in only:
-        fcfgs = [dict(block_q=128, block_kv=64, num_warps=8, num_stages=3),
-                 dict(block_q=64, block_kv=64, num_warps=4, num_stages=3),
-                 dict(block_q=128, block_kv=128, num_warps=8, num_stages=3)]
-        bench_flash(mm, [(1, 8192, 0, 2**31 - 1), (1, 8192, 0, 128), (4, 2048, 2048, 2**31 - 1)],
-                    fcfgs if not args.quick else fcfgs[:1])
-    log(f"[{time.time()-t0:.0f}s]")
+        fcfgs = [
+            dict(block_q=128, block_kv=64, num_warps=8, num_stages=3),
+            dict(block_q=64, block_kv=64, num_warps=4, num_stages=3),
+            dict(block_q=128, block_kv=128, num_warps=8, num_stages=3),
+        ]
+        bench_flash(
+            mm,
+            [(1, 8192, 0, 2**31 - 1), (1, 8192, 0, 128), (4, 2048, 2048, 2**31 - 1)],
+            fcfgs if not args.quick else fcfgs[:1],
+        )
+    log(f"[{time.time() - t0:.0f}s]")
     if "ragged" in only:
         bench_ragged_decode("20b", 1, bw)
     if "moe_prefill" in only:
+
         def mma(bm, bn, bk, swap, warps, stages=3):
-            return dict(kernel="mma", block_m=bm, block_n=bn, block_k=bk, block_n_down=bn, num_warps=warps,
-                        num_stages=stages, swap=swap)
+            return dict(
+                kernel="mma",
+                block_m=bm,
+                block_n=bn,
+                block_k=bk,
+                block_n_down=bn,
+                num_warps=warps,
+                num_stages=stages,
+                swap=swap,
+            )
 
         def dense(bm, bn, bk, warps, stages=3):
-            return dict(kernel="dense", block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
-                        group=moe_dense.GROUP)
+            return dict(
+                kernel="dense",
+                block_m=bm,
+                block_n=bn,
+                block_k=bk,
+                num_warps=warps,
+                num_stages=stages,
+                group=moe_dense.GROUP,
+            )
+
         for T in (int(t) for t in args.prefill_tokens.split(",")):
             for model in args.models.split(","):
                 # from 64 rows per expert, the Pallas-Triton choice is the dense GEMMs' configuration
                 cfgs = [chosen(auto, model, T)] + (
-                    [chosen(triton, model, T), dense(128, 128, 64, 8, 4), mma(128, 64, 128, True, 4)] if T >= 4096
-                    else [mma(64, 32, 256, False, 4), mma(32, 32, 256, False, 4), mma(64, 64, 128, True, 4),
-                          mma(128, 64, 128, True, 4), dense(128, 128, 64, 8)])
+                    [chosen(triton, model, T), dense(128, 128, 64, 8, 4), mma(128, 64, 128, True, 4)]
+                    if T >= 4096
+                    else [
+                        mma(64, 32, 256, False, 4),
+                        mma(32, 32, 256, False, 4),
+                        mma(64, 64, 128, True, 4),
+                        mma(128, 64, 128, True, 4),
+                        dense(128, 128, 64, 8),
+                    ]
+                )
                 bench_moe_prefill(model, T, mm, cfgs[:1] if args.quick else cfgs, bw, ragged=T >= 4096)
-    log(f"[{time.time()-t0:.0f}s]")
+    log(f"[{time.time() - t0:.0f}s]")
     log("\nSUMMARY")
     for line in LINES:
         if line.startswith(("ROW", "copy", "device")):

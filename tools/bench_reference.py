@@ -21,8 +21,15 @@ import jax.numpy as jnp
 
 from gptoss_jax import checkpoint, config, random_weights, runtime
 from pallas_kernels import REFERENCE
-from tools.common import (copy_bandwidth, decode_bytes, decode_step, matmul_rate, prefill_step, timeit,
-                          torch_copy_bandwidth)
+from tools.common import (
+    copy_bandwidth,
+    decode_bytes,
+    decode_step,
+    matmul_rate,
+    prefill_step,
+    timeit,
+    torch_copy_bandwidth,
+)
 
 
 def ceilings(copy_bytes: int = 4 << 30, n_mm: int = 8192) -> dict:
@@ -82,11 +89,21 @@ def main() -> None:
         t = timeit(step)
         step.free()
         need = decode_bytes(cfg, B, args.context)
-        row = {"batch": B, "context": args.context, "step_s": t, "tok_per_s_per_user": 1 / t,
-               "tok_per_s_total": B / t, "min_bytes": need, "roofline_fraction": need / t / bw}
+        row = {
+            "batch": B,
+            "context": args.context,
+            "step_s": t,
+            "tok_per_s_per_user": 1 / t,
+            "tok_per_s_total": B / t,
+            "min_bytes": need,
+            "roofline_fraction": need / t / bw,
+        }
         result["decode"].append(row)
-        print(f"decode B={B} ctx={args.context}: {t * 1e3:.2f} ms/step, {B / t:.0f} tok/s total, "
-              f"{100 * row['roofline_fraction']:.1f}% of copy-bandwidth roofline", flush=True)
+        print(
+            f"decode B={B} ctx={args.context}: {t * 1e3:.2f} ms/step, {B / t:.0f} tok/s total, "
+            f"{100 * row['roofline_fraction']:.1f}% of copy-bandwidth roofline",
+            flush=True,
+        )
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
 

@@ -33,19 +33,24 @@ KINDS = {  # temperature, top_k, top_p, min_p
 
 def _radix_piece(bits: int, top_p: bool):
     """The top-k 50 or top-p 0.9 threshold search alone (keys included; for top-p, the softmax)."""
+
     def f(x):
         target = jnp.full((x.shape[0],), 0.9) if top_p else jnp.full((x.shape[0],), 50, jnp.int32)
         w = jax.nn.softmax(x, axis=-1) if top_p else None
         return sampling._radix_select(sampling._order_keys(x), w, target, bits)
+
     return f
 
 
 PIECES = {
-    **{f"{which} threshold, radix {bits} bit": _radix_piece(bits, which == "top_p")
-       for which in ("top_k", "top_p") for bits in (1, 2, 4)},
+    **{
+        f"{which} threshold, radix {bits} bit": _radix_piece(bits, which == "top_p")
+        for which in ("top_k", "top_p")
+        for bits in (1, 2, 4)
+    },
     "top_k 1024": lambda x: jax.lax.top_k(x, 1024)[0],  # the candidates the radix select replaced
     "logprobs top 20, argmax passes": lambda x: sampling.top_k(x, 20)[0],  # what the engine runs
-    "logprobs top 20, lax.top_k": lambda x: jax.lax.top_k(x, 20)[0],        # what it replaced
+    "logprobs top 20, lax.top_k": lambda x: jax.lax.top_k(x, 20)[0],  # what it replaced
     "cumsum": lambda x: jnp.cumsum(x, axis=-1),
     "sort": lambda x: jnp.sort(x, axis=-1),
     "max": lambda x: jnp.max(x, axis=-1),
@@ -58,8 +63,12 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--out", default="sampling.json")
     args = ap.parse_args()
-    result = {"device": jax.devices()[0].device_kind, "vocab": VOCAB, "copy_TBps": copy_bandwidth(warmup=1) / 1e12,
-              "measurements": []}
+    result = {
+        "device": jax.devices()[0].device_kind,
+        "vocab": VOCAB,
+        "copy_TBps": copy_bandwidth(warmup=1) / 1e12,
+        "measurements": [],
+    }
     print(f"copy bandwidth {result['copy_TBps']:.2f} TB/s", flush=True)
     sample = jax.jit(sampling.sample)
     for B in (int(b) for b in args.batches.split(",")):

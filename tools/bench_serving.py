@@ -21,9 +21,11 @@ import time
 
 import httpx
 
-WORDS = ("time year people way day man thing woman life child world school state family student group "
-         "country problem hand part place case week company system program question work government number "
-         "night point home water room mother area money story fact month lot right study book eye job word").split()
+WORDS = (
+    "time year people way day man thing woman life child world school state family student group "
+    "country problem hand part place case week company system program question work government number "
+    "night point home water room mother area money story fact month lot right study book eye job word"
+).split()
 
 
 def percentiles(xs: list[float]) -> dict:
@@ -46,8 +48,13 @@ def make_prompt(rng: random.Random, n_tokens: int) -> str:
 
 async def one_request(client: httpx.AsyncClient, args, prompt: str, out_len: int) -> dict:
     chat = args.endpoint == "chat"
-    body: dict = {"model": args.model, "max_tokens": out_len, "stream": True,
-                  "stream_options": {"include_usage": True}, "temperature": args.temperature}
+    body: dict = {
+        "model": args.model,
+        "max_tokens": out_len,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": args.temperature,
+    }
     if chat:
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -55,8 +62,7 @@ async def one_request(client: httpx.AsyncClient, args, prompt: str, out_len: int
     if args.extra_body:
         body.update(json.loads(args.extra_body))
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    rec = {"ok": False, "ttft": None, "itl": [], "e2e": None, "output_tokens": 0, "prompt_tokens": None,
-           "error": None}
+    rec = {"ok": False, "ttft": None, "itl": [], "e2e": None, "output_tokens": 0, "prompt_tokens": None, "error": None}
     t0 = time.perf_counter()
     last = None
     chunks = 0
@@ -78,8 +84,13 @@ async def one_request(client: httpx.AsyncClient, args, prompt: str, out_len: int
                 got = False
                 for ch in msg.get("choices") or []:
                     d = ch.get("delta") or {}
-                    if d.get("content") or d.get("reasoning_content") or d.get("reasoning") or d.get("tool_calls") \
-                            or ch.get("text"):
+                    if (
+                        d.get("content")
+                        or d.get("reasoning_content")
+                        or d.get("reasoning")
+                        or d.get("tool_calls")
+                        or ch.get("text")
+                    ):
                         got = True
                 if got:
                     now = time.perf_counter()
@@ -103,16 +114,19 @@ async def one_request(client: httpx.AsyncClient, args, prompt: str, out_len: int
 async def run(args) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.concurrency + 4, max_keepalive_connections=args.concurrency + 4)
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=args.timeout,
-                                 limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=args.base_url, headers=headers, timeout=args.timeout, limits=limits
+    ) as client:
         if not args.model:
             r = await client.get("/v1/models")
             r.raise_for_status()
             args.model = r.json()["data"][0]["id"]
         rng = random.Random(args.seed)
         prompts = [make_prompt(rng, args.input_len) for _ in range(args.num_prompts)]
-        out_lens = [max(1, int(args.output_len * rng.uniform(1 - args.range_ratio, 1 + args.range_ratio)))
-                    for _ in range(args.num_prompts)]
+        out_lens = [
+            max(1, int(args.output_len * rng.uniform(1 - args.range_ratio, 1 + args.range_ratio)))
+            for _ in range(args.num_prompts)
+        ]
         sem = asyncio.Semaphore(args.concurrency)
 
         async def limited(p, n):
@@ -134,31 +148,46 @@ async def run(args) -> dict:
     in_tok = sum(r["prompt_tokens"] or 0 for r in ok)
     tpot = [(r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1) for r in ok if r["output_tokens"] > 1]
     return {
-        "model": args.model, "endpoint": args.endpoint, "num_prompts": args.num_prompts,
-        "concurrency": args.concurrency, "request_rate": args.request_rate, "input_len": args.input_len,
-        "output_len": args.output_len, "completed": len(ok), "failed": len(recs) - len(ok),
-        "errors": sorted({r["error"] for r in recs if r["error"]})[:5], "duration_s": dur,
-        "request_throughput": len(ok) / dur, "output_token_throughput": out_tok / dur,
-        "total_token_throughput": (in_tok + out_tok) / dur, "total_input_tokens": in_tok,
+        "model": args.model,
+        "endpoint": args.endpoint,
+        "num_prompts": args.num_prompts,
+        "concurrency": args.concurrency,
+        "request_rate": args.request_rate,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "completed": len(ok),
+        "failed": len(recs) - len(ok),
+        "errors": sorted({r["error"] for r in recs if r["error"]})[:5],
+        "duration_s": dur,
+        "request_throughput": len(ok) / dur,
+        "output_token_throughput": out_tok / dur,
+        "total_token_throughput": (in_tok + out_tok) / dur,
+        "total_input_tokens": in_tok,
         "total_output_tokens": out_tok,
-        "ttft_s": percentiles([r["ttft"] for r in ok]), "tpot_s": percentiles(tpot),
-        "itl_s": percentiles([x for r in ok for x in r["itl"]]), "e2e_s": percentiles([r["e2e"] for r in ok]),
+        "ttft_s": percentiles([r["ttft"] for r in ok]),
+        "tpot_s": percentiles(tpot),
+        "itl_s": percentiles([x for r in ok for x in r["itl"]]),
+        "e2e_s": percentiles([r["e2e"] for r in ok]),
     }
 
 
 def report(res: dict) -> str:
-    lines = [f"model {res['model']}  endpoint {res['endpoint']}  prompts {res['num_prompts']}  concurrency "
-             f"{res['concurrency']}  rate {res['request_rate']}/s  in {res['input_len']}  out {res['output_len']}",
-             f"completed {res['completed']}  failed {res['failed']}  duration {res['duration_s']:.2f}s",
-             f"requests/s {res['request_throughput']:.2f}  output tok/s {res['output_token_throughput']:.1f}  "
-             f"total tok/s {res['total_token_throughput']:.1f}"]
+    lines = [
+        f"model {res['model']}  endpoint {res['endpoint']}  prompts {res['num_prompts']}  concurrency "
+        f"{res['concurrency']}  rate {res['request_rate']}/s  in {res['input_len']}  out {res['output_len']}",
+        f"completed {res['completed']}  failed {res['failed']}  duration {res['duration_s']:.2f}s",
+        f"requests/s {res['request_throughput']:.2f}  output tok/s {res['output_token_throughput']:.1f}  "
+        f"total tok/s {res['total_token_throughput']:.1f}",
+    ]
     for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         p = res[name]
         if p["p50"] is None:
             lines.append(f"{name[:-2].upper():5} n/a")
             continue
-        lines.append(f"{name[:-2].upper():5} ms  mean {p['mean'] * 1e3:9.2f}  p50 {p['p50'] * 1e3:9.2f}  "
-                     f"p90 {p['p90'] * 1e3:9.2f}  p99 {p['p99'] * 1e3:9.2f}")
+        lines.append(
+            f"{name[:-2].upper():5} ms  mean {p['mean'] * 1e3:9.2f}  p50 {p['p50'] * 1e3:9.2f}  "
+            f"p90 {p['p90'] * 1e3:9.2f}  p99 {p['p99'] * 1e3:9.2f}"
+        )
     for e in res["errors"]:
         lines.append(f"error: {e}")
     return "\n".join(lines)
@@ -172,13 +201,14 @@ def main(argv=None) -> int:
     p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="requests/s (Poisson); default: all at once")
+    p.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); default: all at once"
+    )
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--range-ratio", type=float, default=0.0, help="output lengths uniform in len*(1±ratio)")
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--extra-body", default=None, help='JSON merged into every request, e.g. \'{"ignore_eos": true}\'')
+    p.add_argument("--extra-body", default=None, help="JSON merged into every request, e.g. '{\"ignore_eos\": true}'")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--no-warmup", dest="warmup", action="store_false")

@@ -28,7 +28,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from gptoss_jax import config as config_lib, random_weights, runtime
+from gptoss_jax import config as config_lib
+from gptoss_jax import random_weights, runtime
 from pallas_kernels import KernelConfig
 from sharding.rules import make_layout
 from tools.common import decode_step, random_params, resolved
@@ -49,9 +50,19 @@ def bench(cfg, layout, params, kernels: KernelConfig, rows_per_rank: int, contex
     step.free()
     t = statistics.median(times)
     B, n = layout.num_ranks * rows_per_rank, layout.mesh.devices.size
-    return dict(mode=layout.mode, dispatch=layout.dispatch, impl=kernels.impl, devices=n, batch_per_rank=rows_per_rank,
-                global_batch=B, step_ms=t * 1e3, tok_s=B / t, tok_s_per_device=B / t / n, tok_s_per_user=1 / t,
-                first_call_s=compile_s)
+    return dict(
+        mode=layout.mode,
+        dispatch=layout.dispatch,
+        impl=kernels.impl,
+        devices=n,
+        batch_per_rank=rows_per_rank,
+        global_batch=B,
+        step_ms=t * 1e3,
+        tok_s=B / t,
+        tok_s_per_device=B / t / n,
+        tok_s_per_user=1 / t,
+        first_call_s=compile_s,
+    )
 
 
 def main():
@@ -61,8 +72,12 @@ def main():
     ap.add_argument("--model-parallel", type=int, default=None, help="default: all devices (1 replica)")
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--mode", choices=("low_latency", "max_throughput", "both"), default="both")
-    ap.add_argument("--impl", choices=("pallas", "reference"), default="pallas",
-                    help="kernels (interpreted off-GPU: slow) or the pure-JAX reference")
+    ap.add_argument(
+        "--impl",
+        choices=("pallas", "reference"),
+        default="pallas",
+        help="kernels (interpreted off-GPU: slow) or the pure-JAX reference",
+    )
     ap.add_argument("--dispatch", choices=("all_gather", "all_to_all", "both"), default="all_gather")
     ap.add_argument("--batch", default="1,64", help="decode sequences per attention rank, comma-separated")
     ap.add_argument("--context", type=int, default=1024)
@@ -88,9 +103,11 @@ def main():
     modes = ("low_latency", "max_throughput") if args.mode == "both" else (args.mode,)
     dispatches = ("all_gather", "all_to_all") if args.dispatch == "both" else (args.dispatch,)
     results = []
-    print(f"{args.preset if not args.smoke else 'smoke'}: {jax.device_count()} x {jax.devices()[0].device_kind}, "
-          f"mesh {args.replicas} replicas x {model_parallel} model, context {args.context}, impl {args.impl}",
-          flush=True)
+    print(
+        f"{args.preset if not args.smoke else 'smoke'}: {jax.device_count()} x {jax.devices()[0].device_kind}, "
+        f"mesh {args.replicas} replicas x {model_parallel} model, context {args.context}, impl {args.impl}",
+        flush=True,
+    )
     for mode in modes:
         layout = make_layout(model_parallel, args.replicas, mode)
         t0 = time.perf_counter()
@@ -103,13 +120,17 @@ def main():
             for b in (int(x) for x in args.batch.split(",")):
                 r = bench(cfg, layout, params, kernels, b, args.context, iters)
                 results.append(r)
-                print(f"  {mode:15s} {dispatch:10s} batch/rank {b:3d} (global {r['global_batch']:4d}): "
-                      f"step {r['step_ms']:8.2f} ms, {r['tok_s']:9.1f} tok/s, {r['tok_s_per_device']:8.1f} tok/s "
-                      f"per device, {r['tok_s_per_user']:6.1f} tok/s per user", flush=True)
+                print(
+                    f"  {mode:15s} {dispatch:10s} batch/rank {b:3d} (global {r['global_batch']:4d}): "
+                    f"step {r['step_ms']:8.2f} ms, {r['tok_s']:9.1f} tok/s, {r['tok_s_per_device']:8.1f} tok/s "
+                    f"per device, {r['tok_s_per_user']:6.1f} tok/s per user",
+                    flush=True,
+                )
         del params
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(args=vars(args), device=str(jax.devices()[0].device_kind),
-                                                   results=results), indent=1))
+        Path(args.json).write_text(
+            json.dumps(dict(args=vars(args), device=str(jax.devices()[0].device_kind), results=results), indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -33,7 +33,8 @@ import jax
 import numpy as np
 import yaml
 
-from gptoss_jax import config, engine_config, runtime, steps as steps_lib
+from gptoss_jax import config, engine_config, runtime
+from gptoss_jax import steps as steps_lib
 from gptoss_jax.engine import Engine
 from gptoss_jax.random_weights import DEMO_CONFIG
 from gptoss_jax.sampling import SamplingParams
@@ -41,9 +42,22 @@ from pallas_kernels import KernelConfig
 from pallas_kernels import params as params_lib
 from tools.common import copy_bandwidth, random_params, resolved, summarize_trace
 
-SMOKE = dict(DEMO_CONFIG, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, experts_per_token=2,
-             vocab_size=512, hidden_size=64, intermediate_size=64, head_dim=16, num_attention_heads=4,
-             num_key_value_heads=2, sliding_window=8, eos_token_id=1, pad_token_id=0)
+SMOKE = dict(
+    DEMO_CONFIG,
+    num_hidden_layers=2,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    experts_per_token=2,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=64,
+    head_dim=16,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    sliding_window=8,
+    eos_token_id=1,
+    pad_token_id=0,
+)
 
 
 @contextlib.contextmanager
@@ -69,6 +83,7 @@ class _Timed:
         def timed(*args, **kwargs):
             with _timer(self._totals, self._parts[name]):
                 return attr(*args, **kwargs)
+
         return timed
 
 
@@ -96,8 +111,9 @@ class TimedEngine(Engine):
             return super()._collect(call)
 
 
-def run_job(engine: TimedEngine, prompts: list[list[int]], output_len: int,
-            trace: tuple[int, str] | None = None) -> dict:
+def run_job(
+    engine: TimedEngine, prompts: list[list[int]], output_len: int, trace: tuple[int, str] | None = None
+) -> dict:
     """`trace=(step, dir)`: a `jax.profiler` trace of engine steps `step` to `step + 7` (fewer if the job
     ends first), summed per GPU kernel into the result (pick a step in the decode phase to see the
     device's idle time there). `host_s`: the engine's `timers`, and `compile` (seconds of XLA compilation during
@@ -114,8 +130,11 @@ def run_job(engine: TimedEngine, prompts: list[list[int]], output_len: int,
     def stop_trace():  # after 8 steps, or when the job ends sooner
         jax.block_until_ready(engine.runner.cache)
         jax.profiler.stop_trace()
-        return {"first_step": trace[0], "steps": len(steps) - trace[0],
-                "wall_us": (time.perf_counter() - t_trace) * 1e6}
+        return {
+            "first_step": trace[0],
+            "steps": len(steps) - trace[0],
+            "wall_us": (time.perf_counter() - t_trace) * 1e6,
+        }
 
     with steps_lib.compilations() as compiled:
         while engine.has_unfinished_requests():
@@ -145,16 +164,27 @@ def run_job(engine: TimedEngine, prompts: list[list[int]], output_len: int,
     if traced:
         traced["threads"] = summarize_trace(trace[1])
     host = dict(engine.timers, compile=sum(seconds for _, seconds in compiled), compiles=len(compiled))
-    return {"host_s": host, "trace": traced, "requests": len(prompts), "input_len": len(prompts[0]),
-            "output_len": output_len,
-            "seconds": elapsed, "output_tokens": n_out, "output_tok_s": n_out / elapsed,
-            "total_tok_s": (n_out + sum(map(len, prompts))) / elapsed,
-            "ttft_s_median": statistics.median(ttft), "ttft_s_max": max(ttft),
-            "tpot_ms_median": 1e3 * statistics.median(tpot) if tpot else None,
-            "num_preemptions": stats.num_preemptions, "num_compiles": stats.num_compiles,
-            "prefill_phase_s": t_all - t0, "prefill_phase_output_tokens": tok_1,
-            "decode_phase_s": elapsed - (t_all - t0), "decode_phase_output_tokens": n_out - tok_1,
-            "decode_phase_steps": sum(1 for t, n in steps if t > t_all and n)}
+    return {
+        "host_s": host,
+        "trace": traced,
+        "requests": len(prompts),
+        "input_len": len(prompts[0]),
+        "output_len": output_len,
+        "seconds": elapsed,
+        "output_tokens": n_out,
+        "output_tok_s": n_out / elapsed,
+        "total_tok_s": (n_out + sum(map(len, prompts))) / elapsed,
+        "ttft_s_median": statistics.median(ttft),
+        "ttft_s_max": max(ttft),
+        "tpot_ms_median": 1e3 * statistics.median(tpot) if tpot else None,
+        "num_preemptions": stats.num_preemptions,
+        "num_compiles": stats.num_compiles,
+        "prefill_phase_s": t_all - t0,
+        "prefill_phase_output_tokens": tok_1,
+        "decode_phase_s": elapsed - (t_all - t0),
+        "decode_phase_output_tokens": n_out - tok_1,
+        "decode_phase_steps": sum(1 for t, n in steps if t > t_all and n),
+    }
 
 
 def main() -> None:
@@ -163,19 +193,29 @@ def main() -> None:
     ap.add_argument("--preset", default="gpt-oss-20b")
     ap.add_argument("--smoke", action="store_true", help="tiny model and job, for a CPU check of the script")
     ap.add_argument("--num-requests", type=int, default=256, help="requests of a job that names no count")
-    ap.add_argument("--jobs", default="1024/1024x256,8192/1024x64",
-                    help="comma-separated INPUT/OUTPUT[xREQUESTS] throughput jobs")
+    ap.add_argument(
+        "--jobs", default="1024/1024x256,8192/1024x64", help="comma-separated INPUT/OUTPUT[xREQUESTS] throughput jobs"
+    )
     ap.add_argument("--latency-input-len", type=int, default=1024)
     ap.add_argument("--latency-output-len", type=int, default=256)
     ap.add_argument("--throughput-config", default="max_throughput")
     ap.add_argument("--latency-config", default="low_latency")
     ap.add_argument("--impl", choices=["pallas", "reference"], default=None, help="default: pallas on GPU")
     ap.add_argument("--skip", choices=["throughput", "latency"], help="leave out those jobs")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="engine setting (YAML value) for the throughput jobs, over the profile (repeatable); "
-                    "kernel settings: 'kernels={FIELD: VALUE, ...}'")
-    ap.add_argument("--trace-step", type=int, default=0,
-                    help="trace 8 engine steps of each throughput job from this one (0: no trace)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="engine setting (YAML value) for the throughput jobs, over the profile (repeatable); "
+        "kernel settings: 'kernels={FIELD: VALUE, ...}'",
+    )
+    ap.add_argument(
+        "--trace-step",
+        type=int,
+        default=0,
+        help="trace 8 engine steps of each throughput job from this one (0: no trace)",
+    )
     ap.add_argument("--out", default="throughput.json")
     args = ap.parse_args()
     overrides = {}
@@ -188,8 +228,14 @@ def main() -> None:
     if args.smoke:
         cfg = config.from_hf_dict(SMOKE)
         args.jobs, args.latency_input_len, args.latency_output_len = "24/16x8", 24, 16
-        overrides = dict(max_num_seqs=4, prefill_chunk_size=16, max_num_batched_tokens=64, page_size=4,
-                         kv_cache_tokens=1024, decode_steps_per_call=2)
+        overrides = dict(
+            max_num_seqs=4,
+            prefill_chunk_size=16,
+            max_num_batched_tokens=64,
+            page_size=4,
+            kv_cache_tokens=1024,
+            decode_steps_per_call=2,
+        )
     else:
         cfg = config.preset(args.preset)
     jobs = []
@@ -202,11 +248,19 @@ def main() -> None:
             ap.error(f"--jobs: '{spec}' is not INPUT/OUTPUT[xREQUESTS], e.g. 1024/1024x256")
     jobs.append(("latency", args.latency_config, 1, args.latency_input_len, args.latency_output_len))
     # the GPU machine's copy of the tree can report a stale HEAD: say the commit there with GPTOSS_JAX_COMMIT
-    commit = os.environ.get("GPTOSS_JAX_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = (
+        os.environ.get("GPTOSS_JAX_COMMIT")
+        or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    )
     kernels = resolved(KernelConfig(impl=args.impl or "auto"))
-    result = {"preset": "smoke" if args.smoke else args.preset, "device": jax.devices()[0].device_kind,
-              "jax": jax.__version__, "commit": commit or "unknown", "impl": kernels.impl, "jobs": []}
+    result = {
+        "preset": "smoke" if args.smoke else args.preset,
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "commit": commit or "unknown",
+        "impl": kernels.impl,
+        "jobs": [],
+    }
     if not args.smoke:  # the ceiling, measured in the same run
         result["copy_TBps"] = copy_bandwidth(warmup=1) / 1e12
         print(f"copy bandwidth {result['copy_TBps']:.2f} TB/s", flush=True)
@@ -225,30 +279,54 @@ def main() -> None:
         # One block-table width, and prefill buckets from the prompt length up: a short fixed set of
         # programs to compile, and no prompt padded past its own length.
         chunk = engine_config.load(profile, **job_settings).prefill_chunk_size
-        engine = TimedEngine(loaded=(cfg, params), config=profile, impl=args.impl,
-                        **{**job_settings, "max_model_len": max_len, "min_context_bucket": max_len,
-                           "warmup": True, "min_prefill_bucket": min(input_len, chunk)})
+        engine = TimedEngine(
+            loaded=(cfg, params),
+            config=profile,
+            impl=args.impl,
+            **{
+                **job_settings,
+                "max_model_len": max_len,
+                "min_context_bucket": max_len,
+                "warmup": True,
+                "min_prefill_bucket": min(input_len, chunk),
+            },
+        )
         warm = time.perf_counter() - t0
-        print(f"[{name}] {profile}: engine ready (warm-up {warm:.1f}s, {engine.stats().num_compiles} programs, "
-              f"{engine.kv.full.num_pages} full pages)", flush=True)
+        print(
+            f"[{name}] {profile}: engine ready (warm-up {warm:.1f}s, {engine.stats().num_compiles} programs, "
+            f"{engine.kv.full.num_pages} full pages)",
+            flush=True,
+        )
         prompts = [rng.integers(0, cfg.vocab_size, input_len).tolist() for _ in range(n)]
         trace = (args.trace_step, tempfile.mkdtemp()) if args.trace_step and name.startswith("throughput") else None
         row = run_job(engine, prompts, output_len, trace)
         row.update(job=name, profile=profile, warmup_s=warm, config=dataclasses.asdict(engine.config))
         result["jobs"].append(row)
-        print(f"[{name}] {n} x ({input_len} in, {output_len} out): {row['output_tok_s']:.0f} output tok/s, "
-              f"TTFT median {row['ttft_s_median'] * 1e3:.0f} ms, TPOT median {row['tpot_ms_median']:.2f} ms, "
-              f"{row['num_preemptions']} preemptions", flush=True)
-        print(f"[{name}] phases: prefill {row['prefill_phase_s']:.1f}s, decode {row['decode_phase_s']:.1f}s "
-              f"({row['decode_phase_steps']} steps); host: "
-              + ", ".join(f"{k} {v:.1f}s" for k, v in sorted(row["host_s"].items()) if k != "compiles"), flush=True)
+        print(
+            f"[{name}] {n} x ({input_len} in, {output_len} out): {row['output_tok_s']:.0f} output tok/s, "
+            f"TTFT median {row['ttft_s_median'] * 1e3:.0f} ms, TPOT median {row['tpot_ms_median']:.2f} ms, "
+            f"{row['num_preemptions']} preemptions",
+            flush=True,
+        )
+        print(
+            f"[{name}] phases: prefill {row['prefill_phase_s']:.1f}s, decode {row['decode_phase_s']:.1f}s "
+            f"({row['decode_phase_steps']} steps); host: "
+            + ", ".join(f"{k} {v:.1f}s" for k, v in sorted(row["host_s"].items()) if k != "compiles"),
+            flush=True,
+        )
         if row["host_s"].get("compiles"):
-            print(f"[{name}] WARNING: {row['host_s']['compiles']} XLA compilations during the job "
-                  f"({row['host_s']['compile']:.1f}s): warm-up missed a program", flush=True)
+            print(
+                f"[{name}] WARNING: {row['host_s']['compiles']} XLA compilations during the job "
+                f"({row['host_s']['compile']:.1f}s): warm-up missed a program",
+                flush=True,
+            )
         if row["trace"]:
             for thread, t in row["trace"]["threads"].items():
-                print(f"[{name}] trace of {row['trace']['steps']} steps from step {args.trace_step}: {thread} busy "
-                      f"{t['busy_us'] / 1e3:.1f} of {row['trace']['wall_us'] / 1e3:.1f} ms", flush=True)
+                print(
+                    f"[{name}] trace of {row['trace']['steps']} steps from step {args.trace_step}: {thread} busy "
+                    f"{t['busy_us'] / 1e3:.1f} of {row['trace']['wall_us'] / 1e3:.1f} ms",
+                    flush=True,
+                )
         engine.close()
         del engine
         gc.collect()

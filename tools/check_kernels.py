@@ -16,8 +16,16 @@ import numpy as np
 
 import pallas_kernels
 from gptoss_jax import runtime
-from pallas_kernels import (KernelConfig, attention_reference, expert_format, flash_attention, linear_decode,
-                            linear_mosaic, moe_reference, paged_attention)
+from pallas_kernels import (
+    KernelConfig,
+    attention_reference,
+    expert_format,
+    flash_attention,
+    linear_decode,
+    linear_mosaic,
+    moe_reference,
+    paged_attention,
+)
 from pallas_kernels.choice import Device, choose
 from tools import kernel_cases as kc
 
@@ -38,15 +46,25 @@ def check_linear_many(key):
         for T in (1, 4):
             key, kx, kw, kb = jax.random.split(key, 4)
             x = jax.random.normal(kx, (T, 2880), jnp.float32).astype(jnp.bfloat16)
-            ws = tuple((jax.random.normal(k, (L, O, 2880), jnp.float32) * 0.02).astype(jnp.bfloat16)
-                       for k, O in zip(jax.random.split(kw, 3), (4096, 512, 512)))
-            bs = tuple(jax.random.normal(k, (w.shape[1],), jnp.float32).astype(jnp.bfloat16)
-                       for k, w in zip(jax.random.split(kb, 3), ws))
+            ws = tuple(
+                (jax.random.normal(k, (L, O, 2880), jnp.float32) * 0.02).astype(jnp.bfloat16)
+                for k, O in zip(jax.random.split(kw, 3), (4096, 512, 512))
+            )
+            bs = tuple(
+                jax.random.normal(k, (w.shape[1],), jnp.float32).astype(jnp.bfloat16)
+                for k, w in zip(jax.random.split(kb, 3), ws)
+            )
             got = linear_decode.linear_many(x, ws, bs, jnp.int32(L - 1))
             for name, y, w, b in zip("qkv", got, ws, bs):
                 e, fin = rel(y, linear_decode.reference(x, w, b, L - 1))
-                rows.append((f"linear_many {name}", f"{model} T={T} O={w.shape[1]} K=2880 fused qkv, layer {L - 1} "
-                             f"of {L}", e, fin))
+                rows.append(
+                    (
+                        f"linear_many {name}",
+                        f"{model} T={T} O={w.shape[1]} K=2880 fused qkv, layer {L - 1} of {L}",
+                        e,
+                        fin,
+                    )
+                )
                 print(*rows[-1], flush=True)
             del ws
     return rows
@@ -57,13 +75,21 @@ def new_token_case(key, B, bt, pos_B, S, N=64, K=8, H=64, L=24):
     `attention_new_token` at the gpt-oss attention shapes, layer L - 1."""
     ks = jax.random.split(key, 7)
     parts = tuple(jax.random.normal(k, (3, B, n * H), jnp.float32) for k, n in zip(ks[:3], (N, K, K)))
-    biases = tuple(jax.random.normal(k, (L, n * H), jnp.float32).astype(jnp.bfloat16)
-                   for k, n in zip(ks[3:6], (N, K, K)))
+    biases = tuple(
+        jax.random.normal(k, (L, n * H), jnp.float32).astype(jnp.bfloat16) for k, n in zip(ks[3:6], (N, K, K))
+    )
     angle = jax.random.uniform(ks[6], (B, H // 2), jnp.float32, 0, 6.3)
     col = jnp.maximum(pos_B, 0) // S
     page = jnp.where(pos_B >= 0, jnp.take_along_axis(bt, col[:, None], 1)[:, 0], 0)
-    return (parts, biases, jnp.int32(L - 1), jnp.cos(angle).astype(jnp.bfloat16), jnp.sin(angle).astype(jnp.bfloat16),
-            page, jnp.maximum(pos_B, 0) % S)
+    return (
+        parts,
+        biases,
+        jnp.int32(L - 1),
+        jnp.cos(angle).astype(jnp.bfloat16),
+        jnp.sin(angle).astype(jnp.bfloat16),
+        page,
+        jnp.maximum(pos_B, 0) % S,
+    )
 
 
 def check_linear_mosaic(key):
@@ -74,15 +100,21 @@ def check_linear_mosaic(key):
     cases = [(T, (4096, 512, 512), 2880) for T in (1, 5, 64, 100, 256)]
     cases += [(T, (2880,), 4096) for T in (1, 64, 256)] + [(37, (200, 64), 640)]
     for T, Os, K in cases:
-        for cfg in (linear_mosaic.config(T, K, Os, Device.current().num_sms),
-                    dict(splits=K // linear_mosaic.TILE_K, stages=2)):
+        for cfg in (
+            linear_mosaic.config(T, K, Os, Device.current().num_sms),
+            dict(splits=K // linear_mosaic.TILE_K, stages=2),
+        ):
             key, kx, kw, kb = jax.random.split(key, 4)
             L = 24
             x = jax.random.normal(kx, (T, K), jnp.float32).astype(jnp.bfloat16)
-            ws = tuple((jax.random.normal(k, (L, O, K), jnp.float32) * 0.02).astype(jnp.bfloat16)
-                       for k, O in zip(jax.random.split(kw, len(Os)), Os))
-            bs = tuple(jax.random.normal(k, (O,), jnp.float32).astype(jnp.bfloat16)
-                       for k, O in zip(jax.random.split(kb, len(Os)), Os))
+            ws = tuple(
+                (jax.random.normal(k, (L, O, K), jnp.float32) * 0.02).astype(jnp.bfloat16)
+                for k, O in zip(jax.random.split(kw, len(Os)), Os)
+            )
+            bs = tuple(
+                jax.random.normal(k, (O,), jnp.float32).astype(jnp.bfloat16)
+                for k, O in zip(jax.random.split(kb, len(Os)), Os)
+            )
             got = linear_mosaic.linear_many(x, ws, bs, jnp.int32(L - 1), **cfg)
             for y, w, b in zip(got, ws, bs):
                 e, fin = rel(y, linear_decode.reference(x, w, b, L - 1))
@@ -95,14 +127,17 @@ def check_linear_mosaic(key):
 def moe(kernels: KernelConfig, **override):
     """`moe_reference.moe`'s signature on the kernels: routing, then the experts on the kernel `kernels` chooses for
     the rows, with `override` replacing the kernel or launch settings it names -> (out, kernel that ran)."""
+
     def run(x, rw, rb, kexp, *, top_k, swiglu_limit, swiglu_alpha):
         idx, w, _ = moe_reference.route(x, rw, rb, top_k)
         D, I, E = x.shape[1], kexp.gu_words.shape[-2], rw.shape[0]
         c = choose("experts", x.shape[0], (D, I, E, top_k), x.dtype, kernels.device, kernels)
         launch = c.kw | override
         kernel = launch.pop("kernel", c.kernel)
-        return pallas_kernels._EXPERTS[kernel](x, idx, w, kexp, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha,
-                                               **launch), kernel
+        return pallas_kernels._EXPERTS[kernel](
+            x, idx, w, kexp, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha, **launch
+        ), kernel
+
     return run
 
 
@@ -129,8 +164,12 @@ def main():
         "moe_decode gemv16 ": ("20b", 17, (1,), moe(triton, kernel="gemv16", block_m=1)),
         "moe_decode gemv16  ": ("120b", 5, (7,), moe(triton, kernel="gemv16", block_m=1, block_k=256, prefetch=False)),
         "moe_decode gemv16 bm4": ("20b", 40, (3,), moe(triton, kernel="gemv16", block_m=4, block_k=512)),
-        "moe_decode gemv16 bm2": ("120b", 33, (), moe(triton, kernel="gemv16", block_m=2, block_k=1024,
-                                                      prefetch=False)),
+        "moe_decode gemv16 bm2": (
+            "120b",
+            33,
+            (),
+            moe(triton, kernel="gemv16", block_m=2, block_k=1024, prefetch=False),
+        ),
         "moe_prefill": ("20b", 777, (2, 9), moe(auto)),  # 97 rows per expert: grouped GEMMs on Hopper
         "moe_prefill  ": ("20b", 4099, (0, 5, 31), moe(auto)),  # grouped, first and last expert empty
         "moe_prefill dense 20b": ("20b", 777, (2, 9), moe(auto, kernel="dense")),
@@ -163,8 +202,15 @@ def main():
         ref = attention_reference.attention(q, kp, vp, bt, pos, sinks, window)
         out = paged_attention.attention(q, kp, vp, bt, pos, sinks, window, num_splits=splits)
         e, fin = rel(out, ref)
-        rows.append((name.strip(), f"B={B} page={S} ctx={ctxs} win={'full' if window > 2**30 else window} "
-                     f"sinks*{sink_scale} splits={splits}", e, fin))
+        rows.append(
+            (
+                name.strip(),
+                f"B={B} page={S} ctx={ctxs} win={'full' if window > 2**30 else window} "
+                f"sinks*{sink_scale} splits={splits}",
+                e,
+                fin,
+            )
+        )
         print(*rows[-1], flush=True)
 
     for name, (B, S, ctxs, window, sink_scale) in {
@@ -175,14 +221,22 @@ def main():
         _, kp, vp, bt, pos, sinks = kc.paged(k1, B, 64, 8, 64, S, ctxs, sink_scale)
         args = new_token_case(k2, B, bt, pos[:, 0], S)
         sinks = jnp.concatenate([jnp.full((args[2], sinks.shape[0]), -3.0), sinks[None]])  # the case's layer's
-        ref, ref_k, _ = paged_attention.new_token_reference(*args[:3], *args[3:5], kp, vp, bt, 0, pos[:, 0], *args[5:],
-                                                            sinks, window)
-        out, got_k, _, _ = paged_attention.attention_new_token(*args[:3], *args[3:5], kp, vp, bt, 0, pos[:, 0],
-                                                               *args[5:], sinks, window)
+        ref, ref_k, _ = paged_attention.new_token_reference(
+            *args[:3], *args[3:5], kp, vp, bt, 0, pos[:, 0], *args[5:], sinks, window
+        )
+        out, got_k, _, _ = paged_attention.attention_new_token(
+            *args[:3], *args[3:5], kp, vp, bt, 0, pos[:, 0], *args[5:], sinks, window
+        )
         e, fin = rel(out, ref)
         ek, _ = rel(got_k[1:], ref_k[1:])  # page 0, the null page, is where the reference writes padding rows
-        rows.append((name.strip(), f"B={B} ctx={ctxs} win={'full' if window > 2**30 else window} "
-                     f"sinks*{sink_scale} k-cache err {ek:.1e}", max(e, ek), fin))
+        rows.append(
+            (
+                name.strip(),
+                f"B={B} ctx={ctxs} win={'full' if window > 2**30 else window} sinks*{sink_scale} k-cache err {ek:.1e}",
+                max(e, ek),
+                fin,
+            )
+        )
         print(*rows[-1], flush=True)
 
     for name, (chunks, T, window, sink_scale, cfg) in {
@@ -197,12 +251,22 @@ def main():
         out = flash_attention.attention(q, kp, vp, bt, pos, sinks, window, **cfg)
         e, fin = rel(out, ref)
         pad_zero = bool((np.abs(np.asarray(out, np.float32)[np.asarray(pos) < 0]).max(initial=0.0) == 0.0))
-        rows.append((name.strip(), f"chunks={chunks} win={'full' if window > 2**30 else window} "
-                     f"sinks*{sink_scale} {cfg} pad0={pad_zero}", e, fin and pad_zero))
+        rows.append(
+            (
+                name.strip(),
+                f"chunks={chunks} win={'full' if window > 2**30 else window} sinks*{sink_scale} {cfg} pad0={pad_zero}",
+                e,
+                fin and pad_zero,
+            )
+        )
         print(*rows[-1], flush=True)
 
-    for name, (T, O, K, L) in {"linear_decode": (1, 4096, 2880, 3), "linear_decode ": (7, 2880, 4096, 2),
-                               "linear_decode  ": (64, 512, 2880, 2), "linear_decode   ": (33, 1000, 300, 2)}.items():
+    for name, (T, O, K, L) in {
+        "linear_decode": (1, 4096, 2880, 3),
+        "linear_decode ": (7, 2880, 4096, 2),
+        "linear_decode  ": (64, 512, 2880, 2),
+        "linear_decode   ": (33, 1000, 300, 2),
+    }.items():
         key, k1, k2, k3 = jax.random.split(key, 4)
         x = jax.random.normal(k1, (T, K), jnp.float32).astype(jnp.bfloat16)
         w = (jax.random.normal(k2, (L, O, K), jnp.float32) * 0.02).astype(jnp.bfloat16)

@@ -39,6 +39,7 @@ def model_config(name: str) -> config.ModelConfig:
 
 # ---- timing and ceilings -----------------------------------------------------------------------------------------
 
+
 def timeit(fn: Callable[[], Any], warmup: int = 2, reps: int = 10, calls: int = 1) -> float:
     """Median seconds per call of `fn()` over `reps` rounds of `calls` calls back to back, each round ended by
     waiting for the last call's result (the earlier ones ran before it on the same stream)."""
@@ -73,8 +74,11 @@ def torch_copy_bandwidth(nbytes: int = 4 << 30) -> float:
     import torch  # optional, so imported where it is used
 
     words = nbytes // 4
-    t = _torch_time(lambda src, dst: dst.copy_(src), torch.empty(words, dtype=torch.int32, device="cuda").random_(),
-                    torch.empty(words, dtype=torch.int32, device="cuda"))
+    t = _torch_time(
+        lambda src, dst: dst.copy_(src),
+        torch.empty(words, dtype=torch.int32, device="cuda").random_(),
+        torch.empty(words, dtype=torch.int32, device="cuda"),
+    )
     torch.cuda.empty_cache()  # the buffers died with the call: hand their memory back
     return 2 * nbytes / t
 
@@ -116,8 +120,10 @@ def decode_bytes(cfg: config.ModelConfig, batch: int, context: int) -> float:
     expert = (2 * I * D + D * I) * 4.25 / 8 + 2 * (2 * I + D)
     distinct = E * (1 - (1 - k / E) ** batch)
     kv_per_tok = 2 * K * H * 2
-    kv = sum(batch * kv_per_tok * (min(context, cfg.sliding_window) if cfg.is_sliding(layer) else context)
-             for layer in range(cfg.num_layers))
+    kv = sum(
+        batch * kv_per_tok * (min(context, cfg.sliding_window) if cfg.is_sliding(layer) else context)
+        for layer in range(cfg.num_layers)
+    )
     return cfg.num_layers * (attn + distinct * expert) + 2 * cfg.vocab_size * D + kv
 
 
@@ -159,8 +165,7 @@ def _literal(text: str) -> Any:
         raise ValueError(f"{text!r} is not a Python literal") from None
 
 
-def parse_variants(ap: argparse.ArgumentParser, specs: list[str], base: KernelConfig
-                   ) -> list[tuple[str, KernelConfig]]:
+def parse_variants(ap: argparse.ArgumentParser, specs: list[str], base: KernelConfig) -> list[tuple[str, KernelConfig]]:
     """`parse_variant` of each spec; a bad one ends the program with the parser's usage error."""
     try:
         return [parse_variant(s, base) for s in specs]
@@ -175,6 +180,7 @@ def resolved(kernels: KernelConfig) -> KernelConfig:
 
 # ---- random weights ----------------------------------------------------------------------------------------------
 
+
 def param_shapes(cfg, impl: str, dtype=jnp.bfloat16, layout=None) -> params_lib.Params:
     """Every parameter as a `jax.ShapeDtypeStruct`, the experts in `impl`'s layout; under `layout`
     (`sharding.rules.Layout`) the experts padded to its `model` axis and every leaf carrying its sharding."""
@@ -182,8 +188,11 @@ def param_shapes(cfg, impl: str, dtype=jnp.bfloat16, layout=None) -> params_lib.
     if layout is None:
         return shapes
     shapes = layout.padded_shapes(shapes)
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
-                        layout.param_shardings(cfg.num_kv_heads, shapes))
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        shapes,
+        layout.param_shardings(cfg.num_kv_heads, shapes),
+    )
 
 
 def random_params(cfg, kernels: KernelConfig, dtype=jnp.bfloat16, layout=None, seed: int = 0) -> params_lib.Params:
@@ -219,11 +228,13 @@ def _draw(key, name: str, s):
 
 # ---- one engine step on synthetic paged state --------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class Step:
     """A compiled engine step (`steps.decode` or `steps.prefill`) with its inputs: arrays on the device(s), or
     `jax.ShapeDtypeStruct`s carrying their shardings (then it can only be lowered). The cache is donated: each
     call takes the last call's."""
+
     fn: Callable
     params: Any
     cache: model.PagedKVCache
@@ -246,8 +257,19 @@ class Step:
             buf.delete()
 
 
-def decode_step(params, cfg, batch: int, context: int, kernels: KernelConfig, *, layout=None, num_steps: int = 1,
-                num_top: int = NUM_TOP, temperature: float = 0.0, top_p: float = 1.0) -> Step:
+def decode_step(
+    params,
+    cfg,
+    batch: int,
+    context: int,
+    kernels: KernelConfig,
+    *,
+    layout=None,
+    num_steps: int = 1,
+    num_top: int = NUM_TOP,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+) -> Step:
     """`steps.decode` as the engine calls it: `batch` rows (per attention rank under `layout`) at position `context`
     of their sequences, each with a token no other row has (identical rows would all route to the same experts: a
     too-cheap MoE), `num_steps` tokens per call fed back on device, greedy unless `temperature` > 0. `params`:
@@ -258,14 +280,16 @@ def decode_step(params, cfg, batch: int, context: int, kernels: KernelConfig, *,
     if B > cfg.vocab_size:
         raise ValueError(f"{B} rows need distinct tokens; the vocabulary has {cfg.vocab_size}")
     tokens_B = np.random.default_rng(B).choice(cfg.vocab_size, B, replace=False).astype(np.int32)
-    inputs = steps.DecodeBatch(put(tokens_B), put(np.full(B, context, np.int32)), tables,
-                               _sampling(put, B, temperature, top_p))
+    inputs = steps.DecodeBatch(
+        put(tokens_B), put(np.full(B, context, np.int32)), tables, _sampling(put, B, temperature, top_p)
+    )
     st = steps.StepConfig(cfg, resolved(kernels), layout, num_top=num_top, num_steps=num_steps)
     return Step(steps.decode, params, cache, inputs, st, pages)
 
 
-def prefill_step(params, cfg, rows: int, tokens: int, kernels: KernelConfig, *, start: int = 0, layout=None,
-                 num_top: int = NUM_TOP) -> Step:
+def prefill_step(
+    params, cfg, rows: int, tokens: int, kernels: KernelConfig, *, start: int = 0, layout=None, num_top: int = NUM_TOP
+) -> Step:
     """`steps.prefill` of `rows` chunks (per attention rank under `layout`) of `tokens` random prompt tokens at
     positions `start ..< start + tokens`, each sampling (greedy) the token after its last; `params` as in
     `decode_step`."""
@@ -274,8 +298,9 @@ def prefill_step(params, cfg, rows: int, tokens: int, kernels: KernelConfig, *, 
     B = tables.full_BM.shape[0]
     tokens_BT = np.random.default_rng(tokens).integers(0, cfg.vocab_size, (B, tokens), dtype=np.int32)
     positions_BT = np.tile(np.arange(start, start + tokens, dtype=np.int32), (B, 1))
-    inputs = steps.PrefillBatch(put(tokens_BT), put(positions_BT), tables, put(np.full(B, tokens - 1, np.int32)),
-                                _sampling(put, B))
+    inputs = steps.PrefillBatch(
+        put(tokens_BT), put(positions_BT), tables, put(np.full(B, tokens - 1, np.int32)), _sampling(put, B)
+    )
     return Step(steps.prefill, params, cache, inputs, steps.StepConfig(cfg, resolved(kernels), layout, num_top), pages)
 
 
@@ -283,6 +308,7 @@ def prefill_step(params, cfg, rows: int, tokens: int, kernels: KernelConfig, *, 
 class _Placer:
     """Host batch arrays -> device arrays (rows split over the attention ranks under `layout`), or their
     `ShapeDtypeStruct`s where the step is `abstract`."""
+
     layout: Any
     abstract: bool
 
@@ -304,8 +330,18 @@ def _paged_state(cfg, rows: int, start: int, tokens: int, dtype, put: _Placer):
     layout = put.layout
     R = layout.num_ranks if layout is not None else 1
     M = math.ceil((start + tokens) / PAGE)
-    n_full, n_sliding = kv_cache.pool_sizes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, jnp.dtype(dtype).itemsize,
-                                            cfg.sliding_window, PAGE, rows, tokens, None, rows * M * PAGE)
+    n_full, n_sliding = kv_cache.pool_sizes(
+        cfg.num_layers,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        jnp.dtype(dtype).itemsize,
+        cfg.sliding_window,
+        PAGE,
+        rows,
+        tokens,
+        None,
+        rows * M * PAGE,
+    )
     per_row = (n_sliding - 1) // rows
     row_B1 = (np.arange(R * rows) % rows)[:, None]  # rank-local row (rows are rank-major)
     col_1M = np.arange(M)[None]
@@ -324,11 +360,18 @@ def _paged_state(cfg, rows: int, start: int, tokens: int, dtype, put: _Placer):
 
 def _sampling(put, B: int, temperature: float = 0.0, top_p: float = 1.0) -> SamplingBatch:
     f32 = np.float32
-    return SamplingBatch(put(np.full(B, temperature, f32)), put(np.zeros(B, np.int32)), put(np.full(B, top_p, f32)),
-                         put(np.zeros(B, f32)), put(np.zeros((B, 2), np.uint32)), put(np.zeros(B, bool)))
+    return SamplingBatch(
+        put(np.full(B, temperature, f32)),
+        put(np.zeros(B, np.int32)),
+        put(np.full(B, top_p, f32)),
+        put(np.zeros(B, f32)),
+        put(np.zeros((B, 2), np.uint32)),
+        put(np.zeros(B, bool)),
+    )
 
 
 # ---- profiler traces ---------------------------------------------------------------------------------------------
+
 
 def summarize_trace(trace_dir: str, top: int = 60, timeline: int = 0) -> dict:
     """GPU kernel time from the perfetto trace `jax.profiler` wrote under `trace_dir`, per stream: events, span,
@@ -338,8 +381,9 @@ def summarize_trace(trace_dir: str, top: int = 60, timeline: int = 0) -> dict:
     path = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))[-1]
     events = json.load(gzip.open(path))["traceEvents"]
     procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    threads = {
+        (e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
     by_thread = collections.defaultdict(list)
     for e in events:
         if e.get("ph") == "X" and "GPU" in procs.get(e["pid"], "") and "dur" in e:
@@ -357,14 +401,23 @@ def summarize_trace(trace_dir: str, top: int = 60, timeline: int = 0) -> dict:
             totals[e["name"][:120]] += e["dur"]
             counts[e["name"][:120]] += 1
             args.setdefault(e["name"][:120], str(e.get("args", ""))[:300])
-        out[name] = {"events": len(evs), "span_us": end - evs[0]["ts"], "busy_us": busy,
-                     "top": [{"name": n, "us": t, "count": counts[n], "args": args[n]}
-                             for n, t in totals.most_common(top)]}
+        out[name] = {
+            "events": len(evs),
+            "span_us": end - evs[0]["ts"],
+            "busy_us": busy,
+            "top": [{"name": n, "us": t, "count": counts[n], "args": args[n]} for n, t in totals.most_common(top)],
+        }
     if timeline and out:
         name = max(out, key=lambda n: out[n]["busy_us"])
-        evs = by_thread[name][len(by_thread[name]) // 2:][:timeline]
+        evs = by_thread[name][len(by_thread[name]) // 2 :][:timeline]
         ends = [e["ts"] + e["dur"] for e in evs]
-        out[name]["timeline"] = [{"name": e["name"][:60], "start_us": round(e["ts"] - evs[0]["ts"], 2),
-                                  "dur_us": e["dur"], "gap_us": round(e["ts"] - max(ends[:i]), 2) if i else 0.0}
-                                 for i, e in enumerate(evs)]
+        out[name]["timeline"] = [
+            {
+                "name": e["name"][:60],
+                "start_us": round(e["ts"] - evs[0]["ts"], 2),
+                "dur_us": e["dur"],
+                "gap_us": round(e["ts"] - max(ends[:i]), 2) if i else 0.0,
+            }
+            for i, e in enumerate(evs)
+        ]
     return out

@@ -24,8 +24,9 @@ def main(argv=None) -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--cache-dir", required=True)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    ap.add_argument("--impl", choices=IMPLS, default=None, help="expert layout (default: what this machine's engine "
-                    "runs)")
+    ap.add_argument(
+        "--impl", choices=IMPLS, default=None, help="expert layout (default: what this machine's engine runs)"
+    )
     args = ap.parse_args(argv)
     args.impl = args.impl or KernelConfig().for_device().impl
     t0 = time.perf_counter()

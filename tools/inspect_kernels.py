@@ -51,8 +51,9 @@ def resident_programs(regs: int, warps: int, shared: int) -> int:
     """Programs of one kernel an SM holds: registers are allocated per warp in units of 256 (a thread's
     count rounded up to a multiple of 8), shared memory per program with 1 KB reserved."""
     per_warp = math.ceil(max(regs, 1) * 32 / 256) * 256
-    return min(SM_REGS // (per_warp * warps), SM_WARPS // warps, SM_PROGRAMS,
-               SM_SHARED // (shared + PROGRAM_SHARED_RESERVED))
+    return min(
+        SM_REGS // (per_warp * warps), SM_WARPS // warps, SM_PROGRAMS, SM_SHARED // (shared + PROGRAM_SHARED_RESERVED)
+    )
 
 
 @contextlib.contextmanager
@@ -81,9 +82,15 @@ def capture_triton_modules(out: list[dict]):
         result = original(jaxpr, grid_mapping, *args, **kwargs)
         caller = inspect.currentframe().f_back.f_locals
         text = result.module.operation.get_asm(enable_debug_info=False, print_generic_op_form=True)
-        out.append(dict(name=re.search(r'sym_name = "([^"]+)"', text).group(1), ir=text,
-                        grid=tuple(int(g) for g in grid_mapping.grid), num_warps=int(caller["num_warps"]),
-                        num_stages=int(caller["num_stages"])))
+        out.append(
+            dict(
+                name=re.search(r'sym_name = "([^"]+)"', text).group(1),
+                ir=text,
+                grid=tuple(int(g) for g in grid_mapping.grid),
+                num_warps=int(caller["num_warps"]),
+                num_stages=int(caller["num_stages"]),
+            )
+        )
         return result
 
     lowering.lower_jaxpr_to_triton_module = spy
@@ -116,21 +123,34 @@ def compile_sm90(kernel: dict, workdir: Path) -> dict:
 
     src = workdir / f"{kernel['name']}_{abs(hash(kernel['ir'])) % 10**8}.ttir"
     src.write_text(kernel["ir"])
-    compiled = triton.compile(str(src), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=kernel["num_warps"], num_stages=kernel["num_stages"]))
+    compiled = triton.compile(
+        str(src),
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=kernel["num_warps"], num_stages=kernel["num_stages"]),
+    )
     cubin = src.with_suffix(".cubin")
     cubin.write_bytes(compiled.asm["cubin"])
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True,
-                           check=True).stdout
+    usage = subprocess.run(
+        [str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True, check=True
+    ).stdout
     fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage))
     regs, shared = int(fields["REG"]), max(int(fields["SHARED"]), int(compiled.metadata.shared))
     per_sm = resident_programs(regs, kernel["num_warps"], shared)
     programs = math.prod(kernel["grid"])
-    return dict(name=kernel["name"], grid=list(kernel["grid"]), programs=programs, num_warps=kernel["num_warps"],
-                num_stages=kernel["num_stages"], registers=regs, spill_bytes=int(fields["LOCAL"]),
-                stack_bytes=int(fields["STACK"]), shared_bytes=shared, programs_per_sm=per_sm,
-                waves=round(programs / (SMS * per_sm), 2))
+    return dict(
+        name=kernel["name"],
+        grid=list(kernel["grid"]),
+        programs=programs,
+        num_warps=kernel["num_warps"],
+        num_stages=kernel["num_stages"],
+        registers=regs,
+        spill_bytes=int(fields["LOCAL"]),
+        stack_bytes=int(fields["STACK"]),
+        shared_bytes=shared,
+        programs_per_sm=per_sm,
+        waves=round(programs / (SMS * per_sm), 2),
+    )
 
 
 def main() -> None:
@@ -138,8 +158,12 @@ def main() -> None:
     ap.add_argument("--preset", default="gpt-oss-20b", help="preset name or HF config.json path")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--variant", action="append", default=[], help="NAME:field=value[,...]: KernelConfig fields "
-                    "over the base (repeatable)")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="NAME:field=value[,...]: KernelConfig fields over the base (repeatable)",
+    )
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args()
     variants = [("tree", BASE)] + parse_variants(ap, args.variant, BASE)
@@ -151,19 +175,26 @@ def main() -> None:
             found = step_kernels(args.preset, args.batch, args.context, kernels)
             print(f"\n{name}: {args.preset}, batch {args.batch}, context {args.context}: {len(found)} kernels")
             if args.batch >= kernels.linear_mosaic_rows:
-                print("(on Hopper this batch runs the q/k/v and o projections in Mosaic GPU, not the decode_linear "
-                      "kernels below)")
-            print(f"{'kernel':40} {'grid':>16} {'warps':>5} {'stages':>6} {'regs':>5} {'spill B':>7} "
-                  f"{'smem B':>7} {'per SM':>6} {'waves':>6}")
+                print(
+                    "(on Hopper this batch runs the q/k/v and o projections in Mosaic GPU, not the decode_linear "
+                    "kernels below)"
+                )
+            print(
+                f"{'kernel':40} {'grid':>16} {'warps':>5} {'stages':>6} {'regs':>5} {'spill B':>7} "
+                f"{'smem B':>7} {'per SM':>6} {'waves':>6}"
+            )
             for k in found:
                 r = dict(variant=name, **compile_sm90(k, Path(tmp)))
                 rows.append(r)
-                print(f"{r['name'][:40]:40} {'x'.join(map(str, r['grid'])):>16} {r['num_warps']:>5} "
-                      f"{r['num_stages']:>6} {r['registers']:>5} {r['spill_bytes']:>7} {r['shared_bytes']:>7} "
-                      f"{r['programs_per_sm']:>6} {r['waves']:>6}")
+                print(
+                    f"{r['name'][:40]:40} {'x'.join(map(str, r['grid'])):>16} {r['num_warps']:>5} "
+                    f"{r['num_stages']:>6} {r['registers']:>5} {r['spill_bytes']:>7} {r['shared_bytes']:>7} "
+                    f"{r['programs_per_sm']:>6} {r['waves']:>6}"
+                )
     if args.out:
-        Path(args.out).write_text(json.dumps(dict(preset=args.preset, batch=args.batch, context=args.context,
-                                                  rows=rows), indent=1))
+        Path(args.out).write_text(
+            json.dumps(dict(preset=args.preset, batch=args.batch, context=args.context, rows=rows), indent=1)
+        )
 
 
 if __name__ == "__main__":

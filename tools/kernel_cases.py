@@ -16,9 +16,14 @@ def experts(key, E, D, I, dtype=jnp.bfloat16):
     u8 = lambda k, *s: jax.random.bits(k, s, jnp.uint8)  # noqa: E731
     sc = lambda k, *s: jax.random.randint(k, s, 118, 125, jnp.int32).astype(jnp.uint8)  # noqa: E731
     nrm = lambda k, *s: (jax.random.normal(k, s, jnp.float32) * 0.5).astype(dtype)  # noqa: E731
-    return Experts(gate_up_blocks=u8(ks[0], E, 2 * I, D // 32, 16), gate_up_scales=sc(ks[1], E, 2 * I, D // 32),
-                   gate_up_bias=nrm(ks[2], E, 2 * I), down_blocks=u8(ks[3], E, D, I // 32, 16),
-                   down_scales=sc(ks[4], E, D, I // 32), down_bias=nrm(ks[5], E, D))
+    return Experts(
+        gate_up_blocks=u8(ks[0], E, 2 * I, D // 32, 16),
+        gate_up_scales=sc(ks[1], E, 2 * I, D // 32),
+        gate_up_bias=nrm(ks[2], E, 2 * I),
+        down_blocks=u8(ks[3], E, D, I // 32, 16),
+        down_scales=sc(ks[4], E, D, I // 32),
+        down_bias=nrm(ks[5], E, D),
+    )
 
 
 def router(key, E, D, T, dtype=jnp.bfloat16, empty=()):
@@ -37,7 +42,7 @@ def paged(key, B, N, K, H, S, ctxs, sink_scale=1.0, dtype=jnp.bfloat16):
     ks = jax.random.split(key, 4)
     kp = jax.random.normal(ks[0], (P, S, K, H), jnp.float32).astype(dtype)
     vp = jax.random.normal(ks[1], (P, S, K, H), jnp.float32).astype(dtype)
-    bt = jnp.asarray(rng.permutation(np.arange(1, P))[:B * M].reshape(B, M).astype(np.int32))
+    bt = jnp.asarray(rng.permutation(np.arange(1, P))[: B * M].reshape(B, M).astype(np.int32))
     pos = jnp.asarray(np.array(ctxs, np.int32)[:, None] - 1)
     q = jax.random.normal(ks[2], (B, 1, N, H), jnp.float32).astype(dtype)
     sinks = jax.random.normal(ks[3], (N,), jnp.float32) * sink_scale
@@ -54,7 +59,7 @@ def prefill(key, N, K, H, S, chunks, T, sink_scale=1.0, dtype=jnp.bfloat16):
     ks = jax.random.split(key, 4)
     kp = jax.random.normal(ks[0], (P, S, K, H), jnp.float32).astype(dtype)
     vp = jax.random.normal(ks[1], (P, S, K, H), jnp.float32).astype(dtype)
-    bt = jnp.asarray(rng.permutation(np.arange(1, P))[:B * M].reshape(B, M).astype(np.int32))
+    bt = jnp.asarray(rng.permutation(np.arange(1, P))[: B * M].reshape(B, M).astype(np.int32))
     pos = np.full((B, T), -1, np.int32)
     for b, (s, n) in enumerate(chunks):
         pos[b, :n] = np.arange(s, s + n)

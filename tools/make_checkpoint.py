@@ -28,8 +28,14 @@ def main(argv=None) -> None:
     file = Path(args.config) if args.config else config.PRESETS_DIR / f"{args.preset}.json"
     hf = json.loads(file.read_text())
     config.from_hf_dict(hf, str(file))  # validate before writing gigabytes
-    path = random_weights.write_checkpoint(args.out, hf, seed=args.seed, layout=args.layout,
-                                           max_shard_bytes=int(args.max_shard_gb * 2**30), sink_scale=args.sink_scale)
+    path = random_weights.write_checkpoint(
+        args.out,
+        hf,
+        seed=args.seed,
+        layout=args.layout,
+        max_shard_bytes=int(args.max_shard_gb * 2**30),
+        sink_scale=args.sink_scale,
+    )
     print(f"wrote {path}")
 
 

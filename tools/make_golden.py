@@ -99,7 +99,7 @@ def check_expert_dequant(model, checkpoint):
             return f.get_slice(key)[0].numpy()
 
     blocks, scales = read(name + "_blocks"), read(name + "_scales")  # [2I, H/32, 16], [2I, H/32]
-    fp4 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+    fp4 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
     vals = np.stack([fp4[blocks & 15], fp4[blocks >> 4]], -1)  # low nibble first
     w = np.ldexp(vals.reshape(*scales.shape, 32), scales.astype(np.int32)[..., None] - 127)
     got = model.model.layers[0].mlp.experts.gate_up_proj[0]  # transformers keeps [H, 2I]
@@ -115,7 +115,7 @@ def greedy_plain(model, ids, n):
         top2 = last.topk(2).values
         margins.append((top2[0] - top2[1]).item())
         seq = torch.cat([seq, last.argmax().view(1, 1)], dim=1)
-    return seq[0, ids.shape[1]:], np.array(margins, np.float32)
+    return seq[0, ids.shape[1] :], np.array(margins, np.float32)
 
 
 @torch.inference_mode()
@@ -135,7 +135,7 @@ def greedy_generate(model, ids, n):
         eos_token_id=None,
         pad_token_id=None,
     )
-    return out[0, ids.shape[1]:]
+    return out[0, ids.shape[1] :]
 
 
 def main():
@@ -172,8 +172,10 @@ def main():
     agree = torch.equal(generated, greedy)
     if not agree:
         step = int((generated != greedy).nonzero()[0])
-        print(f"WARNING: generate differs from the plain argmax loop at step {step} "
-              f"(margin {margins[step]:.3g}); keeping the plain loop's ids")
+        print(
+            f"WARNING: generate differs from the plain argmax loop at step {step} "
+            f"(margin {margins[step]:.3g}); keeping the plain loop's ids"
+        )
     del model
     gc.collect()
 
@@ -194,13 +196,16 @@ def main():
         transformers_version=np.array(transformers.__version__),
         torch_version=np.array(torch.__version__),
     )
-    print(f"wrote {args.out} in {time.time() - t0:.1f}s "
-          f"(transformers {transformers.__version__}, torch {torch.__version__})")
+    print(
+        f"wrote {args.out} in {time.time() - t0:.1f}s "
+        f"(transformers {transformers.__version__}, torch {torch.__version__})"
+    )
     print(f"  prompt_ids {prompt.shape}  first {prompt[:8].tolist()}")
-    print(f"  logits {logits.shape}  std {logits.std():.4f}  "
-          f"max|fp32-bf16| {np.abs(logits - logits_bf16).max():.4f}")
-    print(f"  greedy_ids {tuple(greedy.shape)}  first {greedy[:8].tolist()}  "
-          f"min margin {margins.min():.3g}  generate agrees: {agree}")
+    print(f"  logits {logits.shape}  std {logits.std():.4f}  max|fp32-bf16| {np.abs(logits - logits_bf16).max():.4f}")
+    print(
+        f"  greedy_ids {tuple(greedy.shape)}  first {greedy[:8].tolist()}  "
+        f"min margin {margins.min():.3g}  generate agrees: {agree}"
+    )
 
 
 if __name__ == "__main__":

@@ -26,12 +26,28 @@ def main() -> None:
     out_dir.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for name, spec in PARITY.items():
-            ckpt = random_weights.write_checkpoint(Path(tmp) / name, spec["config"], seed=spec["seed"],
-                                                   sink_scale=spec["sink_scale"], progress=False)
-            subprocess.run([args.hf_python, "-m", "tools.make_golden", "--checkpoint", str(ckpt),
-                            "--out", str(out_dir / f"{name}.npz"), "--seq-len", str(spec["seq_len"]),
-                            "--greedy-tokens", str(args.greedy_tokens), "--seed", str(spec["seed"])], cwd=REPO,
-                           check=True)
+            ckpt = random_weights.write_checkpoint(
+                Path(tmp) / name, spec["config"], seed=spec["seed"], sink_scale=spec["sink_scale"], progress=False
+            )
+            subprocess.run(
+                [
+                    args.hf_python,
+                    "-m",
+                    "tools.make_golden",
+                    "--checkpoint",
+                    str(ckpt),
+                    "--out",
+                    str(out_dir / f"{name}.npz"),
+                    "--seq-len",
+                    str(spec["seq_len"]),
+                    "--greedy-tokens",
+                    str(args.greedy_tokens),
+                    "--seed",
+                    str(spec["seed"]),
+                ],
+                cwd=REPO,
+                check=True,
+            )
 
 
 if __name__ == "__main__":

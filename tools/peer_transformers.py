@@ -44,8 +44,14 @@ def main() -> None:
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = GptOssForCausalLM(cfg).to(torch.bfloat16).eval()
-    result = {"preset": args.preset, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "transformers": transformers.__version__, "attn": model.config._attn_implementation, "runs": []}
+    result = {
+        "preset": args.preset,
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "attn": model.config._attn_implementation,
+        "runs": [],
+    }
     gen = dict(do_sample=False, eos_token_id=None, pad_token_id=None, use_cache=True)
     for B in [int(b) for b in args.batch.split(",")]:
         ids = torch.randint(0, cfg.vocab_size, (B, args.prompt_len), device="cuda")
@@ -53,14 +59,28 @@ def main() -> None:
         with torch.inference_mode():
             model.generate(ids[:, :16], attention_mask=mask[:, :16], max_new_tokens=2, min_new_tokens=2, **gen)
             t_prefill = timed(lambda: model(ids, attention_mask=mask))
-            t_total = timed(lambda: model.generate(ids, attention_mask=mask, max_new_tokens=args.new_tokens,
-                                                   min_new_tokens=args.new_tokens, **gen))
+            t_total = timed(
+                lambda: model.generate(
+                    ids, attention_mask=mask, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, **gen
+                )
+            )
         tpot = (t_total - t_prefill) / max(args.new_tokens - 1, 1)
-        run = {"batch": B, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "prefill_s": t_prefill,
-               "total_s": t_total, "tpot_s": tpot, "tok_per_s_per_user": 1 / tpot, "tok_per_s_total": B / tpot}
+        run = {
+            "batch": B,
+            "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens,
+            "prefill_s": t_prefill,
+            "total_s": t_total,
+            "tpot_s": tpot,
+            "tok_per_s_per_user": 1 / tpot,
+            "tok_per_s_total": B / tpot,
+        }
         result["runs"].append(run)
-        print(f"transformers B={B}: prefill {t_prefill * 1e3:.0f} ms, TPOT {tpot * 1e3:.1f} ms, "
-              f"{B / tpot:.0f} tok/s total", flush=True)
+        print(
+            f"transformers B={B}: prefill {t_prefill * 1e3:.0f} ms, TPOT {tpot * 1e3:.1f} ms, "
+            f"{B / tpot:.0f} tok/s total",
+            flush=True,
+        )
         torch.cuda.empty_cache()
     Path(args.out).write_text(json.dumps(result, indent=1))
 

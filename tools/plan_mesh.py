@@ -43,8 +43,21 @@ from sharding.rules import make_layout
 from tools.common import decode_step, model_config, param_shapes, prefill_step
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4,
-               "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "bf16": 2,
+    "f16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+}
 
 
 def per_device_bytes(sds) -> int:
@@ -127,8 +140,9 @@ def parse_collectives(hlo: str, num_devices: int) -> list[dict]:
     out = []
     for c, lines in comps.items():
         for line in lines:
-            m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+(" + "|".join(COLLECTIVES)
-                         + r")(?:-start)?\(", line)
+            m = re.match(
+                r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", line
+            )
             if not m:
                 continue
             kind, n = m.group(3), _group_size(line, num_devices)
@@ -137,11 +151,21 @@ def parse_collectives(hlo: str, num_devices: int) -> list[dict]:
                 size = _shape_bytes(m.group(2)) // 2  # start ops return (operand, result)
             # result sizes: an all-gather's is the full buffer, a reduce-scatter's one shard of it
             factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0, "reduce-scatter": n - 1}.get(
-                kind, (n - 1) / n)
+                kind, (n - 1) / n
+            )
             op_name = re.search(r'op_name="([^"]*)"', line)
-            out.append(dict(kind=kind, computation=c, runs=count(c), group=n, bytes=size,
-                            sent=int(size * factor), where=op_name.group(1)[-90:] if op_name else "",
-                            where_full=op_name.group(1) if op_name else ""))
+            out.append(
+                dict(
+                    kind=kind,
+                    computation=c,
+                    runs=count(c),
+                    group=n,
+                    bytes=size,
+                    sent=int(size * factor),
+                    where=op_name.group(1)[-90:] if op_name else "",
+                    where_full=op_name.group(1) if op_name else "",
+                )
+            )
     return out
 
 
@@ -161,10 +185,21 @@ def plan(args) -> dict:
         T = args.prefill_tokens
         return prefill_step(params, c, 1, T, REFERENCE, start=max(0, args.context - T), layout=layout, num_top=1)
 
-    result = dict(preset=args.preset, devices=args.devices, replicas=args.replicas, model=layout.model_size,
-                  mode=args.mode, ranks=R, layers_compiled=cfg.num_layers, layers=full.num_layers,
-                  experts_padded=param_shapes(cfg, "reference", dtype, layout).layers.experts.down_bias.shape[1],
-                  batch_per_rank=args.batch, context=args.context, prefill_tokens=args.prefill_tokens, steps={})
+    result = dict(
+        preset=args.preset,
+        devices=args.devices,
+        replicas=args.replicas,
+        model=layout.model_size,
+        mode=args.mode,
+        ranks=R,
+        layers_compiled=cfg.num_layers,
+        layers=full.num_layers,
+        experts_padded=param_shapes(cfg, "reference", dtype, layout).layers.experts.down_bias.shape[1],
+        batch_per_rank=args.batch,
+        context=args.context,
+        prefill_tokens=args.prefill_tokens,
+        steps={},
+    )
     scale_layers = full.num_layers / cfg.num_layers
     for kind in args.steps.split(","):
         step = abstract_step(kind, cfg)
@@ -188,14 +223,20 @@ def plan(args) -> dict:
         tokens_per_device = B * T / R  # a device works for its rank's tokens
         whole = abstract_step(kind, full)  # memory of every layer, compiled or not
         result["steps"][kind] = dict(
-            compile_s=round(seconds, 1), global_batch=B, tokens=B * T,
+            compile_s=round(seconds, 1),
+            global_batch=B,
+            tokens=B * T,
             pages_per_rank=dict(full=step.pages[0], sliding=step.pages[1]),
-            param_bytes_per_device=per_device_bytes(whole.params), kv_bytes_per_device=per_device_bytes(whole.cache),
+            param_bytes_per_device=per_device_bytes(whole.params),
+            kv_bytes_per_device=per_device_bytes(whole.cache),
             temp_bytes_per_device=int(mem.temp_size_in_bytes) if mem else None,
             argument_bytes_per_device_compiled=int(mem.argument_size_in_bytes) if mem else None,
-            collectives=colls, sent_bytes_per_device=int(total_sent), conditional_sent_bytes=int(cond_sent),
+            collectives=colls,
+            sent_bytes_per_device=int(total_sent),
+            conditional_sent_bytes=int(cond_sent),
             sent_bytes_per_token=total_sent / tokens_per_device if tokens_per_device else None,
-            layer_scale=scale_layers)
+            layer_scale=scale_layers,
+        )
     return result
 
 
@@ -204,25 +245,34 @@ def _gb(b: float) -> str:
 
 
 def report(r: dict) -> None:
-    print(f"{r['preset']}: {r['devices']} devices = {r['replicas']} replicas x {r['model']} model, {r['mode']}, "
-          f"{r['ranks']} attention ranks, experts padded to {r['experts_padded']}, "
-          f"compiled {r['layers_compiled']}/{r['layers']} layers")
+    print(
+        f"{r['preset']}: {r['devices']} devices = {r['replicas']} replicas x {r['model']} model, {r['mode']}, "
+        f"{r['ranks']} attention ranks, experts padded to {r['experts_padded']}, "
+        f"compiled {r['layers_compiled']}/{r['layers']} layers"
+    )
     for step, s in r["steps"].items():
         print(f"  {step}: global batch {s['global_batch']} ({s['tokens']} tokens), compile {s['compile_s']} s")
-        print(f"    per device: params {_gb(s['param_bytes_per_device'])}, KV {_gb(s['kv_bytes_per_device'])}, "
-              f"temp {_gb(s['temp_bytes_per_device'] or 0)} (compiled {r['layers_compiled']} layers)")
+        print(
+            f"    per device: params {_gb(s['param_bytes_per_device'])}, KV {_gb(s['kv_bytes_per_device'])}, "
+            f"temp {_gb(s['temp_bytes_per_device'] or 0)} (compiled {r['layers_compiled']} layers)"
+        )
         agg: dict[tuple, list] = {}
         for c in s["collectives"]:
             key = (c["kind"], c["group"], c["bytes"], c["per_layer_pair"], c["conditional"])
             agg.setdefault(key, [0, c["where"]])[0] += c["runs_full_model"]
-        for (kind, n, size, per_pair, cond), (runs, where) in sorted(agg.items(),
-                                                                    key=lambda kv: (kv[0][4], -kv[0][2] * kv[1][0])):
-            print(f"    {kind:18s} group {n:3d} {size / 1e6:10.3f} MB x{runs:4d}"
-                  f"{' in the layers' if per_pair else ' once'}{' (conditional)' if cond else ''}  {where[-50:]}")
+        for (kind, n, size, per_pair, cond), (runs, where) in sorted(
+            agg.items(), key=lambda kv: (kv[0][4], -kv[0][2] * kv[1][0])
+        ):
+            print(
+                f"    {kind:18s} group {n:3d} {size / 1e6:10.3f} MB x{runs:4d}"
+                f"{' in the layers' if per_pair else ' once'}{' (conditional)' if cond else ''}  {where[-50:]}"
+            )
         per_tok = s["sent_bytes_per_token"]
-        print(f"    sent per device per step {s['sent_bytes_per_device'] / 1e6:.2f} MB (all {r['layers']} layers; "
-              f"conditional branches {s['conditional_sent_bytes'] / 1e6:.2f} MB more), per token of its rank "
-              f"{per_tok / 1e3 if per_tok else 0:.1f} KB")
+        print(
+            f"    sent per device per step {s['sent_bytes_per_device'] / 1e6:.2f} MB (all {r['layers']} layers; "
+            f"conditional branches {s['conditional_sent_bytes'] / 1e6:.2f} MB more), per token of its rank "
+            f"{per_tok / 1e3 if per_tok else 0:.1f} KB"
+        )
 
 
 def main(argv=None) -> None:

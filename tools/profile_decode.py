@@ -34,8 +34,16 @@ import jax
 
 from gptoss_jax import runtime
 from pallas_kernels import KernelConfig
-from tools.common import (decode_step, model_config, parse_variants, prefill_step, random_params, resolved,
-                          summarize_trace, timeit)
+from tools.common import (
+    decode_step,
+    model_config,
+    parse_variants,
+    prefill_step,
+    random_params,
+    resolved,
+    summarize_trace,
+    timeit,
+)
 
 
 def _short(op_name: str) -> str:
@@ -61,8 +69,10 @@ def kernel_sources(dump_dir: str) -> dict:
             if op:
                 comps[comp].append(_short(op.group(1)))
             calls = re.search(r"calls=%?([\w.-]+)", line)
-            insts.setdefault(m.group(1).replace(".", "_"),
-                             (m.group(2)[:40], calls.group(1) if calls else None, op.group(1) if op else ""))
+            insts.setdefault(
+                m.group(1).replace(".", "_"),
+                (m.group(2)[:40], calls.group(1) if calls else None, op.group(1) if op else ""),
+            )
     out = {}
     for name, (shape, calls, op) in insts.items():
         ops = list(dict.fromkeys(comps.get(calls, []))) if calls else [_short(op)]
@@ -78,18 +88,29 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--impl", default="auto", choices=("auto", "pallas", "reference"),
-                    help="auto: the kernels on GPUs, the reference elsewhere")
+    ap.add_argument(
+        "--impl",
+        default="auto",
+        choices=("auto", "pallas", "reference"),
+        help="auto: the kernels on GPUs, the reference elsewhere",
+    )
     ap.add_argument("--temperature", type=float, default=0.0, help="every row's sampling temperature (0: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--prefill", default="", help="comma-separated ROWSxTOKENS prefill calls to trace instead")
     ap.add_argument("--label", default="baseline")
     ap.add_argument("--out", default="profile.json")
     ap.add_argument("--hlo-dump", default="", help="XLA dump directory: name each kernel's HLO source")
-    ap.add_argument("--variant", default="", help="NAME:field=value[,...]: KernelConfig fields, as in "
-                    "tools.ab_decode; NAME becomes the label")
-    ap.add_argument("--timeline", type=int, default=0, help="also list this many consecutive kernels of the "
-                    "busiest stream, with the gap before each")
+    ap.add_argument(
+        "--variant",
+        default="",
+        help="NAME:field=value[,...]: KernelConfig fields, as in tools.ab_decode; NAME becomes the label",
+    )
+    ap.add_argument(
+        "--timeline",
+        type=int,
+        default=0,
+        help="also list this many consecutive kernels of the busiest stream, with the gap before each",
+    )
     args = ap.parse_args()
     kernels = KernelConfig(impl=args.impl)
     if args.variant:
@@ -105,20 +126,35 @@ def main() -> None:
             results.append(profile(step, 1, f"prefill {rows}x{T}", "call", dict(rows=rows, tokens=T), args))
     else:
         for B in [int(b) for b in args.batch.split(",")]:
-            step = decode_step(params, cfg, B, args.context, kernels, num_steps=args.steps,
-                               temperature=args.temperature, top_p=args.top_p)
-            results.append(profile(step, args.steps, f"B={B} ctx={args.context} T={args.temperature} "
-                                   f"top_p={args.top_p}", "token", dict(batch=B, context=args.context, steps=args.steps,
-                                                                       temperature=args.temperature, top_p=args.top_p),
-                                   args))
+            step = decode_step(
+                params,
+                cfg,
+                B,
+                args.context,
+                kernels,
+                num_steps=args.steps,
+                temperature=args.temperature,
+                top_p=args.top_p,
+            )
+            results.append(
+                profile(
+                    step,
+                    args.steps,
+                    f"B={B} ctx={args.context} T={args.temperature} top_p={args.top_p}",
+                    "token",
+                    dict(
+                        batch=B, context=args.context, steps=args.steps, temperature=args.temperature, top_p=args.top_p
+                    ),
+                    args,
+                )
+            )
     if args.hlo_dump:
         sources = kernel_sources(args.hlo_dump)
         for r in results:
             for t in r["threads"].values():
                 for row in t["top"]:
                     row["source"] = sources.get(row["name"], "")
-                    print(f"  {row['name'][:40]:40s} {row['us'] / r.get('steps', 1):7.1f} us  "
-                          f"{row['source']}")
+                    print(f"  {row['name'][:40]:40s} {row['us'] / r.get('steps', 1):7.1f} us  {row['source']}")
     Path(args.out).write_text(json.dumps(results, indent=1))
 
 
@@ -154,17 +190,31 @@ def profile(step, per: int, what: str, unit: str, meta: dict, args) -> dict:
     jax.profiler.stop_trace()
     summary = summarize_trace(trace_dir, timeline=args.timeline)
     step.free()
-    result = {"label": args.label, "xla_flags": os.environ.get("XLA_FLAGS", ""), "preset": args.preset, **meta,
-              "compile_s": compile_s, "us_per_" + unit: us, "dispatch_us_per_call": dispatch_us,
-              "chained_dispatch_us_per_call": chained_us, "traced_us_per_" + unit: traced_us / per,
-              "threads": summary}
-    print(f"[{args.label}] {args.preset} {what}: {us:.0f} us per {unit}, traced "
-          f"{traced_us / per:.0f} us, the call returns after {dispatch_us:.0f} us ({chained_us:.0f} us right after "
-          f"another; compile {compile_s:.0f}s; "
-          f"flags '{result['xla_flags']}')", flush=True)
+    result = {
+        "label": args.label,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "preset": args.preset,
+        **meta,
+        "compile_s": compile_s,
+        "us_per_" + unit: us,
+        "dispatch_us_per_call": dispatch_us,
+        "chained_dispatch_us_per_call": chained_us,
+        "traced_us_per_" + unit: traced_us / per,
+        "threads": summary,
+    }
+    print(
+        f"[{args.label}] {args.preset} {what}: {us:.0f} us per {unit}, traced "
+        f"{traced_us / per:.0f} us, the call returns after {dispatch_us:.0f} us ({chained_us:.0f} us right after "
+        f"another; compile {compile_s:.0f}s; "
+        f"flags '{result['xla_flags']}')",
+        flush=True,
+    )
     for name, t in summary.items():
-        print(f"  {name}: {t['events'] / per:.0f} events/{unit}, busy {t['busy_us'] / per:.0f} us/{unit} "
-              f"of span {t['span_us'] / per:.0f}", flush=True)
+        print(
+            f"  {name}: {t['events'] / per:.0f} events/{unit}, busy {t['busy_us'] / per:.0f} us/{unit} "
+            f"of span {t['span_us'] / per:.0f}",
+            flush=True,
+        )
         for row in t["top"][:12]:
             print(f"    {row['us'] / per:8.1f} us/{unit}  x{row['count'] / per:5.1f}  {row['name'][:90]}")
         for row in t.get("timeline", []):

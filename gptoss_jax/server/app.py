@@ -60,6 +60,7 @@ class State:
 # helpers
 # ------------------------------------------------------------------------------------------------
 
+
 def _error_response(e: APIError, metrics: Metrics | None = None) -> JSONResponse:
     if metrics is not None:
         metrics.http_error(e.status)
@@ -73,8 +74,9 @@ def _check_auth(st: State, request: Request) -> None:
     auth = request.headers.get("authorization", "")
     scheme, _, token = auth.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), st.cfg.api_key.encode()):
-        raise APIError(401, "Incorrect API key provided. Pass it as 'Authorization: Bearer <key>'.",
-                       code="invalid_api_key")
+        raise APIError(
+            401, "Incorrect API key provided. Pass it as 'Authorization: Bearer <key>'.", code="invalid_api_key"
+        )
 
 
 async def _read_json(st: State, request: Request) -> dict:
@@ -84,8 +86,9 @@ async def _read_json(st: State, request: Request) -> dict:
     except ValueError:
         raise APIError(400, "Invalid Content-Length header.") from None
     if declared > limit:
-        raise APIError(413, f"Request body of {declared} bytes exceeds the limit of {limit} bytes.",
-                       code="request_too_large")
+        raise APIError(
+            413, f"Request body of {declared} bytes exceeds the limit of {limit} bytes.", code="request_too_large"
+        )
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -95,8 +98,11 @@ async def _read_json(st: State, request: Request) -> dict:
     try:
         body = json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"We could not parse the JSON body of your request ({e}). The body must be valid "
-                            "JSON.", code="invalid_json") from None
+        raise APIError(
+            400,
+            f"We could not parse the JSON body of your request ({e}). The body must be valid JSON.",
+            code="invalid_json",
+        ) from None
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
     return body
@@ -111,34 +117,50 @@ def _validate(model_cls, body: dict):
 
 def _check_model(st: State, name: str | None) -> None:
     if name is not None and name != st.cfg.model_name:
-        raise APIError(404, f"The model `{name}` does not exist. This server serves `{st.cfg.model_name}`.",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"The model `{name}` does not exist. This server serves `{st.cfg.model_name}`.",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def _check_ready(st: State) -> None:
     if st.engine.dead is not None:
         raise APIError(500, f"The engine failed: {st.engine.dead}", type="server_error")
     if not st.ready:
-        raise APIError(503, "The model is still loading; retry when GET /health returns 200.",
-                       type="server_error", code="model_not_ready")
+        raise APIError(
+            503,
+            "The model is still loading; retry when GET /health returns 200.",
+            type="server_error",
+            code="model_not_ready",
+        )
 
 
 def _max_tokens(st: State, prompt_len: int, requested: int | None, what: str) -> int:
     L = st.engine.max_model_len
     if requested is None:
         if prompt_len >= L:
-            raise APIError(400, f"This model's maximum context length is {L} tokens. However, your {what} "
-                                f"resulted in {prompt_len} tokens. Please reduce the length of the {what}.",
-                           param=what, code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"This model's maximum context length is {L} tokens. However, your {what} "
+                f"resulted in {prompt_len} tokens. Please reduce the length of the {what}.",
+                param=what,
+                code="context_length_exceeded",
+            )
         requested = L - prompt_len
         if st.cfg.default_max_tokens:
             requested = min(requested, st.cfg.default_max_tokens)
         return requested
     if prompt_len + requested > L:
-        raise APIError(400, f"This model's maximum context length is {L} tokens. However, you requested "
-                            f"{prompt_len + requested} tokens ({prompt_len} in the {what}, {requested} in the "
-                            f"completion). Please reduce the length of the {what} or completion.",
-                       param=what, code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {L} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the {what}, {requested} in the "
+            f"completion). Please reduce the length of the {what} or completion.",
+            param=what,
+            code="context_length_exceeded",
+        )
     return requested
 
 
@@ -146,11 +168,15 @@ _SP_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 def _sampling_params(*, temperature, top_p, top_k, min_p, seed, max_tokens, logprobs) -> SamplingParams:
-    kw = dict(temperature=1.0 if temperature is None else float(temperature),
-              top_p=1.0 if top_p is None else float(top_p),
-              top_k=0 if top_k in (None, -1) else int(top_k),
-              min_p=0.0 if min_p is None else float(min_p),
-              seed=seed, max_tokens=int(max_tokens), stop_token_ids=harmony.STOP_TOKENS)
+    kw = dict(
+        temperature=1.0 if temperature is None else float(temperature),
+        top_p=1.0 if top_p is None else float(top_p),
+        top_k=0 if top_k in (None, -1) else int(top_k),
+        min_p=0.0 if min_p is None else float(min_p),
+        seed=seed,
+        max_tokens=int(max_tokens),
+        stop_token_ids=harmony.STOP_TOKENS,
+    )
     if logprobs is not None:
         if "logprobs" not in _SP_FIELDS:
             raise APIError(400, "logprobs are not supported by this engine.", param="logprobs")
@@ -175,8 +201,7 @@ def _unsupported_penalties(req) -> None:
         if getattr(req, name, None):
             raise APIError(400, f"'{name}' is not supported by this server (use 0).", param=name)
     if req.repetition_penalty not in (None, 1.0):
-        raise APIError(400, "'repetition_penalty' is not supported by this server (use 1).",
-                       param="repetition_penalty")
+        raise APIError(400, "'repetition_penalty' is not supported by this server (use 1).", param="repetition_penalty")
 
 
 def _new_id(prefix: str) -> str:
@@ -197,6 +222,7 @@ def _tok_str(tok, t: int) -> tuple[str, list[int]]:
 # one choice: engine outputs -> events
 # ------------------------------------------------------------------------------------------------
 
+
 class ChoiceRun:
     """Turns one request's `StepOutput`s into ordered events, the single source of every response.
 
@@ -205,7 +231,7 @@ class ChoiceRun:
     """
 
     def __init__(self, st: State, index: int, *, mode: str, tool_names=(), stops=(), top_logprobs: int | None = None):
-        self.st, self.index, self.mode = st, index, mode   # mode: "harmony" | "text"
+        self.st, self.index, self.mode = st, index, mode  # mode: "harmony" | "text"
         self.parser = harmony.OutputParser(st.tok, tool_names) if mode == "harmony" else None
         self.detok = harmony.TextDetokenizer(st.tok) if mode == "text" else None
         self.stops = harmony.StopStrings(list(stops))
@@ -316,9 +342,9 @@ async def _run_choice(run: ChoiceRun, stream, metrics: Metrics, t0: float) -> As
             if events:
                 yield run.index, events, None
     finally:
-        if run.finish_reason is None:      # client gone or cancelled: the engine request is aborted
+        if run.finish_reason is None:  # client gone or cancelled: the engine request is aborted
             metrics.request_aborted()
-        stream.close()                     # aborts unless the engine finished it (a stop string did not)
+        stream.close()  # aborts unless the engine finished it (a stop string did not)
 
 
 async def _merge(gens: list[AsyncIterator]) -> AsyncIterator[tuple]:
@@ -413,14 +439,19 @@ async def _collect(request: Request, events: AsyncIterator, sink) -> bool:
 def _usage(runs: list[ChoiceRun], prompt_tokens: int) -> dict:
     completion = sum(r.num_tokens for r in runs)
     cached = max((r.num_cached_tokens for r in runs), default=0)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
-            "completion_tokens_details": {"reasoning_tokens": sum(r.num_reasoning_tokens for r in runs)}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+        "completion_tokens_details": {"reasoning_tokens": sum(r.num_reasoning_tokens for r in runs)},
+    }
 
 
 # ------------------------------------------------------------------------------------------------
 # chat completions
 # ------------------------------------------------------------------------------------------------
+
 
 async def chat_completions(request: Request) -> Response:
     st: State = request.app.state.st
@@ -435,7 +466,8 @@ async def chat_completions(request: Request) -> Response:
     effort = harmony.parse_reasoning_effort(
         ("reasoning_effort", req.reasoning_effort),
         ("reasoning.effort", (req.reasoning or {}).get("effort")),
-        ("chat_template_kwargs.reasoning_effort", (req.chat_template_kwargs or {}).get("reasoning_effort")))
+        ("chat_template_kwargs.reasoning_effort", (req.chat_template_kwargs or {}).get("reasoning_effort")),
+    )
     tools = harmony.parse_chat_tools(req.tools, req.tool_choice)
     prompt = st.renderer.render_chat(req.messages, tools, effort)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -444,13 +476,24 @@ async def chat_completions(request: Request) -> Response:
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
     stops = _stops(req.stop)
-    params = [_sampling_params(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                               seed=None if req.seed is None else req.seed + i, max_tokens=max_tokens,
-                               logprobs=top) for i in range(req.n)]
+    params = [
+        _sampling_params(
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            seed=None if req.seed is None else req.seed + i,
+            max_tokens=max_tokens,
+            logprobs=top,
+        )
+        for i in range(req.n)
+    ]
     rid = _new_id("chatcmpl-")
     created = int(time.time())
-    runs = [ChoiceRun(st, i, mode="harmony", tool_names=[t.name for t in tools], stops=stops, top_logprobs=top)
-            for i in range(req.n)]
+    runs = [
+        ChoiceRun(st, i, mode="harmony", tool_names=[t.name for t in tools], stops=stops, top_logprobs=top)
+        for i in range(req.n)
+    ]
     t0 = time.perf_counter()
     streams = await _start_choices(st, rid, [prompt] * req.n, params)
     events = _merge([_run_choice(r, s, st.metrics, t0) for r, s in zip(runs, streams)])
@@ -525,11 +568,24 @@ async def chat_completions(request: Request) -> Response:
             msg["reasoning"] = reasoning or None
         if tool_calls:
             msg["tool_calls"] = tool_calls
-        out_choices.append({"index": r.index, "message": msg,
-                            "logprobs": {"content": acc["logprobs"]} if top is not None else None,
-                            "finish_reason": r.finish_reason})
-    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": st.cfg.model_name,
-                         "choices": out_choices, "usage": _usage(runs, len(prompt))})
+        out_choices.append(
+            {
+                "index": r.index,
+                "message": msg,
+                "logprobs": {"content": acc["logprobs"]} if top is not None else None,
+                "finish_reason": r.finish_reason,
+            }
+        )
+    return JSONResponse(
+        {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": st.cfg.model_name,
+            "choices": out_choices,
+            "usage": _usage(runs, len(prompt)),
+        }
+    )
 
 
 def _chat_delta(ev, include_reasoning: bool) -> tuple[dict | None, dict | None]:
@@ -539,8 +595,11 @@ def _chat_delta(ev, include_reasoning: bool) -> tuple[dict | None, dict | None]:
     if kind == "reasoning":
         return ({"reasoning_content": ev[1], "reasoning": ev[1]} if include_reasoning else None), None
     if kind == "tool_start":
-        return {"tool_calls": [{"index": ev[1], "id": ev[2], "type": "function",
-                                "function": {"name": ev[3], "arguments": ""}}]}, None
+        return {
+            "tool_calls": [
+                {"index": ev[1], "id": ev[2], "type": "function", "function": {"name": ev[3], "arguments": ""}}
+            ]
+        }, None
     if kind == "tool_args":
         return {"tool_calls": [{"index": ev[1], "function": {"arguments": ev[2]}}]}, None
     return None, None
@@ -549,6 +608,7 @@ def _chat_delta(ev, include_reasoning: bool) -> tuple[dict | None, dict | None]:
 # ------------------------------------------------------------------------------------------------
 # completions (raw prompt, no template)
 # ------------------------------------------------------------------------------------------------
+
 
 def _completion_prompts(st: State, prompt) -> list[list[int]]:
     if isinstance(prompt, str):
@@ -567,8 +627,9 @@ def _completion_prompts(st: State, prompt) -> list[list[int]]:
             raise APIError(400, "'prompt' must not be empty.", param="prompt")
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise APIError(400, f"Token id {bad[0]} in 'prompt' is outside the vocabulary [0, {vocab}).",
-                           param="prompt")
+            raise APIError(
+                400, f"Token id {bad[0]} in 'prompt' is outside the vocabulary [0, {vocab}).", param="prompt"
+            )
         out.append(ids)
     return out
 
@@ -595,9 +656,17 @@ async def completions(request: Request) -> Response:
         for j in range(req.n):
             i = pi * req.n + j
             all_prompts.append(p)
-            params.append(_sampling_params(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                                           min_p=req.min_p, seed=None if req.seed is None else req.seed + i,
-                                           max_tokens=max_toks[pi], logprobs=top))
+            params.append(
+                _sampling_params(
+                    temperature=req.temperature,
+                    top_p=req.top_p,
+                    top_k=req.top_k,
+                    min_p=req.min_p,
+                    seed=None if req.seed is None else req.seed + i,
+                    max_tokens=max_toks[pi],
+                    logprobs=top,
+                )
+            )
             runs.append(ChoiceRun(st, i, mode="text", stops=stops, top_logprobs=top))
     rid = _new_id("cmpl-")
     created = int(time.time())
@@ -666,8 +735,15 @@ async def completions(request: Request) -> Response:
         raise APIError(500, str(e), type="server_error") from None
     finally:
         st.metrics.in_flight -= 1
-    choices = [{"index": r.index, "text": "".join(texts[r.index]), "logprobs": legacy_lps(r.index, entries[r.index]),
-                "finish_reason": r.finish_reason} for r in runs]
+    choices = [
+        {
+            "index": r.index,
+            "text": "".join(texts[r.index]),
+            "logprobs": legacy_lps(r.index, entries[r.index]),
+            "finish_reason": r.finish_reason,
+        }
+        for r in runs
+    ]
     return JSONResponse(dict(base, choices=choices, usage=_usage(runs, prompt_tokens)))
 
 
@@ -675,13 +751,14 @@ async def completions(request: Request) -> Response:
 # responses (harmony-native)
 # ------------------------------------------------------------------------------------------------
 
+
 class _ResponseBuilder:
     """Responses output items built from chat events; emits the streaming events as it goes."""
 
     def __init__(self, resp_id: str):
         self.resp_id = resp_id
         self.items: list[dict] = []
-        self.open: dict | None = None        # the item being written
+        self.open: dict | None = None  # the item being written
         self.tool_items: dict[int, dict] = {}
         self.seq = 0
 
@@ -699,19 +776,43 @@ class _ResponseBuilder:
         out = []
         if item["type"] == "message":
             part = item["content"][0]
-            out += [self._ev("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
-                             text=part["text"], logprobs=[]),
-                    self._ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0,
-                             part=part)]
+            out += [
+                self._ev(
+                    "response.output_text.done",
+                    item_id=item["id"],
+                    output_index=idx,
+                    content_index=0,
+                    text=part["text"],
+                    logprobs=[],
+                ),
+                self._ev(
+                    "response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part
+                ),
+            ]
         elif item["type"] == "reasoning":
             part = item["content"][0]
-            out += [self._ev("response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0,
-                             text=part["text"]),
-                    self._ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0,
-                             part=part)]
+            out += [
+                self._ev(
+                    "response.reasoning_text.done",
+                    item_id=item["id"],
+                    output_index=idx,
+                    content_index=0,
+                    text=part["text"],
+                ),
+                self._ev(
+                    "response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part
+                ),
+            ]
         else:
-            out.append(self._ev("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
-                                name=item["name"], arguments=item["arguments"]))
+            out.append(
+                self._ev(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=idx,
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+            )
         out.append(self._ev("response.output_item.done", output_index=idx, item=item))
         return out
 
@@ -723,8 +824,15 @@ class _ResponseBuilder:
         snapshot = json.loads(json.dumps(item))
         out.append(self._ev("response.output_item.added", output_index=idx, item=snapshot))
         if item["type"] in ("message", "reasoning"):
-            out.append(self._ev("response.content_part.added", item_id=item["id"], output_index=idx, content_index=0,
-                                part=dict(item["content"][0])))
+            out.append(
+                self._ev(
+                    "response.content_part.added",
+                    item_id=item["id"],
+                    output_index=idx,
+                    content_index=0,
+                    part=dict(item["content"][0]),
+                )
+            )
         return out
 
     def add(self, ev) -> list[dict]:
@@ -732,33 +840,73 @@ class _ResponseBuilder:
         out: list[dict] = []
         if kind == "reasoning":
             if not self.open or self.open["type"] != "reasoning":
-                out += self._open({"type": "reasoning", "id": _new_id("rs_"), "summary": [], "status": "in_progress",
-                                   "content": [{"type": "reasoning_text", "text": ""}]})
+                out += self._open(
+                    {
+                        "type": "reasoning",
+                        "id": _new_id("rs_"),
+                        "summary": [],
+                        "status": "in_progress",
+                        "content": [{"type": "reasoning_text", "text": ""}],
+                    }
+                )
             item = self.open
             item["content"][0]["text"] += ev[1]
-            out.append(self._ev("response.reasoning_text.delta", item_id=item["id"],
-                                output_index=len(self.items) - 1, content_index=0, delta=ev[1]))
+            out.append(
+                self._ev(
+                    "response.reasoning_text.delta",
+                    item_id=item["id"],
+                    output_index=len(self.items) - 1,
+                    content_index=0,
+                    delta=ev[1],
+                )
+            )
         elif kind == "content":
             if not ev[1]:
                 return out
             if not self.open or self.open["type"] != "message":
-                out += self._open({"type": "message", "id": _new_id("msg_"), "role": "assistant",
-                                   "status": "in_progress",
-                                   "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]})
+                out += self._open(
+                    {
+                        "type": "message",
+                        "id": _new_id("msg_"),
+                        "role": "assistant",
+                        "status": "in_progress",
+                        "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}],
+                    }
+                )
             item = self.open
             item["content"][0]["text"] += ev[1]
-            out.append(self._ev("response.output_text.delta", item_id=item["id"], output_index=len(self.items) - 1,
-                                content_index=0, delta=ev[1], logprobs=[]))
+            out.append(
+                self._ev(
+                    "response.output_text.delta",
+                    item_id=item["id"],
+                    output_index=len(self.items) - 1,
+                    content_index=0,
+                    delta=ev[1],
+                    logprobs=[],
+                )
+            )
         elif kind == "tool_start":
-            item = {"type": "function_call", "id": _new_id("fc_"), "call_id": ev[2], "name": ev[3], "arguments": "",
-                    "status": "in_progress"}
+            item = {
+                "type": "function_call",
+                "id": _new_id("fc_"),
+                "call_id": ev[2],
+                "name": ev[3],
+                "arguments": "",
+                "status": "in_progress",
+            }
             out += self._open(item)
             self.tool_items[ev[1]] = item
         elif kind == "tool_args":
             item = self.tool_items[ev[1]]
             item["arguments"] += ev[2]
-            out.append(self._ev("response.function_call_arguments.delta", item_id=item["id"],
-                                output_index=self.items.index(item), delta=ev[2]))
+            out.append(
+                self._ev(
+                    "response.function_call_arguments.delta",
+                    item_id=item["id"],
+                    output_index=self.items.index(item),
+                    delta=ev[2],
+                )
+            )
         return out
 
     def finish(self) -> list[dict]:
@@ -772,8 +920,11 @@ async def responses(request: Request) -> Response:
     req = _validate(P.ResponsesRequest, body)
     _check_model(st, req.model)
     if req.previous_response_id:
-        raise APIError(400, "'previous_response_id' is not supported (this server stores no responses); send the "
-                            "full input instead.", param="previous_response_id")
+        raise APIError(
+            400,
+            "'previous_response_id' is not supported (this server stores no responses); send the full input instead.",
+            param="previous_response_id",
+        )
     fmt = (req.text or {}).get("format") if isinstance(req.text, dict) else None
     if fmt and fmt.get("type") not in (None, "text"):
         raise APIError(400, "text.format other than 'text' is not supported yet.", param="text.format")
@@ -782,8 +933,15 @@ async def responses(request: Request) -> Response:
     tools = harmony.parse_chat_tools(req.tools, req.tool_choice)
     prompt = st.renderer.render_responses(req.input, req.instructions, tools, effort)
     max_tokens = _max_tokens(st, len(prompt), req.max_output_tokens, "input")
-    params = _sampling_params(temperature=req.temperature, top_p=req.top_p, top_k=None, min_p=None, seed=None,
-                              max_tokens=max_tokens, logprobs=None)
+    params = _sampling_params(
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=None,
+        min_p=None,
+        seed=None,
+        max_tokens=max_tokens,
+        logprobs=None,
+    )
     resp_id = _new_id("resp_")
     created = int(time.time())
     run = ChoiceRun(st, 0, mode="harmony", tool_names=[t.name for t in tools])
@@ -793,30 +951,47 @@ async def responses(request: Request) -> Response:
     builder = _ResponseBuilder(resp_id)
 
     def response_obj(status: str) -> dict:
-        r = {"id": resp_id, "object": "response", "created_at": created, "model": st.cfg.model_name,
-             "status": status, "error": None, "incomplete_details": None, "instructions": req.instructions,
-             "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {},
-             "output": builder.items if status != "in_progress" else [],
-             "parallel_tool_calls": bool(req.parallel_tool_calls), "reasoning": {"effort": effort, "summary": None},
-             "store": False, "temperature": 1.0 if req.temperature is None else req.temperature,
-             "text": {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
-             "tools": req.tools or [], "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled",
-             "usage": None}
+        r = {
+            "id": resp_id,
+            "object": "response",
+            "created_at": created,
+            "model": st.cfg.model_name,
+            "status": status,
+            "error": None,
+            "incomplete_details": None,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "metadata": req.metadata or {},
+            "output": builder.items if status != "in_progress" else [],
+            "parallel_tool_calls": bool(req.parallel_tool_calls),
+            "reasoning": {"effort": effort, "summary": None},
+            "store": False,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "text": {"format": {"type": "text"}},
+            "tool_choice": req.tool_choice or "auto",
+            "tools": req.tools or [],
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "truncation": "disabled",
+            "usage": None,
+        }
         if status != "in_progress":
             u = _usage([run], len(prompt))
-            r["usage"] = {"input_tokens": u["prompt_tokens"],
-                          "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
-                          "output_tokens": u["completion_tokens"],
-                          "output_tokens_details": {"reasoning_tokens": u["completion_tokens_details"]["reasoning_tokens"]},
-                          "total_tokens": u["total_tokens"]}
+            r["usage"] = {
+                "input_tokens": u["prompt_tokens"],
+                "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
+                "output_tokens": u["completion_tokens"],
+                "output_tokens_details": {"reasoning_tokens": u["completion_tokens_details"]["reasoning_tokens"]},
+                "total_tokens": u["total_tokens"],
+            }
             if run.finish_reason == "length":
                 r["status"] = "incomplete"
                 r["incomplete_details"] = {"reason": "max_output_tokens"}
         return r
 
     if req.stream:
+
         def sse(e: dict) -> str:
-            return f"event: {e['type']}\ndata: {json.dumps(e, ensure_ascii=False, separators=(",", ":"))}\n\n"
+            return f"event: {e['type']}\ndata: {json.dumps(e, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
         async def gen():
             st.metrics.in_flight += 1
@@ -860,12 +1035,24 @@ async def responses(request: Request) -> Response:
 # models, health, metrics
 # ------------------------------------------------------------------------------------------------
 
+
 async def models(request: Request) -> Response:
     st: State = request.app.state.st
     _check_auth(st, request)
-    return JSONResponse({"object": "list", "data": [
-        {"id": st.cfg.model_name, "object": "model", "created": st.created, "owned_by": "gptoss-jax",
-         "max_model_len": st.engine.max_model_len or None}]})
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": st.cfg.model_name,
+                    "object": "model",
+                    "created": st.created,
+                    "owned_by": "gptoss-jax",
+                    "max_model_len": st.engine.max_model_len or None,
+                }
+            ],
+        }
+    )
 
 
 async def health(request: Request) -> Response:
@@ -892,19 +1079,23 @@ def _wrap(handler):
             return _error_response(e, st.metrics)
         except harmony.RenderError as e:
             return _error_response(APIError(400, str(e), param=e.param), st.metrics)
+
     return endpoint
 
 
 async def _http_exception(request: Request, exc: HTTPException) -> Response:
-    msg = {404: f"Unknown path {request.url.path}.", 405: f"Method {request.method} is not allowed on "
-                                                          f"{request.url.path}."}.get(exc.status_code, exc.detail)
+    msg = {
+        404: f"Unknown path {request.url.path}.",
+        405: f"Method {request.method} is not allowed on {request.url.path}.",
+    }.get(exc.status_code, exc.detail)
     return JSONResponse(APIError(exc.status_code, msg).body(), status_code=exc.status_code)
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s", request.url.path, exc_info=exc)
-    return JSONResponse(APIError(500, f"Internal server error: {type(exc).__name__}", type="server_error").body(),
-                        status_code=500)
+    return JSONResponse(
+        APIError(500, f"Internal server error: {type(exc).__name__}", type="server_error").body(), status_code=500
+    )
 
 
 def build_app(st: State, lifespan=None) -> Starlette:
@@ -916,7 +1107,8 @@ def build_app(st: State, lifespan=None) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={HTTPException: _http_exception, Exception: _server_error})
+    app = Starlette(
+        routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_exception, Exception: _server_error}
+    )
     app.state.st = st
     return app

@@ -11,12 +11,81 @@ import threading
 
 PREFIX = "gptoss"
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
-               0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 class Histogram:
@@ -49,10 +118,8 @@ class Metrics:
         self.labels = f'model_name="{_escape(model_name)}"'
         p = PREFIX
         self.ttft = Histogram(f"{p}:time_to_first_token_seconds", "Time to first generated token.", TTFT_BUCKETS)
-        self.itl = Histogram(f"{p}:inter_token_latency_seconds", "Time between consecutive output tokens.",
-                             ITL_BUCKETS)
-        self.e2e = Histogram(f"{p}:e2e_request_latency_seconds", "Request latency, arrival to last token.",
-                             E2E_BUCKETS)
+        self.itl = Histogram(f"{p}:inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS)
+        self.e2e = Histogram(f"{p}:e2e_request_latency_seconds", "Request latency, arrival to last token.", E2E_BUCKETS)
         self.success: dict[str, int] = {}
         self.aborted = 0
         self.http_errors: dict[str, int] = {}
@@ -76,7 +143,7 @@ class Metrics:
             if first:
                 self.ttft.observe(gap_s)
                 n_new -= 1
-            for _ in range(max(n_new, 0)):   # tokens that arrived together share the gap
+            for _ in range(max(n_new, 0)):  # tokens that arrived together share the gap
                 self.itl.observe(gap_s / max(n_new, 1))
 
     def render(self, stats: dict) -> str:
@@ -88,8 +155,12 @@ class Metrics:
 
         metric("num_requests_running", "gauge", "Requests in the running batch.", stats.get("num_running", 0))
         metric("num_requests_waiting", "gauge", "Requests waiting to be scheduled.", stats.get("num_waiting", 0))
-        metric("kv_cache_usage_perc", "gauge", "Fraction of KV-cache pages in use (1 = full).",
-               float(stats.get("kv_cache_usage", 0.0)))
+        metric(
+            "kv_cache_usage_perc",
+            "gauge",
+            "Fraction of KV-cache pages in use (1 = full).",
+            float(stats.get("kv_cache_usage", 0.0)),
+        )
         metric("num_preemptions_total", "counter", "Preempted requests.", stats.get("num_preemptions", 0))
         metric("prompt_tokens_total", "counter", "Prefilled prompt tokens.", stats.get("prompt_tokens_total", 0))
         metric("generation_tokens_total", "counter", "Generated tokens.", stats.get("generation_tokens_total", 0))
@@ -97,15 +168,24 @@ class Metrics:
             metric("num_compiles", "gauge", "XLA compilations of engine steps so far.", stats["num_compiles"])
         with self.lock:
             metric("http_requests_in_flight", "gauge", "HTTP generation requests being served.", self.in_flight)
-            lines += [f"# HELP {p}:request_success_total Finished requests by finish reason.",
-                      f"# TYPE {p}:request_success_total counter"]
+            lines += [
+                f"# HELP {p}:request_success_total Finished requests by finish reason.",
+                f"# TYPE {p}:request_success_total counter",
+            ]
             for reason in sorted(set(self.success) | {"stop", "length", "tool_calls"}):
-                lines.append(f'{p}:request_success_total{{{L},finished_reason="{reason}"}} '
-                             f'{self.success.get(reason, 0)}')
-            metric("num_aborted_requests_total", "counter", "Requests aborted (client disconnect, stop string).",
-                   self.aborted)
-            lines += [f"# HELP {p}:http_request_errors_total Error responses by status.",
-                      f"# TYPE {p}:http_request_errors_total counter"]
+                lines.append(
+                    f'{p}:request_success_total{{{L},finished_reason="{reason}"}} {self.success.get(reason, 0)}'
+                )
+            metric(
+                "num_aborted_requests_total",
+                "counter",
+                "Requests aborted (client disconnect, stop string).",
+                self.aborted,
+            )
+            lines += [
+                f"# HELP {p}:http_request_errors_total Error responses by status.",
+                f"# TYPE {p}:http_request_errors_total counter",
+            ]
             for status, n in sorted(self.http_errors.items()):
                 lines.append(f'{p}:http_request_errors_total{{{L},status="{status}"}} {n}')
             for h in (self.ttft, self.itl, self.e2e):

@@ -10,8 +10,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 class APIError(Exception):
     """Becomes `{"error": {"message", "type", "param", "code"}}` with `status`."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -29,7 +36,9 @@ def validation_error(e: ValidationError) -> APIError:
         msg = f"Unrecognized request argument supplied: {loc}"
     else:
         msg = f"Invalid value for '{loc}': {err.get('msg', 'invalid')} (got {err.get('input')!r})."
-    return APIError(400, msg, param=loc or None, code="invalid_value" if kind != "missing" else "missing_required_parameter")
+    return APIError(
+        400, msg, param=loc or None, code="invalid_value" if kind != "missing" else "missing_required_parameter"
+    )
 
 
 class _Base(BaseModel):

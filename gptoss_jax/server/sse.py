@@ -16,9 +16,17 @@ class SSEResponse:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def stream():
-            await send({"type": "http.response.start", "status": 200, "headers": [
-                (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                (b"x-accel-buffering", b"no")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"text/event-stream; charset=utf-8"),
+                        (b"cache-control", b"no-cache"),
+                        (b"x-accel-buffering", b"no"),
+                    ],
+                }
+            )
             async for piece in self.body:
                 await send({"type": "http.response.body", "body": piece.encode("utf-8"), "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -37,7 +45,7 @@ class SSEResponse:
                 if not t.done():
                     t.cancel()
             await asyncio.gather(writer, watcher, return_exceptions=True)
-            await self.body.aclose()   # runs the generator's cleanup: aborts unfinished requests
+            await self.body.aclose()  # runs the generator's cleanup: aborts unfinished requests
         if writer.done() and not writer.cancelled() and writer.exception() is not None:
             exc = writer.exception()
             if not isinstance(exc, OSError):
