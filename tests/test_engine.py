@@ -123,6 +123,7 @@ def test_compile_count_flat_after_warmup(engine):
     assert seen == []
 
 
+@pytest.mark.slow  # a second engine compiles its whole bucket grid
 def test_committed_parameters_compile_nothing_after_warmup(small_checkpoint):
     """Parameters the caller placed on a device are committed, and so is every step's output then; warm-up
     must have compiled the programs for the arguments real calls pass."""

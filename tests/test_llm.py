@@ -36,6 +36,7 @@ def test_result_shape_and_greedy_matches_full_forward(llm):
         seq.append(tok)
 
 
+@pytest.mark.slow  # a long batch against each prompt alone (test_engine covers the engine at a smaller size)
 def test_batch_of_different_lengths_equals_one_by_one(llm):
     prompts = _prompts(5, seed=1)
     sp = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[])
