@@ -8,14 +8,14 @@ import json
 import os
 from pathlib import Path
 
-from gptoss_jax import random_weights
+from gptoss_jax import random_weights, runtime
 
 SEED = 0
 
 
 def checkpoint_path() -> Path:
-    """Folder of the demo checkpoint (under `$GPTOSS_JAX_HOME`, default `~/.cache/gptoss_jax`)."""
-    home = Path(os.environ.get("GPTOSS_JAX_HOME", Path.home() / ".cache" / "gptoss_jax"))
+    """Folder of the demo checkpoint (in `runtime.home()`: `$GPTOSS_JAX_HOME`, default `~/.cache/gptoss_jax`)."""
+    home = runtime.home()
     path = home / "demo-checkpoint"
     stamp = path / "config.json"
     if not stamp.exists() or json.loads(stamp.read_text()) != random_weights.DEMO_CONFIG:

@@ -78,7 +78,10 @@ class _Call:
 class Engine:
     """Continuous-batching engine over a paged KV cache. `model=None` loads the built-in demo checkpoint;
     `loaded=(model_config, params)` uses parameters already on device. `config` is an `EngineConfig`, a
-    YAML path or a profile name ('low_latency', 'max_throughput'); `overrides` replace its fields."""
+    YAML path or a profile name ('low_latency', 'max_throughput'); `overrides` replace its fields.
+    `compile_cache_dir`: where compiled steps persist across processes (`runtime.compile_cache_dir`: default
+    `$GPTOSS_JAX_HOME/compile-cache`; False turns it off). `on_progress(stage, done, total, detail)` hears of the
+    weights' loading and of warm-up, program by program (the server's /health reports it)."""
 
     def __init__(
         self,
@@ -91,11 +94,13 @@ class Engine:
         seed: int = 0,
         loaded: tuple[ModelConfig, Params] | None = None,
         cache_dir: str | os.PathLike | None = None,
+        compile_cache_dir: str | os.PathLike | bool | None = None,
         progress: bool = True,
+        on_progress: Callable[[str, int, int, str], None] | None = None,
         layout=None,
         **overrides: Any,
     ):
-        runtime.prepare()
+        self.compile_cache_dir = runtime.prepare(compile_cache_dir)
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
         self.config = ec = engine_config.load(config, **overrides)

@@ -50,6 +50,7 @@ class LLM:
         tokenizer: str | os.PathLike | None = None,
         max_model_len: int | None = None,
         cache_dir: str | os.PathLike | None = None,
+        compile_cache_dir: str | os.PathLike | bool | None = None,
         impl: str | None = None,
         seed: int = 0,
         progress: bool = True,
@@ -68,6 +69,7 @@ class LLM:
             impl=impl,
             seed=seed,
             cache_dir=cache_dir,
+            compile_cache_dir=compile_cache_dir,
             progress=progress,
             **engine_overrides,
         )
