@@ -26,13 +26,15 @@ class EngineDeadError(RuntimeError):
 
 class AsyncEngine:
     def __init__(self, engine: Any):
-        """`engine` is an Engine, or a zero-argument factory that builds one; the factory then runs
-        in the engine thread, so loading and compiling happen on the same thread as stepping."""
+        """`engine` is an Engine, or a factory `factory(on_progress)` that builds one; the factory then runs in the
+        engine thread, so loading and compiling happen on the same thread as stepping, and reports its progress
+        (`Engine`'s `on_progress`) into `status`."""
         self._factory = None if hasattr(engine, "step") else engine
         self.engine = None if self._factory else engine
         self.tokenizer = None
         self.max_model_len = 0
         self.loaded = threading.Event()
+        self.status: dict[str, Any] = {"stage": "starting", "progress": 0.0, "detail": ""}
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -45,6 +47,11 @@ class AsyncEngine:
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
+
+    def report(self, stage: str, done: int, total: int, detail: str = "") -> None:
+        """Where loading stands (the server's /health shows it): one dict replaced at once, so readers on other
+        threads always see a consistent one."""
+        self.status = {"stage": stage, "progress": round(done / max(total, 1), 4), "detail": detail}
 
     async def wait_loaded(self) -> None:
         """Return once the engine exists; raise what building it raised."""
@@ -68,7 +75,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             if self._factory is not None:
-                self.engine = self._factory()
+                self.engine = self._factory(self.report)
             self.tokenizer = getattr(self.engine, "tokenizer", None)
             self.max_model_len = int(self.engine.max_model_len)
             self._refresh_stats()

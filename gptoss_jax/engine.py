@@ -16,13 +16,15 @@ import dataclasses
 import functools
 import logging
 import os
+import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 from typing import Sequence as Seq
 
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 import pallas_kernels
 from gptoss_jax import checkpoint, demo, engine_config, kv_cache, runtime, steps
@@ -101,6 +103,7 @@ class Engine:
         **overrides: Any,
     ):
         self.compile_cache_dir = runtime.prepare(compile_cache_dir)
+        self._on_progress, self._progress_bar = on_progress, progress
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
         self.config = ec = engine_config.load(config, **overrides)
@@ -111,6 +114,8 @@ class Engine:
             layout = make_layout(ec.model_parallel, ec.replicas, ec.parallel_mode, dispatch=ec.expert_dispatch)
         self.layout = layout
         self.num_ranks = layout.num_ranks if layout is not None else 1
+        t0 = time.perf_counter()
+        self._report("loading weights", 0, 1, str(model or "the demo checkpoint"))
         if loaded is None:
             self.model_path: Path | None = Path(model) if model is not None else demo.checkpoint_path()
             if layout is not None and cache_dir is None:  # each device reads only its slice, experts padded
@@ -129,6 +134,7 @@ class Engine:
             if layout is not None:
                 params = layout.shard_params(params, self.model_config.num_kv_heads)
         params = pallas_kernels.prepare_params(params, self.kernels)  # sharded: each device its experts
+        self._report("loading weights", 1, 1, f"{time.perf_counter() - t0:.1f}s")
         self.tokenizer = tokenizer
         if isinstance(tokenizer, (str, os.PathLike)) or (
             tokenizer is None and self.model_config.vocab_size == tokenizer_lib.VOCAB_SIZE
@@ -320,8 +326,29 @@ class Engine:
         return found[1] if found else None
 
     def warmup(self) -> None:
-        """Compile every (batch, tokens, block-table width) bucket now (`ModelRunner.warmup`)."""
-        self.runner.warmup()
+        """Compile every (batch, tokens, block-table width) bucket now (`ModelRunner.warmup`): logged program by
+        program, a progress bar with `progress`, and `on_progress` told."""
+        t0, n = time.perf_counter(), len(self.runner.buckets())
+        bar = tqdm(total=n, desc="Compiling", unit="program", disable=not self._progress_bar)
+
+        def report(stage, done, total, detail):
+            if stage == "compiling":
+                bar.update(done - bar.n)
+                log.info("warm-up: compiled %d/%d programs (%s)", done, total, detail)
+            self._report(stage, done, total, detail)
+
+        with bar:
+            self.runner.warmup(report)
+        log.info(
+            "warm-up: %d programs ready in %.1fs (compilation cache: %s)",
+            n,
+            time.perf_counter() - t0,
+            self.compile_cache_dir or "off",
+        )
+
+    def _report(self, stage: str, done: int, total: int, detail: str) -> None:
+        if self._on_progress is not None:
+            self._on_progress(stage, done, total, detail)
 
     def run_prompt(self, token_ids: Seq[int], step_fn) -> list[tuple[Any, int]]:
         """Feed one prompt through the paged cache in prefill chunks, outside the scheduler: per chunk,

@@ -34,6 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--tokenizer", help="path to o200k_base.tiktoken (or its folder)")
     p.add_argument("--cache-dir", help="save/restore converted parameters here (orbax)")
+    p.add_argument("--compile-cache-dir", help="where compiled steps persist across runs ('off' for none)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return p.parse_args(argv)
 
@@ -68,6 +69,7 @@ def main(argv=None) -> int:
             dtype=args.dtype,
             tokenizer=args.tokenizer,
             cache_dir=args.cache_dir,
+            compile_cache_dir=args.compile_cache_dir,
             progress=not args.json,
             engine_config=args.engine_config,
         )
@@ -116,7 +118,12 @@ def _batch(args) -> int:
     )
     try:
         engine = Engine(
-            args.model, dtype=args.dtype, config=args.engine_config, tokenizer=args.tokenizer, cache_dir=args.cache_dir
+            args.model,
+            dtype=args.dtype,
+            config=args.engine_config,
+            tokenizer=args.tokenizer,
+            cache_dir=args.cache_dir,
+            compile_cache_dir=args.compile_cache_dir,
         )
         summary = batch.run(engine, args.input, args.output, defaults)
     except (ValueError, OSError, RuntimeError) as e:

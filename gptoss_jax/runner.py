@@ -10,9 +10,14 @@ the same dispatch code with all-padding batches.
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import logging
 import math
-from typing import Any
+import os
+import threading
+import time
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +59,11 @@ class ModelRunner:
             )
         self.max_model_len = min(ec.max_model_len or mc.max_position_embeddings, capacity)
         self._ctx_buckets = ec.context_buckets(self.max_model_len)
+        # Prefill with the kernels takes the widest table always: its cost does not depend on the table's width (the
+        # kernels visit only the pages its positions see) and 16 rows of it are little to copy, so one program per
+        # (rows, tokens) serves every context. The reference attention gathers the whole table: it keeps the widths.
+        self._prefill_widths = self._ctx_buckets[-1:] if kernels.impl == "pallas" else self._ctx_buckets
+        self._programs: dict[tuple, Any] = {}  # bucket -> its compiled step (`_program`)
         R, n_full, n_sliding = self.num_ranks, self.num_pages_full, self.num_pages_sliding
         # The cache and the last-token table are committed to their devices from the start. A step's outputs
         # are committed whenever an input is (parameters the caller placed, say), so an uncommitted first
@@ -116,7 +126,8 @@ class ModelRunner:
         ec = self.config
         rows, row_of = self._rows([c.seq for c in chunks], ec.prefill_row_buckets())
         T = bucket(max(c.num_tokens for c in chunks), ec.prefill_token_buckets())
-        return self._prefill(chunks, rows, row_of, T, self._width([c.start + c.num_tokens for c in chunks])), row_of
+        width = self._width([c.start + c.num_tokens for c in chunks], self._prefill_widths)
+        return self._prefill(chunks, rows, row_of, T, width), row_of
 
     def decode(self, seqs: list[Sequence]) -> tuple[Sampled, list[int]]:
         """Dispatch one (multi-step) decode call for `seqs` -> (its sampled tokens `[steps, rows]`, each row)."""
@@ -125,7 +136,9 @@ class ModelRunner:
         width = self._width([s.decode_span(K)[0] + K for s in seqs])
         return self._decode(seqs, rows, row_of, width), row_of
 
-    def _prefill(self, chunks: list[PrefillChunk], rows: int, row_of: list[int], T: int, width: int) -> Sampled:
+    def _prefill_batch(
+        self, chunks: list[PrefillChunk], rows: int, row_of: list[int], T: int, width: int
+    ) -> steps.PrefillBatch:
         seqs = [c.seq for c in chunks]
         tokens = np.zeros((rows, T), np.int32)
         positions = np.full((rows, T), -1, np.int32)
@@ -134,42 +147,101 @@ class ModelRunner:
             tokens[i, : c.num_tokens] = c.seq.token_ids[c.start : c.start + c.num_tokens]
             positions[i, : c.num_tokens] = np.arange(c.start, c.start + c.num_tokens)
             last[i] = c.num_tokens - 1
-        batch = steps.PrefillBatch(
-            self._put(tokens),
-            self._put(positions),
-            self._tables(seqs, rows, width, row_of),
-            self._put(last),
-            self._sampling(seqs, rows, row_of),
+        tables = self._tables(seqs, rows, width, row_of)
+        return steps.PrefillBatch(
+            self._put(tokens), self._put(positions), tables, self._put(last), self._sampling(seqs, rows, row_of)
         )
-        out, self.cache = steps.prefill(self.params, self.cache, batch, st=self.st)
-        self._last_tokens = steps.store_tokens(self._last_tokens, self._slots(seqs, rows, row_of), out.tokens)
-        return out
 
-    def _decode(self, seqs: list[Sequence], rows: int, row_of: list[int], width: int) -> Sampled:
+    def _decode_batch(self, seqs: list[Sequence], rows: int, row_of: list[int], width: int, slots: jax.Array):
         K = self.config.decode_steps_per_call
         positions = np.full((rows,), -1, np.int32)
         positions[row_of] = [s.decode_span(K)[0] for s in seqs]
         host = np.zeros((rows,), np.int32)  # -1: the input token is still on the device
         host[row_of] = [-1 if s.num_pending else s.token_ids[-1] for s in seqs]
-        slots = self._slots(seqs, rows, row_of)
         tokens = steps.load_tokens(self._last_tokens, slots, self._put(host))
-        batch = steps.DecodeBatch(
-            tokens, self._put(positions), self._tables(seqs, rows, width, row_of), self._sampling(seqs, rows, row_of)
-        )
-        out, self.cache = steps.decode(self.params, self.cache, batch, st=self.st)
+        tables = self._tables(seqs, rows, width, row_of)
+        return steps.DecodeBatch(tokens, self._put(positions), tables, self._sampling(seqs, rows, row_of))
+
+    def _prefill(self, chunks: list[PrefillChunk], rows: int, row_of: list[int], T: int, width: int) -> Sampled:
+        seqs = [c.seq for c in chunks]
+        batch = self._prefill_batch(chunks, rows, row_of, T, width)
+        program = self._program(("prefill", rows, T, width), steps.prefill, batch)
+        out, self.cache = program(self.params, self.cache, batch)
+        self._last_tokens = steps.store_tokens(self._last_tokens, self._slots(seqs, rows, row_of), out.tokens)
+        return out
+
+    def _decode(self, seqs: list[Sequence], rows: int, row_of: list[int], width: int) -> Sampled:
+        slots = self._slots(seqs, rows, row_of)
+        batch = self._decode_batch(seqs, rows, row_of, width, slots)
+        out, self.cache = self._program(("decode", rows, width), steps.decode, batch)(self.params, self.cache, batch)
         self._last_tokens = steps.store_tokens(self._last_tokens, slots, out.tokens)
         return out
 
-    def warmup(self) -> None:
-        """Compile every (rows, tokens, block-table width) bucket now, with all-padding batches."""
+    def _program(self, key: tuple, step, batch):
+        """The compiled `step` for a bucket: compiled ahead of time by warm-up, else now (and kept)."""
+        program = self._programs.get(key)
+        if program is None:
+            program = self._programs[key] = step.lower(self.params, self.cache, batch, st=self.st).compile()
+        return program
+
+    def buckets(self) -> list[tuple]:
+        """Every program the scheduler can ask for: ("decode", rows, table width) and ("prefill", rows, tokens,
+        table width)."""
         ec, R = self.config, self.num_ranks
-        for width in self._ctx_buckets:
-            for rows in (R * b for b in ec.decode_buckets()):
-                self._decode([], rows, [], width)
-            for rows in (R * b for b in ec.prefill_row_buckets()):
-                for T in ec.prefill_token_buckets():
-                    self._prefill([], rows, [], T, width)
+        decode = [("decode", R * b, w) for w in self._ctx_buckets for b in ec.decode_buckets()]
+        prefill = [
+            ("prefill", R * b, T, w)
+            for w in self._prefill_widths
+            for b in ec.prefill_row_buckets()
+            for T in ec.prefill_token_buckets()
+        ]
+        return decode + prefill
+
+    def warmup(self, on_progress: Callable[[str, int, int, str], None] | None = None) -> None:
+        """Compile every bucket's program now, in parallel: the steps are traced and lowered one after another (that
+        holds the interpreter) while XLA compiles the earlier ones on other threads, one per core; then each runs
+        once on an all-padding batch, through the same dispatch code as serving. Reports
+        `on_progress(stage, done, total, detail)` as programs are traced, compiled and run (stages "tracing",
+        "compiling", "first run")."""
+        report = on_progress or (lambda *a: None)
+        todo = [k for k in self.buckets() if k not in self._programs]
+        t0, n = time.perf_counter(), len(todo)
+        lock, done = threading.Lock(), [0]
+
+        def compiled(key, future):
+            with lock:
+                done[0] += 1
+                report("compiling", done[0], n, f"{self._label(key)} {time.perf_counter() - t0:.1f}s")
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            futures = {}
+            for i, key in enumerate(todo, 1):
+                step, batch = self._padding(key)
+                lowered = step.lower(self.params, self.cache, batch, st=self.st)
+                futures[key] = pool.submit(lowered.compile)
+                futures[key].add_done_callback(functools.partial(compiled, key))
+                report("tracing", i, n, self._label(key))
+            for key, future in futures.items():
+                self._programs[key] = future.result()
+        for i, key in enumerate(self.buckets(), 1):
+            if key[0] == "decode":
+                self._decode([], key[1], [], key[2])
+            else:
+                self._prefill([], key[1], [], key[2], key[3])
+            report("first run", i, len(self.buckets()), self._label(key))
         jax.block_until_ready((self.cache, self._last_tokens))
+
+    def _label(self, key: tuple) -> str:
+        kind, rows, *size = key
+        ctx = f"ctx={size[-1] * self.config.page_size}"
+        return f"{kind} rows={rows} {ctx}" if kind == "decode" else f"{kind} rows={rows} tokens={size[0]} {ctx}"
+
+    def _padding(self, key: tuple):
+        """The step of a bucket and an all-padding batch of its shape."""
+        kind, rows, size = key[:3]
+        if kind == "decode":
+            return steps.decode, self._decode_batch([], rows, [], size, self._slots([], rows, []))
+        return steps.prefill, self._prefill_batch([], rows, [], size, key[3])
 
     def run(self, step_fn, *args) -> Any:
         """`step_fn(params, cache, *args) -> (result, cache)` on this runner's parameters and cache (donated)."""
@@ -205,9 +277,11 @@ class ModelRunner:
             return jnp.asarray(x)
         return jax.device_put(x, self.layout.named(self.layout.batch_spec(x.ndim)))
 
-    def _width(self, end_positions: list[int]) -> int:
+    def _width(self, end_positions: list[int], buckets: tuple[int, ...] | None = None) -> int:
+        """The block-table width (pages) of a call whose positions end before `end_positions`: its bucket."""
+        buckets = buckets or self._ctx_buckets
         pages = math.ceil(max(end_positions) / self.config.page_size)
-        return bucket(min(pages, self._ctx_buckets[-1]), self._ctx_buckets)
+        return bucket(min(pages, buckets[-1]), buckets)
 
     def _tables(self, seqs: list[Sequence], rows: int, width: int, row_of: list[int] | None = None) -> model.PageTables:
         sliding = np.zeros((rows, width), np.int32)

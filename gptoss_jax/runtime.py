@@ -39,9 +39,10 @@ def home() -> Path:
 
 def compile_cache_dir(setting: str | os.PathLike | bool | None = None) -> Path | None:
     """Where compiled programs persist: `setting` (a folder; False or "off" for none), else
-    `$GPTOSS_JAX_COMPILE_CACHE` (the same), else `home()/compile-cache`."""
+    `$GPTOSS_JAX_COMPILE_CACHE` (the same), else the folder JAX was given (`JAX_COMPILATION_CACHE_DIR`), else
+    `home()/compile-cache`."""
     if setting is None:
-        setting = os.environ.get("GPTOSS_JAX_COMPILE_CACHE")
+        setting = os.environ.get("GPTOSS_JAX_COMPILE_CACHE") or jax.config.jax_compilation_cache_dir
     if setting is None or setting is True:
         return home() / "compile-cache"
     if setting is False or str(setting).strip().lower() in OFF:

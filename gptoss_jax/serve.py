@@ -35,6 +35,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--served-model-name", help="model id in the API (default: the checkpoint folder's name)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument(
+        "--compile-cache-dir",
+        default=None,
+        help="where compiled steps persist across restarts ('off' for none; default $GPTOSS_JAX_COMPILE_CACHE, "
+        "else $GPTOSS_JAX_HOME/compile-cache, $GPTOSS_JAX_HOME defaulting to ~/.cache/gptoss_jax)",
+    )
     p.add_argument("--tokenizer", help="path to o200k_base.tiktoken (or its folder)")
     p.add_argument(
         "--impl",
@@ -72,17 +78,17 @@ def _engine_factory(args, model_path: Path):
         mod = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = mod
         spec.loader.exec_module(mod)
-        return lambda: getattr(mod, name)(args)
+        return lambda on_progress: getattr(mod, name)(args, on_progress)
 
-    def build():
+    def build(on_progress):
         from gptoss_jax.engine import Engine
 
-        kw = {"dtype": args.dtype, "impl": args.impl}
+        kw = {"dtype": args.dtype, "impl": args.impl, "compile_cache_dir": args.compile_cache_dir}
         if args.config:
             kw["config"] = args.config
         if args.tokenizer:
             kw["tokenizer"] = args.tokenizer
-        return Engine(str(model_path), **kw)
+        return Engine(str(model_path), progress=False, on_progress=on_progress, **kw)
 
     return build
 
@@ -100,7 +106,7 @@ def _warmup_requests(st):
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    runtime.prepare()
+    runtime.prepare(args.compile_cache_dir)
     distributed.initialize()  # joins a multi-host job when GPTOSS_COORDINATOR etc. are set; else a no-op
     import uvicorn
 
@@ -137,9 +143,10 @@ def main(argv=None) -> int:
         try:
             await engine.wait_loaded()
             if not args.no_warmup:
+                engine.report("warm-up request", 0, 1)
                 prompts, params = _warmup_requests(st)
                 dt = await engine.warmup(prompts, params)
-                log.info("warm-up done in %.1fs", dt)
+                log.info("warm-up request done in %.1fs", dt)
             st.ready = True
             log.info("ready: serving %s on http://%s:%d", name, args.host, args.port)
         except Exception:

@@ -3,6 +3,9 @@ from pathlib import Path
 
 # Sharding tests need several devices; on CPU XLA simulates them. Must precede the first jax import.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# Engines built by the tests keep their compiled steps to themselves (tests/test_runtime.py turns the persistent
+# cache on in folders of its own); servers the tests start inherit this.
+os.environ.setdefault("GPTOSS_JAX_COMPILE_CACHE", "off")
 
 import pytest
 from parity_configs import PARITY

@@ -166,5 +166,14 @@ class ScriptedEngine:
         return dataclasses.replace(s)
 
 
-def make_engine(args) -> ScriptedEngine:
+def make_engine(args, on_progress=None) -> ScriptedEngine:
     return ScriptedEngine(max_model_len=4096, step_sleep=0.002)
+
+
+def make_slow_engine(args, on_progress) -> ScriptedEngine:
+    """Loads in ~3 s, reporting its warm-up program by program as `Engine` does."""
+    on_progress("loading weights", 1, 1, "0.1s")
+    for i in range(1, 7):
+        time.sleep(0.5)
+        on_progress("compiling", i, 6, f"decode rows={i} ctx=1024 {0.5 * i:.1f}s")
+    return make_engine(args)

@@ -23,7 +23,15 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, args: list[str], env: dict | None = None, timeout: float = 240.0, log_path: Path | None = None):
+    def __init__(
+        self,
+        args: list[str],
+        env: dict | None = None,
+        timeout: float = 240.0,
+        log_path: Path | None = None,
+        on_health=None,
+    ):
+        """Start the server and wait until /health is 200 (`on_health` sees every /health response meanwhile)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -49,7 +57,10 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}: {self.tail()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                health = httpx.get(self.url + "/health", timeout=2)
+                if on_health is not None:
+                    on_health(health)
+                if health.status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

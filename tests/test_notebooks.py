@@ -33,8 +33,9 @@ def kernel_env(tmp_path_factory):
         env["XLA_FLAGS"] = flags
     else:
         env.pop("XLA_FLAGS", None)
+    # the notebooks' engines share compiled steps through a persistent cache of their own
     env.update(
-        JAX_PLATFORMS="cpu", MPLBACKEND="Agg", JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax-cache"))
+        JAX_PLATFORMS="cpu", MPLBACKEND="Agg", GPTOSS_JAX_COMPILE_CACHE=str(tmp_path_factory.mktemp("jax-cache"))
     )
     for var in ("GPTOSS_JAX_MODEL", "GPTOSS_JAX_SERVER_URL", "GPTOSS_JAX_RESULTS"):
         env.pop(var, None)  # always the demo checkpoint, a fresh server, the committed results

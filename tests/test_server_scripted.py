@@ -512,3 +512,22 @@ def test_bench_serving_tool(server, tmp_path):
         assert res["completed"] == 12 and res["failed"] == 0 and res["total_output_tokens"] > 0
         assert res["ttft_s"]["p99"] is not None and res["itl_s"]["p50"] is not None
         assert "TTFT" in r.stdout and "ITL" in r.stdout
+
+
+def test_health_reports_loading_progress(tmp_path):
+    """While the engine loads, /health is a 503 saying where loading stands (stage, fraction, what), then 200."""
+    seen = []
+    s = Server(
+        ["--test-engine", str(REPO / "tests" / "scripted_engine.py") + ":make_slow_engine", "--no-warmup"],
+        log_path=tmp_path / "server.log",
+        timeout=60,
+        on_health=lambda r: seen.append((r.status_code, r.json())),
+    )
+    s.stop()
+    loading = [body for code, body in seen if code == 503]
+    assert loading and all(body["status"] == "loading" for body in loading)
+    compiling = [body for body in loading if body["stage"] == "compiling"]
+    assert compiling and all(0 < body["progress"] <= 1 for body in compiling)
+    assert all(body["detail"].startswith("decode rows=") for body in compiling)
+    assert sorted(body["progress"] for body in compiling) == [body["progress"] for body in compiling]
+    assert seen[-1] == (200, {"status": "ok"})

@@ -1060,7 +1060,7 @@ async def health(request: Request) -> Response:
     if st.engine.dead is not None:
         return JSONResponse({"status": "error", "error": str(st.engine.dead)}, status_code=500)
     if not st.ready:
-        return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "loading", **st.engine.status}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
