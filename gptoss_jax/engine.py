@@ -31,6 +31,7 @@ from gptoss_jax import checkpoint, demo, engine_config, kv_cache, runtime, steps
 from gptoss_jax import tokenizer as tokenizer_lib
 from gptoss_jax.config import ModelConfig
 from gptoss_jax.engine_config import EngineConfig
+from gptoss_jax.program_store import ProgramStore
 from gptoss_jax.runner import ModelRunner
 from gptoss_jax.sampling import Sampled, SamplingParams, find_stop_string
 from gptoss_jax.scheduler import Scheduler, Sequence
@@ -142,7 +143,7 @@ class Engine:
             self.tokenizer = tokenizer_lib.load(tokenizer, self.model_path)
 
         mc = self.model_config
-        self.runner = ModelRunner(mc, params, ec, self.kernels, layout)
+        self.runner = ModelRunner(mc, params, ec, self.kernels, layout, ProgramStore(self.compile_cache_dir))
         kv_args = (
             self.runner.num_pages_full,
             self.runner.num_pages_sliding,

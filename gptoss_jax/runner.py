@@ -10,6 +10,7 @@ the same dispatch code with all-padding batches.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import functools
 import logging
@@ -27,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from gptoss_jax import kv_cache, model, steps
 from gptoss_jax.config import ModelConfig
 from gptoss_jax.engine_config import EngineConfig, bucket
+from gptoss_jax.program_store import ProgramStore
 from gptoss_jax.sampling import Sampled, SamplingBatch
 from gptoss_jax.scheduler import PrefillChunk, Sequence
 from pallas_kernels import KernelConfig
@@ -38,10 +40,17 @@ CPU_KV_BYTES = 64 << 20  # devices without memory statistics (CPU) get this much
 
 class ModelRunner:
     """The device side of one engine: `model_config`'s `params` (already placed), `kernels` resolved for the
-    device, an optional `layout` (`sharding.rules.Layout`) and the engine `config`'s cache and bucket settings."""
+    device, an optional `layout` (`sharding.rules.Layout`), the engine `config`'s cache and bucket settings, and the
+    `store` of compiled steps kept across processes."""
 
     def __init__(
-        self, model_config: ModelConfig, params: Params, config: EngineConfig, kernels: KernelConfig, layout=None
+        self,
+        model_config: ModelConfig,
+        params: Params,
+        config: EngineConfig,
+        kernels: KernelConfig,
+        layout=None,
+        store: ProgramStore | None = None,
     ):
         mc, ec = model_config, config
         self.model_config, self.params, self.config, self.layout = mc, params, ec, layout
@@ -64,6 +73,8 @@ class ModelRunner:
         # (rows, tokens) serves every context. The reference attention gathers the whole table: it keeps the widths.
         self._prefill_widths = self._ctx_buckets[-1:] if kernels.impl == "pallas" else self._ctx_buckets
         self._programs: dict[tuple, Any] = {}  # bucket -> its compiled step (`_program`)
+        self.store = store or ProgramStore(None)
+        self._devices = [jax.devices()[0]] if layout is None else list(layout.mesh.devices.flat)
         R, n_full, n_sliding = self.num_ranks, self.num_pages_full, self.num_pages_sliding
         # The cache and the last-token table are committed to their devices from the start. A step's outputs
         # are committed whenever an input is (parameters the caller placed, say), so an uncommitted first
@@ -178,10 +189,15 @@ class ModelRunner:
         return out
 
     def _program(self, key: tuple, step, batch):
-        """The compiled `step` for a bucket: compiled ahead of time by warm-up, else now (and kept)."""
+        """The compiled `step` for a bucket: from warm-up, else from the program store, else compiled now (and kept,
+        in memory and in the store)."""
         program = self._programs.get(key)
         if program is None:
-            program = self._programs[key] = step.lower(self.params, self.cache, batch, st=self.st).compile()
+            stored = self.store.key(key[0], self.st, (self.params, self.cache, batch))
+            program = self.store.load(stored, self._devices)
+            if program is None:
+                program = self.store.compile(step.lower(self.params, self.cache, batch, st=self.st), stored)
+            self._programs[key] = program
         return program
 
     def buckets(self) -> list[tuple]:
@@ -198,31 +214,45 @@ class ModelRunner:
         return decode + prefill
 
     def warmup(self, on_progress: Callable[[str, int, int, str], None] | None = None) -> None:
-        """Compile every bucket's program now, in parallel: the steps are traced and lowered one after another (that
-        holds the interpreter) while XLA compiles the earlier ones on other threads, one per core; then each runs
-        once on an all-padding batch, through the same dispatch code as serving. Reports
-        `on_progress(stage, done, total, detail)` as programs are traced, compiled and run (stages "tracing",
-        "compiling", "first run")."""
+        """Make every bucket's program ready now: loaded from the program store where it is there (on threads),
+        else compiled in parallel: the steps are traced and lowered one after another (that holds the interpreter)
+        while XLA compiles the earlier ones on other threads, one per core. Then, on a GPU, each runs once on an
+        all-padding batch through the same dispatch code as serving, so that no kernel loads at a first request.
+        Reports `on_progress(stage, done, total, detail)` as
+        programs are loaded, traced, compiled and run (stages "loading programs", "tracing", "compiling",
+        "first run")."""
         report = on_progress or (lambda *a: None)
         todo = [k for k in self.buckets() if k not in self._programs]
         t0, n = time.perf_counter(), len(todo)
-        lock, done = threading.Lock(), [0]
+        lock, done = threading.Lock(), collections.Counter()
 
-        def compiled(key, future):
+        def finished(stage, key, future):
             with lock:
-                done[0] += 1
-                report("compiling", done[0], n, f"{self._label(key)} {time.perf_counter() - t0:.1f}s")
+                done[stage] += 1
+                report(stage, done[stage], n, f"{self._label(key)} {time.perf_counter() - t0:.1f}s")
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            futures = {}
+            work = {key: self._padding(key) for key in todo}
+            stored = {
+                key: self.store.key(key[0], self.st, (self.params, self.cache, b)) for key, (_, b) in work.items()
+            }
+            loads = {key: pool.submit(self.store.load, stored[key], self._devices) for key in todo}
+            compiles = {}
             for i, key in enumerate(todo, 1):
-                step, batch = self._padding(key)
+                program = loads[key].result()
+                if program is not None:
+                    self._programs[key] = program
+                    finished("loading programs", key, None)
+                    continue
+                step, batch = work[key]
                 lowered = step.lower(self.params, self.cache, batch, st=self.st)
-                futures[key] = pool.submit(lowered.compile)
-                futures[key].add_done_callback(functools.partial(compiled, key))
                 report("tracing", i, n, self._label(key))
-            for key, future in futures.items():
+                compiles[key] = pool.submit(self.store.compile, lowered, stored[key])
+                compiles[key].add_done_callback(functools.partial(finished, "compiling", key))
+            for key, future in compiles.items():
                 self._programs[key] = future.result()
+        if self.kernels.device is not None and self.kernels.device.platform != "gpu":
+            return  # nothing compiles at a first run off the GPU, where running every bucket costs real time
         for i, key in enumerate(self.buckets(), 1):
             if key[0] == "decode":
                 self._decode([], key[1], [], key[2])

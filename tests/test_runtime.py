@@ -85,13 +85,16 @@ def _start(checkpoint, cache, **env) -> dict:
 @pytest.mark.slow  # three processes compile the small model's every bucket
 def test_warm_restart_compiles_nothing(small_checkpoint, tmp_path):
     """The first start compiles every program and stores it; a restart loads them all and compiles nothing (XLA's
-    compile events counted), with the same output. Two processes started at once on an empty folder both start."""
+    compile events and cache hits counted), with the same output. Two processes started at once on an empty folder
+    both start."""
     cache = tmp_path / "cache"
     cold = _start(small_checkpoint, cache)
     assert {"jit(decode)", "jit(prefill)"} <= set(cold["compiled"]), cold["compiled"]
     warm = _start(small_checkpoint, cache)
     assert cold["misses"] == len(cold["compiled"])
-    assert warm["misses"] == 0 and len(warm["compiled"]) == len(cold["compiled"]) and warm["tokens"] == cold["tokens"]
+    # nothing compiled again; the engine's steps not even traced (the program store loads them), the rest hits
+    assert warm["misses"] == 0 and not {"jit(decode)", "jit(prefill)"} & set(warm["compiled"])
+    assert warm["tokens"] == cold["tokens"]
     assert oct(cache.stat().st_mode & 0o777) == oct(0o700)  # a compilation cache is trusted code: private
     both = tmp_path / "both"
     procs = [
@@ -156,7 +159,7 @@ def test_warmup_reports_progress(small_checkpoint, caplog):
     compiling = [(d, t) for s, d, t, _ in seen if s == "compiling"]
     assert sorted(compiling) == [(i, n) for i in range(1, n + 1)]
     assert [d for s, d, t, _ in seen if s == "tracing"] == list(range(1, n + 1))
-    assert [d for s, d, t, _ in seen if s == "first run"] == list(range(1, n + 1))
+    assert [d for s, d, t, _ in seen if s == "first run"] == []  # on a GPU only
     assert f"warm-up: compiled {n}/{n} programs (" in caplog.text
 
 
