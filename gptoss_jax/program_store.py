@@ -29,6 +29,7 @@ from jax.experimental import serialize_executable
 
 log = logging.getLogger(__name__)
 PACKAGES = ("gptoss_jax", "pallas_kernels", "sharding")
+STORE_BYTES = 8 << 30  # least recently used entries go past this (an edit of the code makes new keys)
 # JAX settings that change what a traced step compiles to (the code itself is in the source fingerprint).
 JAX_SETTINGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_threefry_partitionable", "jax_default_prng_impl")
 
@@ -103,6 +104,7 @@ class ProgramStore:
             return None
         try:
             serialized, in_tree, out_tree = pickle.loads(path.read_bytes())
+            os.utime(path)  # recently used: the last to be evicted
             return serialize_executable.deserialize_and_load(
                 serialized, in_tree, out_tree, execution_devices=list(devices)
             )
@@ -134,5 +136,22 @@ class ProgramStore:
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
+            self._evict()
         except Exception as e:  # a full disk, say: the step still runs, the next start compiles it again
             log.warning("compiled step not stored in %s (%s: %s)", self.folder, type(e).__name__, e)
+
+    def _evict(self) -> None:
+        """Remove the least recently used entries past `STORE_BYTES` (another process may remove one first)."""
+        entries = []
+        for path in self.folder.glob("*.pkl"):
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            entries.append((st.st_mtime, st.st_size, path))
+        entries.sort(reverse=True)
+        total = 0
+        for _, size, path in entries:
+            total += size
+            if total > STORE_BYTES:
+                path.unlink(missing_ok=True)
