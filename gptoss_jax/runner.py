@@ -218,9 +218,8 @@ class ModelRunner:
         else compiled in parallel: the steps are traced and lowered one after another (that holds the interpreter)
         while XLA compiles the earlier ones on other threads, one per core. Then, on a GPU, each runs once on an
         all-padding batch through the same dispatch code as serving, so that no kernel loads at a first request.
-        Reports `on_progress(stage, done, total, detail)` as
-        programs are loaded, traced, compiled and run (stages "loading programs", "tracing", "compiling",
-        "first run")."""
+        Reports `on_progress(stage, done, total, detail)` as programs are loaded, traced, compiled and run (stages
+        "loading programs", "tracing", "compiling", "first run")."""
         report = on_progress or (lambda *a: None)
         todo = [k for k in self.buckets() if k not in self._programs]
         t0, n = time.perf_counter(), len(todo)
@@ -251,7 +250,7 @@ class ModelRunner:
                 compiles[key].add_done_callback(functools.partial(finished, "compiling", key))
             for key, future in compiles.items():
                 self._programs[key] = future.result()
-        if self.kernels.device is not None and self.kernels.device.platform != "gpu":
+        if self.kernels.device.platform != "gpu":
             return  # nothing compiles at a first run off the GPU, where running every bucket costs real time
         for i, key in enumerate(self.buckets(), 1):
             if key[0] == "decode":
