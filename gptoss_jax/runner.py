@@ -251,7 +251,7 @@ class ModelRunner:
             for key, future in compiles.items():
                 self._programs[key] = future.result()
         if self.kernels.device.platform != "gpu":
-            return  # nothing compiles at a first run off the GPU, where running every bucket costs real time
+            return self._warm_helpers()  # nothing compiles at a first run here, where each costs real time
         for i, key in enumerate(self.buckets(), 1):
             if key[0] == "decode":
                 self._decode([], key[1], [], key[2])
@@ -259,6 +259,20 @@ class ModelRunner:
                 self._prefill([], key[1], [], key[2], key[3])
             report("first run", i, len(self.buckets()), self._label(key))
         jax.block_until_ready((self.cache, self._last_tokens))
+
+    def _warm_helpers(self) -> None:
+        """Compile the small programs that carry each call's sampled tokens to the next (`steps.load_tokens`,
+        `steps.store_tokens`) for every bucket, on arguments like the real calls' (the steps' outputs: their shape,
+        dtype and placement), without running the steps themselves."""
+        for key in self.buckets():
+            program = self._programs[key]
+            tokens, placed = jax.tree.leaves(program.out_info)[0], jax.tree.leaves(program.output_shardings)[0]
+            slots = self._slots([], key[1], [])
+            if key[0] == "decode":
+                steps.load_tokens(self._last_tokens, slots, self._put(np.zeros(key[1], np.int32)))
+            sampled = jax.device_put(np.zeros(tokens.shape, tokens.dtype), placed)  # `Sampled.tokens`
+            self._last_tokens = steps.store_tokens(self._last_tokens, slots, sampled)
+        jax.block_until_ready(self._last_tokens)
 
     def _label(self, key: tuple) -> str:
         kind, rows, *size = key
