@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from gptoss_jax.config import PRESETS_DIR, ConfigError
-from pallas_kernels import KernelConfig
+from pallas_kernels import KernelConfig, kv_quant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +28,7 @@ class EngineConfig:
     decode_steps_per_call: int = 1  # tokens per decode call, sampled on device (multi-step)
     async_scheduling: bool = True  # schedule and dispatch a step before reading the previous one
     page_size: int = 16
+    kv_cache_dtype: str = "auto"  # 'auto' (the model's dtype) or 'fp8' / 'fp8_e4m3' (pallas_kernels/kv_quant.py)
     kv_cache_memory_fraction: float = 0.9  # of free device memory after the weights
     num_pages: int | None = None  # full-layer pages, overrides the memory fraction
     kv_cache_tokens: int | None = None  # same, in tokens
@@ -98,6 +99,11 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"EngineConfig.{name}={v!r}: must be an integer >= 1")
+        if self.kv_cache_dtype not in kv_quant.DTYPES:
+            raise ConfigError(
+                f"EngineConfig.kv_cache_dtype={self.kv_cache_dtype!r}: one of {sorted(kv_quant.DTYPES)} "
+                "(fp8 is e4m3 with a scale per token and KV head; e5m2 is not supported)"
+            )
         if self.parallel_mode not in ("low_latency", "max_throughput"):
             raise ConfigError(f"EngineConfig.parallel_mode={self.parallel_mode!r}: 'low_latency' or 'max_throughput'")
         if self.expert_dispatch not in ("all_gather", "all_to_all"):

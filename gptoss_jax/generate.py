@@ -13,6 +13,7 @@ from gptoss_jax import batch
 from gptoss_jax.engine import Engine
 from gptoss_jax.llm import LLM
 from gptoss_jax.sampling import SamplingParams
+from pallas_kernels.kv_quant import DTYPES as KV_CACHE_DTYPES
 from sharding import distributed
 
 
@@ -32,6 +33,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=sorted(KV_CACHE_DTYPES),
+        default=None,
+        help="KV cache: 'auto' (the model's dtype) or 'fp8' (e4m3, half the bytes; default: the config's, auto)",
+    )
     p.add_argument("--tokenizer", help="path to o200k_base.tiktoken (or its folder)")
     p.add_argument("--cache-dir", help="save/restore converted parameters here (orbax)")
     p.add_argument("--compile-cache-dir", help="where compiled steps persist across runs ('off' for none)")
@@ -72,6 +79,7 @@ def main(argv=None) -> int:
             compile_cache_dir=args.compile_cache_dir,
             progress=not args.json,
             engine_config=args.engine_config,
+            **_cache_overrides(args),
         )
         t1 = time.perf_counter()
         if ids is not None:
@@ -107,6 +115,11 @@ def main(argv=None) -> int:
     return 0
 
 
+def _cache_overrides(args) -> dict:
+    """Engine settings given as flags (over the engine config's)."""
+    return {"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype else {}
+
+
 def _batch(args) -> int:
     defaults = dict(
         temperature=args.temperature,
@@ -124,6 +137,7 @@ def _batch(args) -> int:
             tokenizer=args.tokenizer,
             cache_dir=args.cache_dir,
             compile_cache_dir=args.compile_cache_dir,
+            **_cache_overrides(args),
         )
         summary = batch.run(engine, args.input, args.output, defaults)
     except (ValueError, OSError, RuntimeError) as e:

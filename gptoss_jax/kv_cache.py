@@ -259,7 +259,7 @@ def pool_sizes(
     num_layers: int,
     num_kv_heads: int,
     head_dim: int,
-    itemsize: int,
+    value_bytes: float,
     window: int,
     page_size: int,
     max_num_seqs: int,
@@ -270,10 +270,11 @@ def pool_sizes(
     """(full, sliding) pool sizes in pages, null page included.
 
     The sliding pool holds, for every sequence, the pages of one call's queries plus the window before
-    them. The full pool gets `full_tokens` if given, else what is left of `kv_bytes`."""
+    them. The full pool gets `full_tokens` if given, else what is left of `kv_bytes`. `value_bytes`: what one
+    cached value takes (`kv_quant.value_bytes`: an FP8 value with its share of the scale)."""
     sliding_per_seq = math.ceil((window - 1 + max_tokens_per_call) / page_size) + 1
     num_sliding = max_num_seqs * sliding_per_seq + 1
-    page_bytes = 2 * page_size * num_kv_heads * head_dim * itemsize  # K and V of one layer
+    page_bytes = math.ceil(2 * page_size * num_kv_heads * head_dim * value_bytes)  # K and V of one layer
     if full_tokens is None:
         left = kv_bytes - num_sliding * page_bytes * ((num_layers + 1) // 2)
         per_full_page = page_bytes * max(1, num_layers // 2)

@@ -15,7 +15,7 @@ from flax import struct
 
 import pallas_kernels
 from gptoss_jax.config import ModelConfig
-from pallas_kernels import REFERENCE, KernelConfig, attention_reference, moe_reference, rope
+from pallas_kernels import REFERENCE, KernelConfig, attention_reference, kv_quant, moe_reference, rope
 from pallas_kernels.norm import rms_norm
 from pallas_kernels.params import Params
 from sharding import expert_parallel, tensor_parallel
@@ -25,34 +25,81 @@ NULL_PAGE = 0  # write target of padded or already-cached tokens; never read at 
 
 
 @struct.dataclass
+class Pools:
+    """One layer type's pools, all its layers: K and V `[L, P, S, K, H]` in the cache dtype and, for an FP8 cache,
+    their per-(slot, head) scales `[L, P, S, K]` (`pallas_kernels.kv_quant`; None otherwise)."""
+
+    k: jax.Array
+    v: jax.Array
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
+
+    def flat(self, idx) -> tuple["Pools", jax.Array]:
+        """All layers as one pool of `L * P` pages, and layer `idx`'s first page in it: a reshape is free, while
+        slicing layer `idx` out would copy its whole pool into the kernel call."""
+        flat = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), self)
+        return flat, idx * self.k.shape[1]
+
+    def like(self, flat: "Pools") -> "Pools":
+        """`flat` (from `flat`) in this pools' `[L, P, ...]` shape."""
+        return jax.tree.map(lambda f, a: f.reshape(a.shape), flat, self)
+
+    def scales(self) -> dict:
+        """The kernels' scale arguments."""
+        return dict(k_scale_PSK=self.k_scale, v_scale_PSK=self.v_scale)
+
+
+@struct.dataclass
 class PagedKVCache:
     """Two page pools: sliding layers (even) keep only their window's pages, full layers (odd) keep all.
 
     Position `p` of a sequence lives in page `table[p // page_size]`, slot `p % page_size`, of the
-    pool of the layer's type."""
+    pool of the layer's type. An FP8 cache (`kv_cache_dtype: fp8`) keeps a scale per (slot, KV head) beside each
+    pool (`pallas_kernels.kv_quant`); the scale fields are None otherwise."""
 
     k_sliding: jax.Array  # [Ls, Ps, S, K, H]
     v_sliding: jax.Array  # [Ls, Ps, S, K, H]
     k_full: jax.Array  # [Lf, Pf, S, K, H]
     v_full: jax.Array  # [Lf, Pf, S, K, H]
+    k_sliding_scale: jax.Array | None = None  # f32 [Ls, Ps, S, K]
+    v_sliding_scale: jax.Array | None = None
+    k_full_scale: jax.Array | None = None  # f32 [Lf, Pf, S, K]
+    v_full_scale: jax.Array | None = None
 
     @classmethod
     def zeros(
         cls, cfg: ModelConfig, num_pages_sliding: int, num_pages_full: int, page_size: int, dtype
     ) -> "PagedKVCache":
+        """An empty cache whose pools hold `dtype` (the model's, or `kv_quant.FP8` with scales)."""
         ls, lf = (cfg.num_layers + 1) // 2, cfg.num_layers // 2
         tail = (page_size, cfg.num_kv_heads, cfg.head_dim)
         s, f = (ls, num_pages_sliding) + tail, (lf, num_pages_full) + tail
+        scales = {}
+        if kv_quant.is_quantized(dtype):
+            scales = {
+                f"{kv}_{kind}_scale": jnp.ones(shape[:-1], jnp.float32)
+                for kv in "kv"
+                for kind, shape in (("sliding", s), ("full", f))
+            }
         return cls(
             k_sliding=jnp.zeros(s, dtype),
             v_sliding=jnp.zeros(s, dtype),
             k_full=jnp.zeros(f, dtype),
             v_full=jnp.zeros(f, dtype),
+            **scales,
         )
 
     @property
     def page_size(self) -> int:
         return self.k_sliding.shape[2]
+
+    def pools(self, sliding: bool) -> Pools:
+        kind = "sliding" if sliding else "full"
+        return Pools(*(getattr(self, f"{kv}_{kind}{end}") for end in ("", "_scale") for kv in "kv"))
+
+    @classmethod
+    def of(cls, sliding: Pools, full: Pools) -> "PagedKVCache":
+        return cls(sliding.k, sliding.v, full.k, full.v, sliding.k_scale, sliding.v_scale, full.k_scale, full.v_scale)
 
 
 @struct.dataclass
@@ -108,8 +155,7 @@ class AttentionOutputs:
     split counts (passed through where it does not run), and with `inspect` the sink mass."""
 
     y_BTD: jax.Array  # f32
-    k_all: jax.Array  # [L, P, S, K, H] the layer type's pools, all layers
-    v_all: jax.Array
+    pools: Pools  # the layer type's pools, all layers
     done_BK: jax.Array | None  # i32 [B, K]; None inside a sharded block (the counts stay outside)
     sink_BTN: jax.Array | None  # f32 attention probability each head gives its sink, with `inspect`
 
@@ -139,8 +185,7 @@ def _attention(
     layer,
     idx,
     t_BTD,
-    k_all,
-    v_all,
+    pools: Pools,
     inp: AttentionInputs,
     *,
     window: int,
@@ -157,8 +202,8 @@ def _attention(
     projection kernels read them in place instead of the scan copying each layer's ~53 MB out first; `per_layer`
     holds this layer's biases and sinks."""
     B, T, _ = t_BTD.shape
-    H, dtype = cfg.head_dim, k_all.dtype
-    k_pool, v_pool, page_offset = _flat_pools(k_all, v_all, idx)
+    H, dtype = cfg.head_dim, inp.cos_BTF.dtype
+    flat, page_offset = pools.flat(idx)
     # q, k and v in one kernel launch for decode rows: k and v alone cost a launch's latency, not their bytes
     bs = [per_layer[f"{n}_b"] for n in "qkv"]
     ws = [stacked[f"{n}_w"] for n in "qkv"]
@@ -167,17 +212,13 @@ def _attention(
         for y in pallas_kernels.linear_many(t_BTD.reshape(B * T, -1), ws, bs, layer, kernels=kernels)
     )
     q, k = rope.apply(q, inp.cos_BTF, inp.sin_BTF), rope.apply(k, inp.cos_BTF, inp.sin_BTF)
-    k_pool = k_pool.at[page_offset + inp.write_page_BT, inp.write_slot_BT].set(k)
-    v_pool = v_pool.at[page_offset + inp.write_page_BT, inp.write_slot_BT].set(v)
+    flat = _write(flat, (page_offset + inp.write_page_BT, inp.write_slot_BT), k, v)
     table = inp.table_BM + page_offset
-    o = pallas_kernels.attention(
-        q, k_pool, v_pool, table, inp.positions_BT, per_layer["sinks"], window, kernels=kernels
-    )
+    args = (q, flat.k, flat.v, table, inp.positions_BT, per_layer["sinks"], window)
+    o = pallas_kernels.attention(*args, **flat.scales(), kernels=kernels)
     sink = None
     if inspect:  # a side computation for the record: the output stays the serving implementation's
-        _, sink = attention_reference.attention(
-            q, k_pool, v_pool, table, inp.positions_BT, per_layer["sinks"], window, return_sink_mass=True
-        )
+        _, sink = attention_reference.attention(*args, **flat.scales(), return_sink_mass=True)
     o_b = per_layer["o_b"]
     o_w = stacked["o_w"]
     o = o.reshape(B * T, -1)
@@ -186,7 +227,15 @@ def _attention(
     else:  # this device's heads: a partial sum of the projection, the bias added once
         y = jax.lax.psum(pallas_kernels.linear(o, o_w, jnp.zeros_like(o_b), layer, kernels=kernels), heads_axis)
         y = y + o_b.astype(jnp.float32)
-    return AttentionOutputs(y.reshape(B, T, -1), k_pool.reshape(k_all.shape), v_pool.reshape(v_all.shape), None, sink)
+    return AttentionOutputs(y.reshape(B, T, -1), pools.like(flat), None, sink)
+
+
+def _write(pools: Pools, at: tuple, k_BTKH, v_BTKH) -> Pools:
+    """New K and V into (page, slot) `at` of flat pools; an FP8 pool stores them with `kv_quant.quantize`."""
+    if pools.k_scale is None:
+        return pools.replace(k=pools.k.at[at].set(k_BTKH), v=pools.v.at[at].set(v_BTKH))
+    (k, k_scale), (v, v_scale) = kv_quant.quantize(k_BTKH), kv_quant.quantize(v_BTKH)
+    return Pools(*(a.at[at].set(x) for a, x in zip(jax.tree.leaves(pools), (k, v, k_scale, v_scale))))
 
 
 def _attention_new_token(
@@ -196,8 +245,7 @@ def _attention_new_token(
     layer,
     idx,
     t_BTD,
-    k_all,
-    v_all,
+    pools: Pools,
     done_BK,
     inp: AttentionInputs,
     *,
@@ -208,16 +256,16 @@ def _attention_new_token(
     epilogue, RoPE, the cache write and the merge of the sequence splits (counted in `done_BK`) ride in one kernel,
     which reads every layer's q/k/v biases and sinks in place (`stacked`) instead of slicing them per layer."""
     B = t_BTD.shape[0]
-    k_pool, v_pool, page_offset = _flat_pools(k_all, v_all, idx)
-    o, k_pool, v_pool, done_BK = pallas_kernels.attention_new_token(
+    flat, page_offset = pools.flat(idx)
+    o, k_pool, v_pool, done_BK, k_scale, v_scale = pallas_kernels.attention_new_token(
         t_BTD.reshape(B, -1),
         [stacked[f"{n}_w"] for n in "qkv"],
         [stacked[f"{n}_b"] for n in "qkv"],
         layer,
         inp.cos_BTF[:, 0],
         inp.sin_BTF[:, 0],
-        k_pool,
-        v_pool,
+        flat.k,
+        flat.v,
         inp.table_BM,
         page_offset,
         inp.positions_BT[:, 0],
@@ -226,19 +274,13 @@ def _attention_new_token(
         stacked["sinks"],
         window,
         done_BK,
+        **flat.scales(),
         null_page=NULL_PAGE,
         kernels=kernels,
     )
     y = pallas_kernels.linear(o.reshape(B, -1), stacked["o_w"], per_layer["o_b"], layer, kernels=kernels)
-    return AttentionOutputs(
-        y.reshape(B, 1, -1), k_pool.reshape(k_all.shape), v_pool.reshape(v_all.shape), done_BK, None
-    )
-
-
-def _flat_pools(k_all, v_all, idx):
-    """All layers' pools as one flat pool, with layer `idx`'s pages found by an offset: a reshape is free, while
-    slicing layer `idx` out would copy its whole pool into the kernel call."""
-    return k_all.reshape(-1, *k_all.shape[2:]), v_all.reshape(-1, *v_all.shape[2:]), idx * k_all.shape[1]
+    flat = Pools(k_pool, v_pool, k_scale, v_scale)
+    return AttentionOutputs(y.reshape(B, 1, -1), pools.like(flat), done_BK, None)
 
 
 def _attention_block(
@@ -248,8 +290,7 @@ def _attention_block(
     layer,
     idx,
     t_BTD,
-    k_all,
-    v_all,
+    pools: Pools,
     done_BK,
     inp: AttentionInputs,
     *,
@@ -267,19 +308,20 @@ def _attention_block(
     if (
         layout is None
         and not inspect
-        and pallas_kernels.fuses_new_token(q_shape, cfg.num_kv_heads, k_all.dtype, kernels)
+        and pallas_kernels.fuses_new_token(q_shape, cfg.num_kv_heads, t_BTD.dtype, kernels)
     ):
         stacked.update({n: getattr(dense_all, n) for n in ("q_b", "k_b", "v_b", "sinks")})
         return _attention_new_token(
-            cfg, stacked, per_layer, layer, idx, t_BTD, k_all, v_all, done_BK, inp, window=window, kernels=kernels
+            cfg, stacked, per_layer, layer, idx, t_BTD, pools, done_BK, inp, window=window, kernels=kernels
         )
     heads_axis = tensor_parallel.heads_axis(layout, cfg.num_kv_heads) if layout is not None else None
     block = functools.partial(_attention, cfg, window=window, kernels=kernels, inspect=inspect, heads_axis=heads_axis)
     if layout is not None:
-        in_kinds = ("same", "same", "rows", "pool", "pool", jax.tree.map(lambda _: "rows", inp))
-        out_kinds = AttentionOutputs("rows", "pool", "pool", None, "heads" if inspect else None)
+        pool_kinds = Pools("pool", "pool", *(None if a is None else "scales" for a in (pools.k_scale, pools.v_scale)))
+        in_kinds = ("same", "same", "rows", pool_kinds, jax.tree.map(lambda _: "rows", inp))
+        out_kinds = AttentionOutputs("rows", pool_kinds, None, "heads" if inspect else None)
         block = tensor_parallel.attention(layout, block, cfg.num_kv_heads, in_kinds, out_kinds)
-    return block(stacked, per_layer, layer, idx, t_BTD, k_all, v_all, inp).replace(done_BK=done_BK)
+    return block(stacked, per_layer, layer, idx, t_BTD, pools, inp).replace(done_BK=done_BK)
 
 
 def _moe_block(
@@ -376,7 +418,6 @@ def forward(
         pools, done = caches
         n = 2 * idx + (0 if sliding else 1)  # the layer's index in model order
         with jax.named_scope("sliding_attention" if sliding else "full_attention"):
-            k_all, v_all = pools[sliding]
             out = _attention_block(
                 cfg,
                 lp,
@@ -384,8 +425,7 @@ def forward(
                 n,
                 idx,
                 t,
-                k_all,
-                v_all,
+                pools[sliding],
                 done,
                 inputs[sliding],
                 window=windows[sliding],
@@ -393,7 +433,7 @@ def forward(
                 inspect=on,
                 layout=layout,
             )
-            pools = {**pools, sliding: (out.k_all, out.v_all)}
+            pools = {**pools, sliding: out.pools}
             x = pin(x + out.y_BTD)
         with jax.named_scope("moe"):
             x, t, routing = _moe_block(
@@ -413,7 +453,7 @@ def forward(
     pairs = cfg.num_layers // 2
     # The pools by layer type, and the new-token attention kernel's split counts: one zeroed buffer for all layers.
     caches = (
-        {True: (cache.k_sliding, cache.v_sliding), False: (cache.k_full, cache.v_full)},
+        {True: cache.pools(True), False: cache.pools(False)},
         jnp.zeros((tokens_BT.shape[0], cfg.num_kv_heads), jnp.int32),
     )
     # The big per-layer weights are indexed inside the blocks (no copy), the rest is sliced by the scan.
@@ -432,13 +472,13 @@ def forward(
             x, t, caches, r = layer(x, t, caches, jax.tree.map(lambda a: a[-1], scanned), pairs, sliding=True)
             if on:
                 records.append(jax.tree.map(lambda a: a[None], r))
-    pools = (*caches[0][True], *caches[0][False])
+    cache = PagedKVCache.of(caches[0][True], caches[0][False])
     if layout is not None:  # the pools keep their placement from call to call (donated in place)
-        pools = tuple(jax.lax.with_sharding_constraint(c, layout.cache_sharding(cfg.num_kv_heads)) for c in pools)
+        cache = jax.lax.with_sharding_constraint(cache, layout.cache_shardings(cache, cfg.num_kv_heads))
     # t: the last block's output, normed with the final gain
     return (
         t,
-        PagedKVCache(*pools),
+        cache,
         (LayerRecords(*jax.tree.map(lambda *a: jnp.concatenate(a), *records)) if on else None),
     )
 

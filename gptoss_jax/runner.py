@@ -31,7 +31,7 @@ from gptoss_jax.engine_config import EngineConfig, bucket
 from gptoss_jax.program_store import ProgramStore
 from gptoss_jax.sampling import Sampled, SamplingBatch
 from gptoss_jax.scheduler import PrefillChunk, Sequence
-from pallas_kernels import KernelConfig
+from pallas_kernels import KernelConfig, kv_quant
 from pallas_kernels.params import Params
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ class ModelRunner:
         self.model_config, self.params, self.config, self.layout = mc, params, ec, layout
         self.num_ranks = layout.num_ranks if layout is not None else 1
         self.dtype = params.embed.dtype
+        self.kv_dtype = kv_quant.DTYPES[ec.kv_cache_dtype] or self.dtype  # the pools' (FP8: with scales)
         self.st = steps.StepConfig(
             mc, kernels, layout, num_top=max(1, ec.max_logprobs), num_steps=ec.decode_steps_per_call
         )
@@ -80,16 +81,18 @@ class ModelRunner:
         # are committed whenever an input is (parameters the caller placed, say), so an uncommitted first
         # cache would make warm-up compile programs that real calls then compile again.
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        zeros = functools.partial(model.PagedKVCache.zeros, mc, R * n_sliding, R * n_full, ec.page_size, self.kv_dtype)
         self.cache = jax.jit(
-            lambda: model.PagedKVCache.zeros(mc, R * n_sliding, R * n_full, ec.page_size, self.dtype),
-            out_shardings=one if layout is None else layout.cache_sharding(mc.num_kv_heads),
+            zeros,
+            out_shardings=one if layout is None else layout.cache_shardings(jax.eval_shape(zeros), mc.num_kv_heads),
         )()
         # Last sampled token per sequence slot; the extra slot takes padding rows' writes.
         self._spare_slot = ec.max_num_seqs
         last = np.zeros(ec.max_num_seqs + 1, np.int32)
         self._last_tokens = jax.device_put(last, one if layout is None else layout.named(P()))
         log.info(
-            "KV cache: %d full-layer pages, %d sliding pages of %d tokens; max_model_len %d",
+            "KV cache (%s): %d full-layer pages, %d sliding pages of %d tokens; max_model_len %d",
+            jnp.dtype(self.kv_dtype).name,
             n_full,
             n_sliding,
             ec.page_size,
@@ -116,7 +119,7 @@ class ModelRunner:
             mc.num_layers,
             mc.num_kv_heads,
             mc.head_dim,
-            jnp.dtype(self.dtype).itemsize,
+            kv_quant.value_bytes(self.kv_dtype, mc.head_dim),
             mc.sliding_window,
             ec.page_size,
             ec.max_num_seqs,

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from gptoss_jax import runtime
+from pallas_kernels.kv_quant import DTYPES as KV_CACHE_DTYPES
 from sharding import distributed
 
 log = logging.getLogger("gptoss_jax.serve")
@@ -35,6 +36,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--served-model-name", help="model id in the API (default: the checkpoint folder's name)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=sorted(KV_CACHE_DTYPES),
+        default=None,
+        help="KV cache: 'auto' (the model's dtype) or 'fp8' (e4m3, half the bytes; default: the config's, auto)",
+    )
     p.add_argument(
         "--compile-cache-dir",
         default=None,
@@ -88,6 +95,8 @@ def _engine_factory(args, model_path: Path):
             kw["config"] = args.config
         if args.tokenizer:
             kw["tokenizer"] = args.tokenizer
+        if args.kv_cache_dtype:
+            kw["kv_cache_dtype"] = args.kv_cache_dtype
         return Engine(str(model_path), progress=False, on_progress=on_progress, **kw)
 
     return build

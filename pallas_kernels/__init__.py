@@ -153,16 +153,28 @@ def _expert_placement(sharding):
 
 
 def attention(
-    q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sinks_N, window: int, *, kernels: KernelConfig
+    q_BTNH,
+    k_pages_PSKH,
+    v_pages_PSKH,
+    block_tables_BM,
+    q_pos_BT,
+    sinks_N,
+    window: int,
+    *,
+    k_scale_PSK=None,
+    v_scale_PSK=None,
+    kernels: KernelConfig,
 ):
-    """Paged attention with sinks; the contract is in docs/engine.md ("Kernel interface")."""
+    """Paged attention with sinks (FP8 pools with their `kv_quant` scales); the contract is in docs/engine.md
+    ("Kernel interface")."""
     args = (q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sinks_N, window)
+    scales = dict(k_scale_PSK=k_scale_PSK, v_scale_PSK=v_scale_PSK)
     B, T, N, H = q_BTNH.shape
     c = _choose("attention", B, (T, N, k_pages_PSKH.shape[2], H), q_BTNH.dtype, kernels)
     if c.kernel == "reference":
-        return attention_reference.attention(*args)
+        return attention_reference.attention(*args, **scales)
     kernel = flash_attention if c.kernel == "flash" else paged_attention  # prefill chunk / decode
-    return kernel.attention(*args, **c.kw)
+    return kernel.attention(*args, **scales, **c.kw)
 
 
 def fuses_new_token(q_shape_BTNH: tuple, num_kv_heads: int, dtype, kernels: KernelConfig) -> bool:
@@ -190,13 +202,15 @@ def attention_new_token(
     window: int,
     done_BK,
     *,
+    k_scale_PSK=None,
+    v_scale_PSK=None,
     null_page: int,
     kernels: KernelConfig,
 ):
     """Decode with the kernels, one token per row: the q, k and v projections of the normed `t_BI` (weights
     and biases stacked over layers, `linear_partials`), then `paged_attention.attention_new_token` (their
     sums, biases and RoPE, the cache write, the attention and the merge of its splits in one launch, counted
-    in `done_BK`) -> (`[B, 1, N, H]`, k pages, v pages, done_BK)."""
+    in `done_BK`) -> (`[B, 1, N, H]`, k pages, v pages, done_BK, k scales, v scales) (FP8 pools: their scales)."""
     B, H, K = t_BI.shape[0], k_pages_PSKH.shape[-1], k_pages_PSKH.shape[2]
     c = _choose("attention", B, (1, ws_LOI[0].shape[1] // H, K, H), k_pages_PSKH.dtype, kernels)
     parts = linear_partials(t_BI, ws_LOI, layer, kernels=kernels)
@@ -216,6 +230,8 @@ def attention_new_token(
         sinks_LN,
         window,
         done_BK,
+        k_scale_PSK=k_scale_PSK,
+        v_scale_PSK=v_scale_PSK,
         null_page=null_page,
         **c.kw,
     )

@@ -37,8 +37,8 @@ def _kernel(
     q_ref,
     k_ref,
     v_ref,
-    o_ref,
-    *,
+    *refs,
+    quantized,
     bq,
     G,
     page_size,
@@ -47,6 +47,7 @@ def _kernel(
     window,
     scale,
 ):
+    ks_ref, vs_ref, o_ref = refs if quantized else (None, None, *refs)
     b = pl.program_id(0)
     kh = pl.program_id(1)
     r0 = pl.multiple_of(pl.program_id(2) * bq, bq)
@@ -73,9 +74,12 @@ def _kernel(
         kpos = blk * bkv + jnp.arange(bkv)
         slots = (pages[:, None] * page_size + jnp.arange(page_size)[None, :]).reshape(bkv)
         in_range = (kpos < hi)[:, None]
-        k = plt.load(k_ref.at[slots[:, None], kh, hcols], mask=in_range, other=0)
-        v = plt.load(v_ref.at[slots[:, None], kh, hcols], mask=in_range, other=0)
+        k = plt.load(k_ref.at[slots[:, None], kh, hcols], mask=in_range, other=0).astype(q.dtype)
+        v = plt.load(v_ref.at[slots[:, None], kh, hcols], mask=in_range, other=0).astype(q.dtype)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale  # [bq, bkv]
+        if quantized:
+            k_scale, v_scale = (plt.load(r.at[slots, kh], mask=kpos < hi, other=0.0) for r in (ks_ref, vs_ref))
+            s = s * k_scale[None, :]
         d = pos[:, None] - kpos[None, :]
         vis = (d >= 0) & (d < window)
         s = jnp.where(vis, s, NEG)
@@ -83,7 +87,8 @@ def _kernel(
         alpha = jnp.exp(m - m_new)
         p = jnp.where(vis, jnp.exp(s - m_new[:, None]), 0.0)
         l = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        pv = p * v_scale[None, :] if quantized else p
+        acc = acc * alpha[:, None] + jnp.dot(pv.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return m_new, l, acc
 
     m0 = jnp.full((bq,), NEG, jnp.float32)
@@ -107,13 +112,16 @@ def attention(
     sinks_N,
     window,
     *,
+    k_scale_PSK=None,
+    v_scale_PSK=None,
     block_q=64,
     block_kv=64,
     num_warps=4,
     num_stages=3,
     interpret=None,
 ):
-    """Paged prefill attention (T > 1); same function as `attention_reference.attention`.
+    """Paged prefill attention (T > 1); same function as `attention_reference.attention` (FP8 pools with their
+    scales `[P, S, K]` too).
 
     block_q counts (token, head) rows and must be a multiple of G = N // K."""
     B, T, N, H = q_BTNH.shape
@@ -134,6 +142,7 @@ def attention(
     out = pl.pallas_call(
         functools.partial(
             _kernel,
+            quantized=k_scale_PSK is not None,
             bq=bq,
             G=G,
             page_size=S,
@@ -154,6 +163,7 @@ def attention(
         q,
         k_pages_PSKH.reshape(P * S, K, H),
         v_pages_PSKH.reshape(P * S, K, H),
+        *([] if k_scale_PSK is None else [a.reshape(P * S, K) for a in (k_scale_PSK, v_scale_PSK)]),
     )
     out = out[:, :, : T * G].reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4)
     return out.reshape(B, T, N, H)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels import attention_reference, rope
+from pallas_kernels import attention_reference, kv_quant, rope
 
 NEG = -1e30
 
@@ -47,6 +47,7 @@ def _attend(
     bt_ref,
     k_ref,
     v_ref,
+    scale_refs,
     *,
     page_size,
     pages_per_block,
@@ -57,7 +58,8 @@ def _attend(
 ):
     """Online softmax of the `[gp, H]` queries of KV head `kh` over split `sp`'s share of the key blocks
     covering positions `[lo, hi)` of row `b`, continuing from `(m, l, acc)`. Pages are the table's entries
-    plus `page_offset` (a layer's first page in a pool of all layers)."""
+    plus `page_offset` (a layer's first page in a pool of all layers). `scale_refs`: the FP8 pools' per-(slot,
+    head) scales `(k, v)` (`kv_quant`), or None."""
     bkv = page_size * pages_per_block
     blk_lo = lo // bkv
     blk_hi = (hi + bkv - 1) // bkv
@@ -77,22 +79,27 @@ def _attend(
         pos = blk * bkv + jnp.arange(bkv)
         ok = (pos >= lo) & (pos < hi)
         rows = (pages[:, None] * page_size + jnp.arange(page_size)[None, :]).reshape(bkv)
-        k = plt.load(k_ref.at[rows[:, None], kh, hcols], mask=ok[:, None], other=0)
-        v = plt.load(v_ref.at[rows[:, None], kh, hcols], mask=ok[:, None], other=0)
+        k = plt.load(k_ref.at[rows[:, None], kh, hcols], mask=ok[:, None], other=0).astype(q.dtype)
+        v = plt.load(v_ref.at[rows[:, None], kh, hcols], mask=ok[:, None], other=0).astype(q.dtype)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale  # [gp, bkv]
+        if scale_refs is not None:
+            k_scale, v_scale = (plt.load(r.at[rows, kh], mask=ok, other=0.0) for r in scale_refs)
+            s = s * k_scale[None, :]
         s = jnp.where(ok[None, :], s, NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
         p = jnp.where(ok[None, :], p, 0.0)
         l = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        pv = p if scale_refs is None else p * v_scale[None, :]
+        acc = acc * alpha[:, None] + jnp.dot(pv.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return m_new, l, acc
 
     return jax.lax.fori_loop(first, jnp.maximum(last, first), body, (m, l, acc))
 
 
-def _kernel(bt_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, **config):
+def _kernel(bt_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, *refs, quantized, **config):
+    scale_refs, (o_ref, m_ref, l_ref) = (refs[:2], refs[2:]) if quantized else (None, refs)
     b, kh, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     gp, H = q_ref.shape[2], q_ref.shape[3]
     m, l, acc = _attend(
@@ -108,6 +115,7 @@ def _kernel(bt_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, **
         bt_ref,
         k_ref,
         v_ref,
+        scale_refs,
         **config,
     )
     o_ref[b, kh, sp, :, :] = acc
@@ -142,15 +150,8 @@ def _new_token_kernel(
     sin_ref,
     k_ref,
     v_ref,
-    _,
-    o_ref,
-    m_ref,
-    l_ref,
-    out_ref,
-    k_out,
-    v_out,
-    done_ref,
-    *,
+    *refs,
+    quantized,
     window,
     null_page,
     G,
@@ -162,10 +163,18 @@ def _new_token_kernel(
     (split 0), and attends to the cached keys plus the new one, which split 0 takes from registers (its slot
     is being written, so no split reads it); the last split of the (row, KV head) to finish merges them all
     (`_merge_splits`).
-    A row whose write goes to the null page (padding, a prefix-cached position) reads its key from the cache."""
+    A row whose write goes to the null page (padding, a prefix-cached position) reads its key from the cache.
+    With `quantized` (FP8 pools), `refs` starts with the pools' scales and their outputs follow `v_out`; the new
+    token's k and v are stored as `kv_quant.quantize` does, and split 0 attends to the stored (rounded) values."""
+    if quantized:
+        ks_ref, vs_ref, _, o_ref, m_ref, l_ref, out_ref, k_out, v_out, ks_out, vs_out, done_ref = refs
+        scale_refs = (ks_ref, vs_ref)
+    else:
+        _, o_ref, m_ref, l_ref, out_ref, k_out, v_out, done_ref = refs
+        scale_refs = None
     b, kh, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     gp, H = o_ref.shape[3], o_ref.shape[4]
-    dtype, half, S = k_ref.dtype, H // 2, config["page_size"]
+    dtype, half, S = cos_ref.dtype, H // 2, config["page_size"]
     p, page = pos_ref[b], wpage_ref[b]
     page_offset, layer = at_ref[0], at_ref[1]
     fresh = (page != null_page) & (p >= 0)
@@ -190,12 +199,22 @@ def _new_token_kernel(
     all_h = jnp.full((H,), True)
     k_new = rotate(*(project(kp_ref, kb_ref, kh * H + cols, all_h) for cols in (h, partner)))
     v_new = project(vp_ref, vb_ref, kh * H + h, all_h)
+    k_store, v_store = k_new, v_new
+    if quantized:  # `kv_quant.quantize`, and the values split 0 attends to are the stored ones
+        k_scale, v_scale = (kv_quant.scale_of(jnp.max(jnp.abs(x.astype(jnp.float32)))) for x in (k_new, v_new))
+        k_store, v_store = (
+            (x.astype(jnp.float32) / sc).astype(k_ref.dtype) for x, sc in ((k_new, k_scale), (v_new, v_scale))
+        )
+        k_new, v_new = k_store.astype(jnp.float32) * k_scale, v_store.astype(jnp.float32) * v_scale
 
     @pl.when(here)
     def _():
         row = (page_offset + page) * S + wslot_ref[b]
-        k_out[row, kh, :] = k_new
-        v_out[row, kh, :] = v_new
+        k_out[row, kh, :] = k_store
+        v_out[row, kh, :] = v_store
+        if quantized:
+            ks_out[row, kh] = k_scale
+            vs_out[row, kh] = v_scale
 
     s_new = jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32)[None, :], axis=1) * config["scale"]
     m = jnp.where(here, s_new, NEG)
@@ -216,6 +235,7 @@ def _new_token_kernel(
         bt_ref,
         k_ref,
         v_ref,
+        scale_refs,
         page_offset=page_offset,
         **config,
     )
@@ -274,22 +294,37 @@ def new_token_reference(
     write_slot_B,
     sinks_LN,
     window,
+    *,
+    k_scale_PSK=None,
+    v_scale_PSK=None,
 ):
     """`attention_new_token` as the model computes it without the kernel: sums, bias, cast, `rope.apply`, both
-    pools written at (page + offset, slot) (null-page writes included), `attention_reference` through the
-    offset table."""
-    B, H, dtype = q_pos_B.shape[0], k_pages_PSKH.shape[-1], k_pages_PSKH.dtype
+    pools written at (page + offset, slot) (null-page writes included; FP8 pools with `kv_quant.quantize`),
+    `attention_reference` through the offset table. Returns (out, k pages, v pages, k scales, v scales)."""
+    B, H, dtype = q_pos_B.shape[0], k_pages_PSKH.shape[-1], cos_BF.dtype
     q, k, v = (
         (jnp.sum(y, 0) + b[layer].astype(jnp.float32)).astype(dtype).reshape(B, 1, -1, H)
         for y, b in zip(qkv_parts, qkv_bias_LO)
     )
     q, k = (rope.apply(a, cos_BF[:, None], sin_BF[:, None]) for a in (q, k))
-    page = write_page_B + page_offset
-    kp, vp = k_pages_PSKH.at[page, write_slot_B].set(k[:, 0]), v_pages_PSKH.at[page, write_slot_B].set(v[:, 0])
+    at = (write_page_B + page_offset, write_slot_B)
+    pools, scales = [k_pages_PSKH, v_pages_PSKH], [k_scale_PSK, v_scale_PSK]
+    for i, x in enumerate((k[:, 0], v[:, 0])):
+        if scales[i] is not None:
+            x, sc = kv_quant.quantize(x)
+            scales[i] = scales[i].at[at].set(sc)
+        pools[i] = pools[i].at[at].set(x)
     out = attention_reference.attention(
-        q, kp, vp, block_tables_BM + page_offset, q_pos_B[:, None], sinks_LN[layer], window
+        q,
+        *pools,
+        block_tables_BM + page_offset,
+        q_pos_B[:, None],
+        sinks_LN[layer],
+        window,
+        k_scale_PSK=scales[0],
+        v_scale_PSK=scales[1],
     )
-    return out, kp, vp
+    return out, *pools, *scales
 
 
 def _geometry(B, N, S, K, M, block_kv, num_splits, split_programs, max_splits):
@@ -311,6 +346,13 @@ def _combine(o, m, l, sinks_N, G, dtype):
     num = jnp.sum(w[..., None] * o, axis=2)  # [B, K, G, H]
     den = jnp.sum(w * l, axis=2) + jnp.exp(sink[:, :, 0] - mx[:, :, 0])  # [B, K, G]
     return (num / den[..., None]).reshape(B, 1, K * G, H).astype(dtype)
+
+
+def _flat_scales(k_scale_PSK, v_scale_PSK) -> list:
+    """The FP8 pools' scales as `[P * S, K]` operands (none for a pool without scales)."""
+    if k_scale_PSK is None:
+        return []
+    return [a.reshape(-1, a.shape[-1]) for a in (k_scale_PSK, v_scale_PSK)]
 
 
 def _partials_shapes(B, K, ns, gp, H):
@@ -342,6 +384,8 @@ def attention_new_token(
     window,
     done_BK=None,
     *,
+    k_scale_PSK=None,
+    v_scale_PSK=None,
     null_page=0,
     block_kv=64,
     num_splits=None,
@@ -361,8 +405,10 @@ def attention_new_token(
     as is `write_page_B` (`null_page` = no write); `write_slot_B` is the slot in the page.
     `done_BK` (int32 `[B, K]`, all 0; updated in place when donated) counts finished splits, and every launch
     leaves it at 0: a decode step threads one through all its layers, where a fresh one each layer would cost a
-    memset kernel on the critical path. None: a fresh one. Returns (out, k pages, v pages, done_BK). `num_splits`
-    None: `default_splits`. The launch settings' defaults are `KernelConfig`'s (`attention_*`).
+    memset kernel on the critical path. None: a fresh one. FP8 pools come with their scales `[P, S, K]`
+    (`kv_quant`), written beside them. Returns (out, k pages, v pages, done_BK, k scales, v scales), the scales
+    None without. `num_splits` None: `default_splits`. The launch settings' defaults are `KernelConfig`'s
+    (`attention_*`).
 
     The same function as `new_token_reference`, except that null-page writes are skipped."""
     q_parts, k_parts, v_parts = qkv_parts
@@ -374,13 +420,14 @@ def attention_new_token(
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
-    flat = [a.reshape(P * S, K, H) for a in (k_pages_PSKH, v_pages_PSKH)]
-    dtype = k_pages_PSKH.dtype
+    flat = [a.reshape(P * S, K, H) for a in (k_pages_PSKH, v_pages_PSKH)] + _flat_scales(k_scale_PSK, v_scale_PSK)
+    dtype = cos_BF.dtype
     if done_BK is None:
         done_BK = jnp.zeros((B, K), jnp.int32)
-    *_, out, k_flat, v_flat, done_BK = pl.pallas_call(
+    outs = pl.pallas_call(
         functools.partial(
             _new_token_kernel,
+            quantized=k_scale_PSK is not None,
             window=min(int(window), 2**31 - 1),
             null_page=null_page,
             G=G,
@@ -398,7 +445,7 @@ def attention_new_token(
             *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in flat),
             jax.ShapeDtypeStruct((B, K), jnp.int32),
         ),
-        input_output_aliases={14: 4, 15: 5, 16: 6},
+        input_output_aliases={14 + i: 4 + i for i in range(len(flat) + 1)},
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_decode_attention_new_token",
@@ -418,7 +465,10 @@ def attention_new_token(
         *flat,
         done_BK,
     )
-    return out.reshape(B, 1, N, H), k_flat.reshape(k_pages_PSKH.shape), v_flat.reshape(v_pages_PSKH.shape), done_BK
+    out, written, done_BK = outs[3], outs[4:-1], outs[-1]
+    k_pages, v_pages = (a.reshape(k_pages_PSKH.shape) for a in written[:2])
+    k_scale, v_scale = (a.reshape(k_scale_PSK.shape) for a in written[2:]) if k_scale_PSK is not None else (None, None)
+    return out.reshape(B, 1, N, H), k_pages, v_pages, done_BK, k_scale, v_scale
 
 
 @functools.partial(jax.jit, static_argnames=("window",) + _LAUNCH)
@@ -431,6 +481,8 @@ def attention(
     sinks_N,
     window,
     *,
+    k_scale_PSK=None,
+    v_scale_PSK=None,
     block_kv=64,
     num_splits=None,
     split_programs=1024,
@@ -439,7 +491,8 @@ def attention(
     num_stages=3,
     interpret=None,
 ):
-    """Paged decode attention (T = 1); same function as `attention_reference.attention`."""
+    """Paged decode attention (T = 1); same function as `attention_reference.attention` (FP8 pools with their
+    scales too)."""
     B, T, N, H = q_BTNH.shape
     if T != 1:
         raise ValueError("paged_attention.attention is the decode kernel (T = 1)")
@@ -456,13 +509,22 @@ def attention(
     q = jnp.pad(q, ((0, 0), (0, 0), (0, gp - G), (0, 0)))
     k_flat = k_pages_PSKH.reshape(P * S, K, H)
     v_flat = v_pages_PSKH.reshape(P * S, K, H)
+    scales = _flat_scales(k_scale_PSK, v_scale_PSK)
 
     o, m, l = pl.pallas_call(
-        functools.partial(_kernel, page_size=S, pages_per_block=ppb, num_splits=ns, max_pages=M, scale=H**-0.5),
+        functools.partial(
+            _kernel,
+            quantized=bool(scales),
+            page_size=S,
+            pages_per_block=ppb,
+            num_splits=ns,
+            max_pages=M,
+            scale=H**-0.5,
+        ),
         grid=(B, K, ns),
         out_shape=_partials_shapes(B, K, ns, gp, H),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_decode_attention",
-    )(block_tables_BM.astype(jnp.int32), lo, hi, q, k_flat, v_flat)
+    )(block_tables_BM.astype(jnp.int32), lo, hi, q, k_flat, v_flat, *scales)
     return _combine(o, m, l, sinks_N, G, q_BTNH.dtype)

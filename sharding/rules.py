@@ -151,6 +151,12 @@ class Layout:
         owns a contiguous range of pages, its own null page first), KV heads over `model` in low latency."""
         return self.sharding(("layers", "pages", None, "kv_heads", None), num_kv_heads)
 
+    def cache_shardings(self, cache, num_kv_heads: int):
+        """`cache_sharding` for every array of a KV cache pytree (arrays or shapes): the FP8 pools' scales
+        `[layers, pages, slot, kv_heads]` split as their pools."""
+        scales = self.sharding(("layers", "pages", None, "kv_heads"), num_kv_heads)
+        return jax.tree.map(lambda a: self.cache_sharding(num_kv_heads) if a.ndim == 5 else scales, cache)
+
     def padded_shapes(self, shapes: params_lib.Params) -> params_lib.Params:
         """`shapes` (either expert layout) with the expert axis padded to a multiple of the `model` axis."""
         E = jax.tree.leaves(shapes.layers.experts)[0].shape[1]

@@ -30,14 +30,20 @@ def attention(layout, block, num_kv_heads: int, in_kinds: tuple, out_kinds):
     """`block(stacked, per_layer, *args)` run per device. `stacked` and `per_layer` are dicts keyed by `STACKED` /
     `PER_LAYER` `params.Layers` fields, split by the table. `in_kinds` (one per arg) and `out_kinds` are pytrees of
     the args' and the outputs' structure whose leaves say how each array is split: "rows" (leading batch axis, over
-    the attention ranks), "pool" (the KV pools), "heads" (`[B, T, heads]`, heads as the weights split them), or
-    "same" (replicated)."""
+    the attention ranks), "pool" (the KV pools), "scales" (an FP8 pool's scales), "heads" (`[B, T, heads]`, heads
+    as the weights split them), or "same" (replicated)."""
     axes = params_lib.logical_axes().layers
     spec = lambda logical: layout.spec(logical, num_kv_heads)  # noqa: E731
     stacked = {n: spec(getattr(axes, n)) for n in STACKED}
     per_layer = {n: spec(getattr(axes, n)[1:]) for n in PER_LAYER}
     rows, pool = layout.batch_spec(), layout.cache_sharding(num_kv_heads).spec
-    kinds = {"rows": rows, "pool": pool, "heads": P(rows[0], None, heads_axis(layout, num_kv_heads)), "same": P()}
+    kinds = {
+        "rows": rows,
+        "pool": pool,
+        "scales": P(*pool[:4]),
+        "heads": P(rows[0], None, heads_axis(layout, num_kv_heads)),
+        "same": P(),
+    }
     specs = lambda tree: jax.tree.map(kinds.__getitem__, tree)  # noqa: E731
     return jax.shard_map(
         block,

@@ -9,7 +9,7 @@ import pytest
 
 from gptoss_jax import config, model
 from gptoss_jax.random_weights import random_params
-from pallas_kernels import KernelConfig, attention_reference, flash_attention, paged_attention
+from pallas_kernels import KernelConfig, attention_reference, flash_attention, kv_quant, paged_attention
 
 FULL = 2**31 - 1
 
@@ -109,8 +109,8 @@ def test_new_token_attention_matches_reference(window, S, splits, sink_scale):
     cos, sin = (jnp.asarray(f(angle) * 1.3, jnp.bfloat16) for f in (np.cos, np.sin))
     sinks = jnp.asarray(rng.normal(size=(3, N)) * sink_scale, jnp.float32)  # 3 layers, like the biases
     args = (jnp.asarray(bt), P, jnp.asarray(pos), jnp.asarray(wpage), jnp.asarray(wslot), sinks, window)
-    ref, ref_k, ref_v = paged_attention.new_token_reference(parts, biases, 2, cos, sin, kp, vp, *args)
-    out, got_k, got_v, done = paged_attention.attention_new_token(
+    ref, ref_k, ref_v, *_ = paged_attention.new_token_reference(parts, biases, 2, cos, sin, kp, vp, *args)
+    out, got_k, got_v, done, *_ = paged_attention.attention_new_token(
         parts, biases, 2, cos, sin, kp, vp, *args, block_kv=8, num_splits=splits, interpret=True
     )
     assert not np.asarray(done).any()  # the last split of each (row, KV head) reset its count for the next launch
@@ -160,3 +160,78 @@ def test_decode_step_takes_the_new_token_kernel_and_matches_reference(monkeypatc
         np.testing.assert_allclose(new[slot], ref[slot], rtol=2e-2, atol=2e-2)
         new[slot], ref[slot] = 0, 0
         np.testing.assert_array_equal(new[:, 1:], ref[:, 1:])  # nothing else written (page 0 is the null page)
+
+
+def _fp8(pages_PSKH, rng):
+    """The pages stored as an FP8 cache stores them (`kv_quant.quantize`), after giving each (slot, head) vector its
+    own magnitude (1e-3 .. 1e3) so that a scale that is not per vector would show."""
+    mag = 10.0 ** rng.uniform(-3, 3, size=pages_PSKH.shape[:-1] + (1,))
+    return kv_quant.quantize(jnp.asarray(np.asarray(pages_PSKH, np.float32) * mag, jnp.bfloat16))
+
+
+@pytest.mark.parametrize("window,S,ctxs,splits", [(FULL, 16, [1, 37, 200], 3), (128, 8, [5, 130, 300, 0], 2)])
+def test_paged_decode_fp8_matches_reference(window, S, ctxs, splits):
+    rng = np.random.default_rng(7)
+    q, kp, vp, bt, pos, sinks = _case(len(ctxs) * 10 + S, len(ctxs), 16, 2, 64, S, ctxs, 1.0)
+    (kp, ks), (vp, vs) = _fp8(kp, rng), _fp8(vp, rng)
+    scales = dict(k_scale_PSK=ks, v_scale_PSK=vs)
+    ref = attention_reference.attention(q, kp, vp, bt, pos, sinks, window, **scales)
+    out = paged_attention.attention(
+        q, kp, vp, bt, pos, sinks, window, **scales, block_kv=32, num_splits=splits, interpret=True
+    )
+    # the stored values, dequantized, through the bf16 reference: the scales are applied where they belong
+    deq = attention_reference.attention(
+        q, *(kv_quant.dequantize(p, s, jnp.bfloat16) for p, s in ((kp, ks), (vp, vs))), bt, pos, sinks, window
+    )
+    out, ref, deq = (np.asarray(a, np.float64) for a in (out, ref, deq))
+    assert np.isfinite(out).all()
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
+    assert np.linalg.norm(ref - deq) / np.linalg.norm(deq) < 2e-2
+
+
+@pytest.mark.parametrize("window,chunks", [(FULL, [(0, 21), (9, 5), (0, 0)]), (8, [(0, 21), (30, 13)])])
+def test_prefill_flash_fp8_matches_reference(window, chunks):
+    rng = np.random.default_rng(8)
+    q, kp, vp, bt, pos, sinks = _prefill_case(len(chunks) + 4, 8, 2, 16, 4, chunks, 21, 1.0)
+    (kp, ks), (vp, vs) = _fp8(kp, rng), _fp8(vp, rng)
+    scales = dict(k_scale_PSK=ks, v_scale_PSK=vs)
+    ref = attention_reference.attention(q, kp, vp, bt, pos, sinks, window, **scales)
+    out = flash_attention.attention(q, kp, vp, bt, pos, sinks, window, **scales, block_q=16, block_kv=8, interpret=True)
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(out).all()
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
+
+
+def test_new_token_attention_fp8_writes_and_attends_like_reference():
+    """The new-token kernel on FP8 pools: it stores each fresh token's k and v with its scale as `kv_quant.quantize`
+    does (the reference), leaves every other slot alone, and attends to the stored values."""
+    rng = np.random.default_rng(9)
+    N, K, H, S, window = 8, 2, 16, 4, FULL
+    pos = np.array([0, 5, 17, 61, -1], np.int32)
+    B, M = len(pos), 64 // S + 1
+    P = B * M + 1
+    (kp, ks), (vp, vs) = (_fp8(rng.normal(size=(2 * P, S, K, H)), rng) for _ in range(2))
+    bt = rng.permutation(np.arange(1, P))[: B * M].reshape(B, M).astype(np.int32)
+    wpage = np.where(pos >= 0, bt[np.arange(B), np.maximum(pos, 0) // S], 0)
+    wslot = np.maximum(pos, 0) % S
+    parts = tuple(jnp.asarray(rng.normal(size=(2, B, n * H)), jnp.float32) for n in (N, K, K))
+    biases = tuple(jnp.asarray(rng.normal(size=(3, n * H)), jnp.bfloat16) for n in (N, K, K))
+    angle = rng.uniform(0, 6.3, size=(B, H // 2))
+    cos, sin = (jnp.asarray(f(angle), jnp.bfloat16) for f in (np.cos, np.sin))
+    sinks = jnp.asarray(rng.normal(size=(3, N)), jnp.float32)
+    args = (jnp.asarray(bt), P, jnp.asarray(pos), jnp.asarray(wpage), jnp.asarray(wslot), sinks, window)
+    scales = dict(k_scale_PSK=ks, v_scale_PSK=vs)
+    ref, *ref_pools = paged_attention.new_token_reference(parts, biases, 2, cos, sin, kp, vp, *args, **scales)
+    out, got_k, got_v, done, got_ks, got_vs = paged_attention.attention_new_token(
+        parts, biases, 2, cos, sin, kp, vp, *args, **scales, block_kv=8, num_splits=2, interpret=True
+    )
+    assert got_k.dtype == kv_quant.FP8 and got_ks.dtype == jnp.float32
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(out).all()
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
+    keep = np.ones(2 * P, bool)
+    keep[P] = False  # the null page of layer 1: the reference writes the padding row there, the kernel skips it
+    for got, want, before in zip((got_k, got_v, got_ks, got_vs), ref_pools, (kp, vp, ks, vs)):
+        got, want, before = (np.asarray(a, np.float32)[keep] for a in (got, want, before))
+        assert (want != before).reshape(len(want), -1).any(axis=1).sum() == 4  # the four fresh rows' pages
+        np.testing.assert_allclose(got, want, rtol=1e-6)

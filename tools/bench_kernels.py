@@ -13,6 +13,7 @@ Mosaic GPU kernels, each prefill sweep from what it picks on this GPU.
 """
 
 import argparse
+import itertools
 import sys
 import time
 
@@ -449,29 +450,41 @@ def bench_linear_mosaic(bw, mm, Ts, splits_opts, L=8):
         del ws, seps
 
 
-def bench_paged(bw, cases, split_opts):
-    for B, ctx, window, S in cases:
+def bench_paged(bw, cases, split_opts, kv_dtypes=("auto",)):
+    for (B, ctx, window, S), kv_dtype in itertools.product(cases, kv_dtypes):
         q, kp, vp, bt, pos, sinks = kc.paged(jax.random.PRNGKey(B + ctx), B, 64, 8, 64, S, [ctx] * B)
+        kp, vp, scales, value_bytes = kc.as_kv_cache(kp, vp, kv_dtype)
         vis = min(ctx, window)
-        nbytes = B * vis * 8 * 64 * 2 * 2
+        nbytes = B * vis * 8 * 64 * 2 * value_bytes
         best = None
         for ns in split_opts(B):
             for bkv in (64, 128):
                 f = jax.jit(
-                    lambda q, kp, vp, bt, pos, sinks, ns=ns, bkv=bkv: paged_attention.attention(
-                        q, kp, vp, bt, pos, sinks, window, num_splits=ns, block_kv=bkv
+                    lambda q, kp, vp, bt, pos, sinks, scales, ns=ns, bkv=bkv: paged_attention.attention(
+                        q, kp, vp, bt, pos, sinks, window, **scales, num_splits=ns, block_kv=bkv
                     )
                 )
-                t = timed(f"paged B={B} ctx={ctx} ns={ns} bkv={bkv}", f, q, kp, vp, bt, pos, sinks, n=20)
+                t = timed(f"paged B={B} ctx={ctx} ns={ns} bkv={bkv}", f, q, kp, vp, bt, pos, sinks, scales, n=20)
                 if t is None:
                     continue
                 log(
-                    f"  paged B={B} ctx={ctx} win={window} page={S} splits={ns} bkv={bkv}: {t * 1e6:8.1f} us "
+                    f"  paged kv={kv_dtype} B={B} ctx={ctx} win={window} page={S} splits={ns} bkv={bkv}: "
+                    f"{t * 1e6:8.1f} us "
                     f"{nbytes / t / 1e12:5.2f} TB/s = {nbytes / t / bw * 100:5.1f}%"
                 )
                 if best is None or t < best[0]:
                     best = (t, ns, bkv)
-        t_ref = timeit(jax.jit(lambda *a: attention_reference.attention(*a, window)), q, kp, vp, bt, pos, sinks, n=5)
+        t_ref = timeit(
+            jax.jit(lambda *a: attention_reference.attention(*a[:6], window, **a[6])),
+            q,
+            kp,
+            vp,
+            bt,
+            pos,
+            sinks,
+            scales,
+            n=5,
+        )
         # jax.nn.dot_product_attention on a contiguous [B, ctx, K, H] cache (no sinks, no paging).
         kc_ = jax.random.normal(jax.random.PRNGKey(9), (B, ctx, 8, 64), jnp.float32).astype(jnp.bfloat16)
         res = {}
@@ -487,7 +500,7 @@ def bench_paged(bw, cases, split_opts):
                 res[impl] = float("nan")
         del kp, vp, kc_
         log(
-            f"ROW paged_decode B={B} ctx={ctx} win={window} page={S} | pallas {best[0] * 1e6:8.1f} us "
+            f"ROW paged_decode kv={kv_dtype} B={B} ctx={ctx} win={window} page={S} | pallas {best[0] * 1e6:8.1f} us "
             f"{nbytes / best[0] / 1e12:5.2f} TB/s ({nbytes / best[0] / bw * 100:4.1f}% of {bw / 1e12:.2f}) "
             f"splits={best[1]} "
             f"bkv={best[2]} | XLA paged reference {t_ref * 1e6:8.1f} us | jax.nn.dpa contiguous cudnn "
@@ -495,29 +508,40 @@ def bench_paged(bw, cases, split_opts):
         )
 
 
-def bench_flash(mm, cases, cfgs):
+def bench_flash(mm, cases, cfgs, kv_dtypes=("auto",)):
     """Prefill attention: Pallas kernel vs the paged reference and jax.nn.dot_product_attention (cudnn,
     contiguous K/V, causal + window, no sinks and no paging: a lower bound for what a library gives)."""
     N, K, H, S = 64, 8, 64, 16
-    for B, T, start, window in cases:
+    for (B, T, start, window), kv_dtype in itertools.product(cases, kv_dtypes):
         q, kp, vp, bt, pos, sinks = kc.prefill(jax.random.PRNGKey(T + B), N, K, H, S, [(start, T)] * B, T)
+        kp, vp, scales, _ = kc.as_kv_cache(kp, vp, kv_dtype)
         vis = [min(start + t + 1, window) for t in range(T)]
         flops = 4 * B * N * H * sum(vis)
         best = None
         for cfg in cfgs:
-            f = jax.jit(lambda *a, cfg=cfg: flash_attention.attention(*a, window, **cfg))
-            t = timed(f"flash B={B} T={T} {cfg}", f, q, kp, vp, bt, pos, sinks, n=5, reps=3)
+            f = jax.jit(lambda *a, cfg=cfg: flash_attention.attention(*a[:6], window, **a[6], **cfg))
+            t = timed(f"flash B={B} T={T} {cfg}", f, q, kp, vp, bt, pos, sinks, scales, n=5, reps=3)
             if t is None:
                 continue
             log(
-                f"  flash B={B} T={T} start={start} win={window} {t * 1e3:7.3f} ms {flops / t / 1e12:6.1f} TFLOP/s "
+                f"  flash kv={kv_dtype} B={B} T={T} start={start} win={window} {t * 1e3:7.3f} ms "
+                f"{flops / t / 1e12:6.1f} TFLOP/s "
                 f"cfg={cfg}"
             )
             if best is None or t < best[0]:
                 best = (t, cfg)
         try:
             t_ref = timeit(
-                jax.jit(lambda *a: attention_reference.attention(*a, window)), q, kp, vp, bt, pos, sinks, n=2, reps=2
+                jax.jit(lambda *a: attention_reference.attention(*a[:6], window, **a[6])),
+                q,
+                kp,
+                vp,
+                bt,
+                pos,
+                sinks,
+                scales,
+                n=2,
+                reps=2,
             )
         except Exception as e:  # noqa: BLE001
             t_ref = float("nan")
@@ -540,7 +564,8 @@ def bench_flash(mm, cases, cfgs):
             log(f"  dpa cudnn failed: {type(e).__name__}: {str(e)[:150]}")
         del kp, vp, kc_
         log(
-            f"ROW flash_prefill B={B} T={T} start={start} win={'full' if window > 2**30 else window} | pallas "
+            f"ROW flash_prefill kv={kv_dtype} B={B} T={T} start={start} "
+            f"win={'full' if window > 2**30 else window} | pallas "
             f"{best[0] * 1e3:7.3f} ms {flops / best[0] / 1e12:6.1f} TFLOP/s ({flops / best[0] / mm * 100:4.1f}% of "
             f"{mm / 1e12:.0f}) {best[1]} | paged reference {t_ref * 1e3:8.3f} ms | dpa cudnn contiguous "
             f"(no sinks) {t_dpa * 1e3:7.3f} ms"
@@ -555,8 +580,10 @@ def main():
     ap.add_argument("--models", default="20b,120b", help="MoE shapes to run")
     ap.add_argument("--tokens", default="", help="MoE decode token counts (default: 1,4,16,64)")
     ap.add_argument("--prefill-tokens", default="8192", help="MoE prefill / large-batch token counts")
+    ap.add_argument("--kv-cache-dtypes", default="auto", help="attention cases' KV caches: auto,fp8")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    kv_dtypes = tuple(args.kv_cache_dtypes.split(","))
     log(f"device: {jax.devices()[0].device_kind}  date {time.strftime('%Y-%m-%d %H:%M')}")
     bw, mm = ceilings()
     only = (
@@ -633,6 +660,7 @@ def main():
             bw,
             [(64, 8192, 2**31 - 1, 16), (64, 8192, 128, 16), (8, 32768, 2**31 - 1, 16)],
             lambda B: (1, 2) if B >= 32 else (4, 16),
+            kv_dtypes,
         )
     log(f"[{time.time() - t0:.0f}s]")
     if "flash" in only:
@@ -645,6 +673,7 @@ def main():
             mm,
             [(1, 8192, 0, 2**31 - 1), (1, 8192, 0, 128), (4, 2048, 2048, 2**31 - 1)],
             fcfgs if not args.quick else fcfgs[:1],
+            kv_dtypes,
         )
     log(f"[{time.time() - t0:.0f}s]")
     if "ragged" in only:

@@ -8,6 +8,7 @@ profile. Latency: one request under the low_latency profile. Prints output token
 the kernels' layout.
 
     python -m tools.bench_throughput --preset gpt-oss-20b --jobs 1024/1024x256,8192/1024x64 --out $OUT/tp.json
+    python -m tools.bench_throughput --jobs 8192/1024x64,32768/1024x16 --skip latency --set kv_cache_dtype=fp8
     python -m tools.bench_throughput --smoke                                   # tiny model, CPU check
     python -m tools.bench_throughput --jobs 1024/1024x512 --set max_num_seqs=512 --set max_prefill_seqs=8
     python -m tools.bench_throughput --jobs 1024/1024x256 --set 'kernels={moe_route_max_tokens: 0}'
@@ -194,7 +195,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny model and job, for a CPU check of the script")
     ap.add_argument("--num-requests", type=int, default=256, help="requests of a job that names no count")
     ap.add_argument(
-        "--jobs", default="1024/1024x256,8192/1024x64", help="comma-separated INPUT/OUTPUT[xREQUESTS] throughput jobs"
+        "--jobs", default="1024/1024x256,8192/1024x64,32768/1024x16", help="comma-separated INPUT/OUTPUT[xREQUESTS] throughput jobs"
     )
     ap.add_argument("--latency-input-len", type=int, default=1024)
     ap.add_argument("--latency-output-len", type=int, default=256)

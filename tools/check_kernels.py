@@ -193,19 +193,22 @@ def main():
         print(*rows[-1], flush=True)
         del ex, kx
 
-    for name, (B, S, ctxs, window, sink_scale, splits) in {
-        "paged_decode": (5, 16, [5, 127, 128, 4097, 0], 128, 20.0, None),
-        "paged_decode ": (2, 64, [8191, 70], 2**31 - 1, 5.0, None),
+    for name, (B, S, ctxs, window, sink_scale, splits, kv) in {
+        "paged_decode": (5, 16, [5, 127, 128, 4097, 0], 128, 20.0, None, "auto"),
+        "paged_decode ": (2, 64, [8191, 70], 2**31 - 1, 5.0, None, "auto"),
+        "paged_decode  ": (5, 16, [5, 127, 128, 4097, 0], 128, 20.0, None, "fp8"),
+        "paged_decode   ": (2, 64, [8191, 70], 2**31 - 1, 5.0, None, "fp8"),
     }.items():
         key, k1 = jax.random.split(key)
         q, kp, vp, bt, pos, sinks = kc.paged(k1, B, 64, 8, 64, S, ctxs, sink_scale)
-        ref = attention_reference.attention(q, kp, vp, bt, pos, sinks, window)
-        out = paged_attention.attention(q, kp, vp, bt, pos, sinks, window, num_splits=splits)
+        kp, vp, scales, _ = kc.as_kv_cache(kp, vp, kv)
+        ref = attention_reference.attention(q, kp, vp, bt, pos, sinks, window, **scales)
+        out = paged_attention.attention(q, kp, vp, bt, pos, sinks, window, **scales, num_splits=splits)
         e, fin = rel(out, ref)
         rows.append(
             (
                 name.strip(),
-                f"B={B} page={S} ctx={ctxs} win={'full' if window > 2**30 else window} "
+                f"kv={kv} B={B} page={S} ctx={ctxs} win={'full' if window > 2**30 else window} "
                 f"sinks*{sink_scale} splits={splits}",
                 e,
                 fin,
@@ -213,48 +216,59 @@ def main():
         )
         print(*rows[-1], flush=True)
 
-    for name, (B, S, ctxs, window, sink_scale) in {
-        "paged_decode_new_token": (1, 16, [1000], 2**31 - 1, 1.0),
-        "paged_decode_new_token ": (6, 16, [1, 129, 300, 8191, 0, 17], 128, 20.0),
+    for name, (B, S, ctxs, window, sink_scale, kv) in {
+        "paged_decode_new_token": (1, 16, [1000], 2**31 - 1, 1.0, "auto"),
+        "paged_decode_new_token ": (6, 16, [1, 129, 300, 8191, 0, 17], 128, 20.0, "auto"),
+        "paged_decode_new_token  ": (1, 16, [1000], 2**31 - 1, 1.0, "fp8"),
+        "paged_decode_new_token   ": (6, 16, [1, 129, 300, 8191, 0, 17], 128, 20.0, "fp8"),
     }.items():
         key, k1, k2 = jax.random.split(key, 3)
         _, kp, vp, bt, pos, sinks = kc.paged(k1, B, 64, 8, 64, S, ctxs, sink_scale)
+        kp, vp, scales, _ = kc.as_kv_cache(kp, vp, kv)
         args = new_token_case(k2, B, bt, pos[:, 0], S)
         sinks = jnp.concatenate([jnp.full((args[2], sinks.shape[0]), -3.0), sinks[None]])  # the case's layer's
-        ref, ref_k, _ = paged_attention.new_token_reference(
-            *args[:3], *args[3:5], kp, vp, bt, 0, pos[:, 0], *args[5:], sinks, window
+        ref, ref_k, _, *ref_scales = paged_attention.new_token_reference(
+            *args[:3], *args[3:5], kp, vp, bt, 0, pos[:, 0], *args[5:], sinks, window, **scales
         )
-        out, got_k, _, _ = paged_attention.attention_new_token(
-            *args[:3], *args[3:5], kp, vp, bt, 0, pos[:, 0], *args[5:], sinks, window
+        out, got_k, _, _, *got_scales = paged_attention.attention_new_token(
+            *args[:3], *args[3:5], kp, vp, bt, 0, pos[:, 0], *args[5:], sinks, window, **scales
         )
         e, fin = rel(out, ref)
-        ek, _ = rel(got_k[1:], ref_k[1:])  # page 0, the null page, is where the reference writes padding rows
+        # page 0, the null page, is where the reference writes padding rows
+        ek, _ = rel(got_k[1:].astype(jnp.float32), ref_k[1:].astype(jnp.float32))
+        if scales:
+            ek = max(ek, rel(got_scales[0][1:], ref_scales[0][1:])[0])
         rows.append(
             (
                 name.strip(),
-                f"B={B} ctx={ctxs} win={'full' if window > 2**30 else window} sinks*{sink_scale} k-cache err {ek:.1e}",
+                f"kv={kv} B={B} ctx={ctxs} win={'full' if window > 2**30 else window} sinks*{sink_scale} "
+                f"k-cache err {ek:.1e}",
                 max(e, ek),
                 fin,
             )
         )
         print(*rows[-1], flush=True)
 
-    for name, (chunks, T, window, sink_scale, cfg) in {
-        "flash_prefill": ([(0, 300), (100, 77), (0, 0)], 300, 2**31 - 1, 1.0, {}),
-        "flash_prefill ": ([(0, 300), (4000, 250), (7, 3)], 300, 128, 20.0, {}),
-        "flash_prefill  ": ([(0, 1000)], 1000, 128, 1.0, dict(block_q=64, block_kv=128, num_warps=8)),
-        "flash_prefill   ": ([(50, 513), (0, 1)], 513, 2**31 - 1, 5.0, dict(block_kv=128)),
+    for name, (chunks, T, window, sink_scale, cfg, kv) in {
+        "flash_prefill": ([(0, 300), (100, 77), (0, 0)], 300, 2**31 - 1, 1.0, {}, "auto"),
+        "flash_prefill ": ([(0, 300), (4000, 250), (7, 3)], 300, 128, 20.0, {}, "auto"),
+        "flash_prefill  ": ([(0, 1000)], 1000, 128, 1.0, dict(block_q=64, block_kv=128, num_warps=8), "auto"),
+        "flash_prefill   ": ([(50, 513), (0, 1)], 513, 2**31 - 1, 5.0, dict(block_kv=128), "auto"),
+        "flash_prefill    ": ([(0, 300), (100, 77), (0, 0)], 300, 2**31 - 1, 1.0, {}, "fp8"),
+        "flash_prefill     ": ([(0, 300), (4000, 250), (7, 3)], 300, 128, 20.0, {}, "fp8"),
     }.items():
         key, k1 = jax.random.split(key)
         q, kp, vp, bt, pos, sinks = kc.prefill(k1, 64, 8, 64, 16, chunks, T, sink_scale)
-        ref = attention_reference.attention(q, kp, vp, bt, pos, sinks, window)
-        out = flash_attention.attention(q, kp, vp, bt, pos, sinks, window, **cfg)
+        kp, vp, scales, _ = kc.as_kv_cache(kp, vp, kv)
+        ref = attention_reference.attention(q, kp, vp, bt, pos, sinks, window, **scales)
+        out = flash_attention.attention(q, kp, vp, bt, pos, sinks, window, **scales, **cfg)
         e, fin = rel(out, ref)
         pad_zero = bool((np.abs(np.asarray(out, np.float32)[np.asarray(pos) < 0]).max(initial=0.0) == 0.0))
         rows.append(
             (
                 name.strip(),
-                f"chunks={chunks} win={'full' if window > 2**30 else window} sinks*{sink_scale} {cfg} pad0={pad_zero}",
+                f"kv={kv} chunks={chunks} win={'full' if window > 2**30 else window} sinks*{sink_scale} {cfg} "
+                f"pad0={pad_zero}",
                 e,
                 fin and pad_zero,
             )

@@ -23,7 +23,7 @@ import numpy as np
 from gptoss_jax import checkpoint, config, kv_cache, model, random_weights, steps
 from gptoss_jax.engine_config import EngineConfig
 from gptoss_jax.sampling import SamplingBatch
-from pallas_kernels import KernelConfig
+from pallas_kernels import KernelConfig, kv_quant
 from pallas_kernels import params as params_lib
 
 PAGE = 16
@@ -334,7 +334,7 @@ def _paged_state(cfg, rows: int, start: int, tokens: int, dtype, put: _Placer):
         cfg.num_layers,
         cfg.num_kv_heads,
         cfg.head_dim,
-        jnp.dtype(dtype).itemsize,
+        kv_quant.value_bytes(dtype, cfg.head_dim),
         cfg.sliding_window,
         PAGE,
         rows,
@@ -349,9 +349,11 @@ def _paged_state(cfg, rows: int, start: int, tokens: int, dtype, put: _Placer):
     first = max(0, (start - cfg.sliding_window) // PAGE)
     sliding_BM = np.where(col_1M >= first, 1 + row_B1 * per_row + col_1M % per_row, 0).astype(np.int32)
     zeros = lambda: model.PagedKVCache.zeros(cfg, R * n_sliding, R * n_full, PAGE, dtype)  # noqa: E731
-    where = None if layout is None else layout.cache_sharding(cfg.num_kv_heads)
+    shapes = jax.eval_shape(zeros)
+    where = None if layout is None else layout.cache_shardings(shapes, cfg.num_kv_heads)
     if put.abstract:
-        cache = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where), jax.eval_shape(zeros))
+        place = lambda s, w: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=w)  # noqa: E731
+        cache = shapes if where is None else jax.tree.map(place, shapes, where)
     else:
         cache = zeros() if where is None else jax.jit(zeros, out_shardings=where)()
     tables = model.PageTables(put(sliding_BM), put(full_BM), put(np.zeros(R * rows, np.int32)))

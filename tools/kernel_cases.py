@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import kv_quant
 from pallas_kernels.params import Experts
 
 SHAPES = {"20b": dict(E=32, D=2880, I=2880, k=4), "120b": dict(E=128, D=2880, I=2880, k=4)}
@@ -66,3 +67,11 @@ def prefill(key, N, K, H, S, chunks, T, sink_scale=1.0, dtype=jnp.bfloat16):
     q = jax.random.normal(ks[2], (B, T, N, H), jnp.float32).astype(dtype)
     sinks = jax.random.normal(ks[3], (N,), jnp.float32) * sink_scale
     return q, kp, vp, bt, jnp.asarray(pos), sinks
+
+
+def as_kv_cache(kp, vp, kv_cache_dtype: str) -> tuple:
+    """Pools as a cache of `kv_cache_dtype` stores them -> (k, v, the kernels' scale arguments, bytes per value)."""
+    if kv_cache_dtype == "auto":
+        return kp, vp, {}, kp.dtype.itemsize
+    (kq, ks), (vq, vs) = kv_quant.quantize(kp), kv_quant.quantize(vp)
+    return kq, vq, dict(k_scale_PSK=ks, v_scale_PSK=vs), kv_quant.value_bytes(kq.dtype, kp.shape[-1])

@@ -1,0 +1,43 @@
+"""FP8 (e4m3) KV cache entries: each key or value vector of one (token, KV head) is stored as `head_dim` float8_e4m3fn
+values and one fp32 scale, value = fp8 * scale, with scale = max|x| / 448 (e4m3's largest finite value).
+
+Why one scale per (token, head): it needs no calibration and never clips (each vector fills e4m3's range exactly),
+and it is written with the token, so a page never has to be re-quantized as it fills. Per KV head or per page scales
+would save the scale's 4 bytes per 64 (6% of an fp8 entry) but either clip outliers or need the page's whole
+content first; docs/BENCHMARKS.md (issue 33) measures the error of each choice against the bf16 cache.
+"""
+
+import jax
+import jax.numpy as jnp
+
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+DTYPES = {"auto": None, "fp8": FP8, "fp8_e4m3": FP8}  # `kv_cache_dtype` (vLLM's names) -> pool dtype; None: the model's
+
+
+def is_quantized(dtype) -> bool:
+    return jnp.dtype(dtype) == jnp.dtype(FP8)
+
+
+def value_bytes(dtype, head_dim: int) -> float:
+    """Bytes one cached value takes in a pool of `dtype`, its share of the vector's scale included."""
+    return jnp.dtype(dtype).itemsize + (4 / head_dim if is_quantized(dtype) else 0)
+
+
+def scale_of(amax):
+    """The scale of a vector whose largest magnitude is `amax` (f32): an all-zero vector gets 1."""
+    return jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+
+
+def quantize(x_H: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`[..., H]` -> (float8_e4m3fn `[..., H]`, fp32 scale `[...]`); `dequantize` inverts it up to e4m3 rounding."""
+    x = x_H.astype(jnp.float32)
+    scale = scale_of(jnp.max(jnp.abs(x), axis=-1))
+    return (x / scale[..., None]).astype(FP8), scale
+
+
+def dequantize(q_H: jax.Array, scale: jax.Array | None, dtype=jnp.float32) -> jax.Array:
+    """The stored values in `dtype` (a pool without scales is returned as it is, cast)."""
+    if scale is None:
+        return q_H.astype(dtype)
+    return (q_H.astype(jnp.float32) * scale[..., None]).astype(dtype)
