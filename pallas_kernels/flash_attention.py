@@ -74,8 +74,8 @@ def _kernel(
         kpos = blk * bkv + jnp.arange(bkv)
         slots = (pages[:, None] * page_size + jnp.arange(page_size)[None, :]).reshape(bkv)
         in_range = (kpos < hi)[:, None]
-        k = plt.load(k_ref.at[slots[:, None], kh, hcols], mask=in_range, other=0).astype(q.dtype)
-        v = plt.load(v_ref.at[slots[:, None], kh, hcols], mask=in_range, other=0).astype(q.dtype)
+        k = plt.load(k_ref.at[slots[:, None], kh, hcols], mask=in_range, other=0.0).astype(q.dtype)
+        v = plt.load(v_ref.at[slots[:, None], kh, hcols], mask=in_range, other=0.0).astype(q.dtype)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale  # [bq, bkv]
         if quantized:
             k_scale, v_scale = (plt.load(r.at[slots, kh], mask=kpos < hi, other=0.0) for r in (ks_ref, vs_ref))

@@ -79,8 +79,9 @@ def _attend(
         pos = blk * bkv + jnp.arange(bkv)
         ok = (pos >= lo) & (pos < hi)
         rows = (pages[:, None] * page_size + jnp.arange(page_size)[None, :]).reshape(bkv)
-        k = plt.load(k_ref.at[rows[:, None], kh, hcols], mask=ok[:, None], other=0).astype(q.dtype)
-        v = plt.load(v_ref.at[rows[:, None], kh, hcols], mask=ok[:, None], other=0).astype(q.dtype)
+        # (a float `other`: Triton casts no integer to fp8)
+        k = plt.load(k_ref.at[rows[:, None], kh, hcols], mask=ok[:, None], other=0.0).astype(q.dtype)
+        v = plt.load(v_ref.at[rows[:, None], kh, hcols], mask=ok[:, None], other=0.0).astype(q.dtype)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale  # [gp, bkv]
         if scale_refs is not None:
             k_scale, v_scale = (plt.load(r.at[rows, kh], mask=ok, other=0.0) for r in scale_refs)
