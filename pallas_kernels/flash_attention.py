@@ -26,6 +26,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels import kv_quant
+
 NEG = -1e30
 BIG = 2**30
 
@@ -64,7 +66,7 @@ def _kernel(
     blk_lo = lo // bkv
     blk_hi = jnp.maximum((hi + bkv - 1) // bkv, blk_lo)
 
-    q = q_ref[b, kh, pl.ds(r0, bq), :]
+    q = q_ref[b, kh, pl.ds(r0, bq), :].astype(kv_quant.dot_dtype(quantized, q_ref.dtype))
     hcols = jnp.arange(H)[None, :]
 
     def body(blk, carry):
@@ -87,8 +89,12 @@ def _kernel(
         alpha = jnp.exp(m - m_new)
         p = jnp.where(vis, jnp.exp(s - m_new[:, None]), 0.0)
         l = l * alpha + jnp.sum(p, axis=1)
-        pv = p * v_scale[None, :] if quantized else p
-        acc = acc * alpha[:, None] + jnp.dot(pv.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        if quantized:
+            w, top = kv_quant.value_weights(p, v_scale)
+            pv = jnp.dot(w, v, preferred_element_type=jnp.float32) * top
+        else:
+            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        acc = acc * alpha[:, None] + pv
         return m_new, l, acc
 
     m0 = jnp.full((bq,), NEG, jnp.float32)

@@ -41,3 +41,20 @@ def dequantize(q_H: jax.Array, scale: jax.Array | None, dtype=jnp.float32) -> ja
     if scale is None:
         return q_H.astype(dtype)
     return (q_H.astype(jnp.float32) * scale[..., None]).astype(dtype)
+
+
+# ---- inside the attention kernels ------------------------------------------------------------------------------------
+# Stored e4m3 values convert to f16 in one instruction on Hopper (two per `cvt`), to bf16 only through f32; so with
+# an FP8 pool the kernels' dots take f16 operands (queries cast once per program; e4m3 values are exact in f16).
+
+
+def dot_dtype(quantized: bool, dtype):
+    """The operand dtype of the attention dots: f16 over an FP8 pool, else the model's."""
+    return jnp.float16 if quantized else dtype
+
+
+def value_weights(p, v_scale):
+    """Probabilities `p` `[rows, keys]` times each key's value scale, as f16 dot operands: normalized by the block's
+    largest scale (returned, to multiply the dot's f32 result by) so that small scales cannot underflow f16."""
+    top = jnp.maximum(jnp.max(v_scale), 1e-30)
+    return (p * (v_scale / top)[None, :]).astype(jnp.float16), top

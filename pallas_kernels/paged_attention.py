@@ -68,6 +68,7 @@ def _attend(
     first = blk_lo + sp * per
     last = jnp.minimum(first + per, blk_hi)
     hcols = jnp.arange(q.shape[1])[None, :]
+    q = q.astype(kv_quant.dot_dtype(scale_refs is not None, q.dtype))
 
     def body(blk, carry):
         m, l, acc = carry
@@ -92,8 +93,12 @@ def _attend(
         p = jnp.exp(s - m_new[:, None])
         p = jnp.where(ok[None, :], p, 0.0)
         l = l * alpha + jnp.sum(p, axis=1)
-        pv = p if scale_refs is None else p * v_scale[None, :]
-        acc = acc * alpha[:, None] + jnp.dot(pv.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        if scale_refs is None:
+            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        else:
+            w, top = kv_quant.value_weights(p, v_scale)
+            pv = jnp.dot(w, v, preferred_element_type=jnp.float32) * top
+        acc = acc * alpha[:, None] + pv
         return m_new, l, acc
 
     return jax.lax.fori_loop(first, jnp.maximum(last, first), body, (m, l, acc))
