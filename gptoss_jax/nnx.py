@@ -213,11 +213,17 @@ class GptOss(nnx.Module):
         `router_logits` (bias included), the chosen `expert_ids` (best first) and their `expert_weights`; on
         `layers.attn` each head's `sink_mass`. It costs the reference attention a second time (`model.Inspect`)."""
         tokens = jnp.asarray(token_ids, jnp.int32)
+        if tokens.ndim not in (1, 2) or tokens.size == 0:
+            raise ValueError(f"token_ids of shape {tokens.shape}: expected [T] or [B, T] with T > 0")
         single = tokens.ndim == 1
         tokens = tokens[None] if single else tokens
         B, T = tokens.shape
         pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) if positions is None else positions
-        pos = jnp.asarray(pos, jnp.int32).reshape(B, T)
+        pos = jnp.asarray(pos, jnp.int32)
+        if pos.shape != tokens.shape and pos.shape != (T,):
+            raise ValueError(f"positions of shape {pos.shape}: expected the token ids' shape {tokens.shape}")
+        pos = jnp.broadcast_to(pos, (B, T))
+        _check_concrete(tokens, pos, self.config.vocab_size)
         ranks = self.layout.num_ranks if self.layout is not None else 1
         pad = -B % ranks  # rows are split over the attention ranks: padding rows make them divide
         if pad:
@@ -240,6 +246,19 @@ class GptOss(nnx.Module):
             for name in ("router_logits", "expert_ids", "expert_weights"):
                 self.layers.mlp.sow(nnx.Intermediate, name, getattr(records, name))
         return logits[0] if single else logits
+
+
+def _check_concrete(tokens_BT: jax.Array, positions_BT: jax.Array, vocab_size: int) -> None:
+    """Out-of-range ids and positions would be clamped silently on device: refuse them where the values are known
+    (not under a trace, e.g. inside `jax.grad`)."""
+    if isinstance(tokens_BT, jax.core.Tracer) or isinstance(positions_BT, jax.core.Tracer):
+        return
+    bad = (tokens_BT < 0) | (tokens_BT >= vocab_size)
+    if bad.any():
+        raise ValueError(f"token id {int(tokens_BT[bad][0])} is outside the vocabulary [0, {vocab_size})")
+    T = tokens_BT.shape[1]
+    if ((positions_BT < -1) | (positions_BT >= T)).any():
+        raise ValueError(f"positions must lie in [-1, {T}) (-1: padding; a row attends only to the tokens it holds)")
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels", "layout", "inspect"))

@@ -152,3 +152,14 @@ def test_from_pretrained_errors(tmp_path, small_checkpoint):
         GptOss.from_pretrained(small_checkpoint, dtype="float16")
     with pytest.raises(checkpoint.CheckpointError, match="checkpoint folder not found"):
         GptOss.from_pretrained(tmp_path / "nowhere", progress=False)
+
+
+def test_call_refuses_bad_inputs(module):
+    with pytest.raises(ValueError, match="token id 512 is outside the vocabulary"):
+        module(jnp.asarray([1, 512]))
+    with pytest.raises(ValueError, match=r"positions must lie in \[-1, 2\)"):
+        module(jnp.asarray([1, 2]), jnp.asarray([0, 5]))
+    with pytest.raises(ValueError, match="expected the token ids' shape"):
+        module(jnp.asarray([[1, 2]]), jnp.asarray([0, 1, 2]))
+    with pytest.raises(ValueError, match="expected"):
+        module(jnp.zeros((0,), jnp.int32))
