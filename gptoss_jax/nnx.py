@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 from gptoss_jax import checkpoint, model
 from gptoss_jax.config import ModelConfig
 from gptoss_jax.engine import DTYPES
+from gptoss_jax.llm import LLM
 from pallas_kernels import KernelConfig
 from pallas_kernels import params as params_lib
 from sharding.rules import Layout
@@ -194,11 +195,9 @@ class GptOss(nnx.Module):
             unembed=self.unembed.weight[...],
         )
 
-    def to_llm(self, **kwargs):
+    def to_llm(self, **kwargs) -> LLM:
         """A serving `gptoss_jax.LLM` over this module's parameters (shared, not copied; a LoRA is merged into
         the router weight first). `kwargs`: `LLM`'s engine settings."""
-        from gptoss_jax.llm import LLM
-
         return LLM.from_params(self.config, self.to_params(), model=self.path, layout=self.layout, **kwargs)
 
     def __call__(
