@@ -209,6 +209,21 @@ def _check_tensor(name, file, dtype_name, shape, want_shape, t: Target, field) -
         )
 
 
+def load_placed(
+    path: str | Path, dtype, kernels, layout=None, *, cache_dir: str | Path | None = None, progress: bool = True
+) -> tuple[ModelConfig, params_lib.Params]:
+    """The engine's loading (also `gptoss_jax.nnx.GptOss.from_pretrained`'s): `Params` placed by `layout` (a
+    `sharding.rules.Layout`, or None for one device), in the layout the kernels of `kernels` (resolved for the
+    device) read. Under a layout each device reads only its slice, unless an orbax `cache_dir` is restored."""
+    if layout is not None and cache_dir is None:  # each device reads only its slice, experts padded
+        cfg, params = load_params_sharded(path, dtype, layout, progress=progress)
+    else:
+        cfg, params = load(path, dtype, impl=kernels.impl, cache_dir=cache_dir, progress=progress)
+        if layout is not None:
+            params = layout.shard_params(params, cfg.num_kv_heads)
+    return cfg, pallas_kernels.prepare_params(params, kernels)  # sharded: each device its experts
+
+
 # ---- orbax cache of converted parameters -------------------------------------------------------
 
 

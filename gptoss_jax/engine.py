@@ -119,22 +119,15 @@ class Engine:
         self._report("loading weights", 0, 1, str(model or "the demo checkpoint"))
         if loaded is None:
             self.model_path: Path | None = Path(model) if model is not None else demo.checkpoint_path()
-            if layout is not None and cache_dir is None:  # each device reads only its slice, experts padded
-                self.model_config, params = checkpoint.load_params_sharded(
-                    self.model_path, DTYPES[dtype], layout, progress=progress
-                )
-            else:
-                self.model_config, params = checkpoint.load(
-                    self.model_path, DTYPES[dtype], impl=self.kernels.impl, cache_dir=cache_dir, progress=progress
-                )
-                if layout is not None:
-                    params = layout.shard_params(params, self.model_config.num_kv_heads)
+            self.model_config, params = checkpoint.load_placed(
+                self.model_path, DTYPES[dtype], self.kernels, layout, cache_dir=cache_dir, progress=progress
+            )
         else:
             self.model_path = Path(model) if model is not None else None
             self.model_config, params = loaded
             if layout is not None:
                 params = layout.shard_params(params, self.model_config.num_kv_heads)
-        params = pallas_kernels.prepare_params(params, self.kernels)  # sharded: each device its experts
+            params = pallas_kernels.prepare_params(params, self.kernels)  # sharded: each device its experts
         self._report("loading weights", 1, 1, f"{time.perf_counter() - t0:.1f}s")
         self.tokenizer = tokenizer
         if isinstance(tokenizer, (str, os.PathLike)) or (

@@ -11,14 +11,17 @@ import dataclasses
 import os
 from typing import Sequence
 
+import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
 from gptoss_jax import inspection
+from gptoss_jax.config import ModelConfig
 from gptoss_jax.engine import DTYPES, Engine
 from gptoss_jax.engine_config import EngineConfig
 from gptoss_jax.inspection import Inspection
 from gptoss_jax.sampling import SamplingParams, find_stop_string
+from pallas_kernels.params import Params
 
 
 @dataclasses.dataclass
@@ -79,6 +82,16 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self._next_id = 0
+
+    @classmethod
+    def from_params(
+        cls, config: ModelConfig, params: Params, *, model: str | os.PathLike | None = None, layout=None, **kwargs
+    ) -> LLM:
+        """An `LLM` over parameters already in memory (e.g. `gptoss_jax.nnx.GptOss.to_llm`), shared with the caller,
+        not copied. `model`: the checkpoint folder they came from (where the tokenizer is looked for); `layout`: the
+        `sharding.rules.Layout` they are placed by; `kwargs`: as for `LLM`. The dtype is the parameters'."""
+        dtype = jnp.dtype(params.embed.dtype).name
+        return cls(model, dtype, loaded=(config, params), layout=layout, **kwargs)
 
     # ---- helpers -------------------------------------------------------------------------------
     def _encode(self, prompt: str) -> list[int]:

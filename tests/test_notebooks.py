@@ -21,6 +21,7 @@ CASES = {  # notebook -> the figure it saves
     "quickstart.ipynb": "notebook_quickstart.png",
     "inside_gpt_oss.ipynb": "inside_gpt_oss.png",
     "benchmarks.ipynb": "benchmarks_curves.png",
+    "flax_research.ipynb": "flax_research.png",
 }
 
 
