@@ -290,3 +290,119 @@ def test_abort_while_a_call_is_in_flight(engine):
     assert [o.finish_reason for o in outs if o.request_id == "a"] == ["abort"]
     assert sum(len(o.new_token_ids) for o in outs if o.request_id == "b") > 0
     assert not engine.has_unfinished_requests() and engine.stats().kv_cache_usage == 0
+
+
+class _Poison(tuple):
+    """A stop-token list that raises when read: a bad value reaching the engine past validation."""
+
+    def __contains__(self, item):
+        raise RuntimeError("injected fault")
+
+
+def _drain(engine):
+    """Step until idle: {id: (tokens, finish_reason, error)}."""
+    out, done = {}, {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                done[o.request_id] = (out[o.request_id], o.finish_reason, o.error)
+    return done
+
+
+def test_a_fault_in_one_request_fails_only_it(engine):
+    """A request whose value breaks the host-side step fails alone; its neighbours and later requests are exact."""
+    pa, pb = prompts(2, 5, 9, seed=11)
+    want = alone(engine, pa, greedy(6))
+    bad = greedy(6)
+    bad.stop_token_ids = _Poison()
+    engine.add_request("good", pa, greedy(6))
+    engine.add_request("bad", pb, bad)
+    done = _drain(engine)
+    assert done["good"][:2] == (want[0], "length")
+    assert (
+        done["bad"][1] == "error" and "request bad failed in the engine: RuntimeError: injected fault" in done["bad"][2]
+    )
+    assert engine.stats().kv_cache_usage == 0 and engine.stats().num_running == 0
+    assert alone(engine, pa, greedy(6)) == want
+
+
+@pytest.mark.parametrize("where", ["launch", "read"])
+def test_a_failed_device_call_fails_its_batch_and_the_engine_goes_on(engine, monkeypatch, where):
+    """A decode call that raises when dispatched, or whose results cannot be read (a kernel error surfaces there),
+    fails the requests of that batch; requests still waiting, and those after, run exactly."""
+    pa, pb, pc = prompts(3, 5, 9, seed=12)
+    want = {p[0]: alone(engine, p, greedy(6))[0] for p in (pa, pb, pc)}
+    real, calls = engine.runner.decode, []
+
+    class Unreadable:
+        def __array__(self, *a, **k):
+            raise RuntimeError("injected device fault")
+
+    def faulty(seqs):
+        calls.append([s.request_id for s in seqs])
+        if len(calls) > 1:
+            return real(seqs)
+        if where == "launch":
+            raise RuntimeError("injected device fault")
+        sampled, rows = real(seqs)
+        return sampled.replace(tokens=Unreadable()), rows
+
+    monkeypatch.setattr(engine.runner, "decode", faulty)
+    engine.add_request("a", pa, greedy(6))
+    engine.add_request("b", pb, greedy(6))
+    done = _drain(engine)
+    assert {r: d[1] for r, d in done.items()} == {"a": "error", "b": "error"} and calls[0] == ["a", "b"]
+    assert all("injected device fault" in d[2] for d in done.values())
+    assert engine.stats().kv_cache_usage == 0
+    engine.add_request("c", pc, greedy(6))
+    engine.add_request("a2", pa, greedy(6))
+    done = _drain(engine)
+    assert done["c"][0] == want[pc[0]] and done["a2"][0] == want[pa[0]]
+
+
+def test_sampling_values_beyond_the_engine_are_refused(engine):
+    """The report's crash: top_k past int32 used to overflow the packing on the engine thread."""
+    with pytest.raises(ValueError, match=r"SamplingParams\.top_k=2147483648"):
+        greedy(2, top_k=2**31)
+    with pytest.raises(ValueError, match=r"top_k=600: at most the vocabulary size 512"):
+        engine.add_request("k", [1, 2], greedy(2, top_k=600))
+    assert not engine.has_unfinished_requests()
+
+
+def test_async_engine_keeps_serving_when_requests_fail(engine):
+    """Faults injected while other requests stream: only the faulty request fails, the others finish exactly,
+    and the AsyncEngine is neither dead nor holding pages afterwards."""
+    import asyncio
+
+    from gptoss_jax.async_engine import AsyncEngine, RequestFailedError
+
+    ps = prompts(4, 5, 9, seed=13)
+    want = [alone(engine, p, greedy(8))[0] for p in ps]
+    bad = greedy(8)
+    bad.stop_token_ids = _Poison()
+
+    async def main():
+        ae = AsyncEngine(engine)
+        ae.start()
+        await ae.wait_loaded()
+
+        async def one(i, p, sp):
+            toks = []
+            async for o in ae.generate(f"r{i}", p, sp):
+                toks += o.new_token_ids
+            return toks
+
+        try:
+            res = await asyncio.gather(
+                *(one(i, p, greedy(8)) for i, p in enumerate(ps)), one(9, ps[0], bad), return_exceptions=True
+            )
+            after = await one(10, ps[1], greedy(8))
+        finally:
+            ae.shutdown()
+        return ae, res, after
+
+    ae, res, after = asyncio.run(main())
+    assert res[:4] == want and isinstance(res[4], RequestFailedError) and "injected fault" in str(res[4])
+    assert after == want[1] and ae.dead is None
+    assert engine.stats().kv_cache_usage == 0 and not engine.has_unfinished_requests()
