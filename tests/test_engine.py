@@ -229,6 +229,16 @@ def test_bad_requests(engine, prompt, kw, match):
         (dict(stop=[""]), "stop"),
         (dict(stop=[3]), "stop"),
         (dict(logprobs=True), "logprobs"),
+        (dict(top_k=2**31), "top_k"),
+        (dict(seed=2**64), "seed"),
+        (dict(seed=-(2**63) - 1), "seed"),
+        (dict(max_tokens=2**31), "max_tokens"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(temperature=1e39), "temperature"),
+        (dict(stop=["s"] * 17), "stop"),
+        (dict(stop="s" * 1025), "stop"),
+        (dict(stop_token_ids=[2**31]), "stop_token_ids"),
+        (dict(stop_token_ids=list(range(1025))), "stop_token_ids"),
     ],
 )
 def test_bad_new_sampling_params(kw, match):
@@ -257,6 +267,29 @@ def test_batch_job_resumes(engine, tmp_path):
     src.write_text('{"prompt_token_ids": [1], "max_tokenz": 3}\n')
     with pytest.raises(ValueError, match=r"in.jsonl:1: unknown field\(s\) \['max_tokenz'\]"):
         batch.run(engine, src, dst, {}, progress=False)
+
+
+def test_batch_resume_repairs_a_cut_last_line(engine, tmp_path):
+    """A crash mid-write leaves half a record without its newline: the rerun drops it and redoes that request, so
+    every line parses and each record is there once."""
+    import json
+
+    from gptoss_jax import batch
+
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = [{"id": r, "prompt_token_ids": [5, 6, 7 + i], "max_tokens": 3} for i, r in enumerate("abc")]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    defaults = dict(temperature=0, stop_token_ids=[])
+    batch.run(engine, src, dst, defaults, progress=False)
+    lines = dst.read_text().splitlines(keepends=True)
+    want = sorted(lines)
+    dst.write_text(lines[0] + lines[1][: len(lines[1]) // 2])
+    second = batch.run(engine, src, dst, defaults, progress=False)
+    assert (second["requests"], second["skipped"], second["failed"]) == (2, 1, 0)
+    assert sorted(dst.read_text().splitlines(keepends=True)) == want
+    dst.write_text(lines[0][:10])  # nothing whole at all
+    assert batch.run(engine, src, dst, defaults, progress=False)["requests"] == 3
+    assert sorted(dst.read_text().splitlines(keepends=True)) == want
 
 
 def test_async_scheduling_matches_sync(small_checkpoint, engine):

@@ -3,7 +3,8 @@
 uvicorn times out idle kept-alive connections but not a client that sends its request line and headers slowly
 (slowloris) or never finishes them: each such connection would hold a socket forever. Here a request's headers must
 be complete within `header_timeout_s` of the connection opening (or of the first bytes of the next request on a
-kept-alive connection), else the connection is closed. The body has its own limit in the app (`ServerConfig.body_timeout_s`).
+kept-alive connection), else the connection is closed. The body has its own limit in the app
+(`ServerConfig.body_timeout_s`).
 """
 
 from __future__ import annotations
