@@ -512,6 +512,34 @@ def test_engine_faults_fail_only_their_requests(app):
     normal_request_works(app)
 
 
+def test_drain_refuses_new_requests_and_cut_off_ends_running_ones(app):
+    """The drain's two halves in process (the SIGTERM test below drives them through uvicorn): while draining, a
+    new request is a 503; at the drain timeout a running stream ends with the error event and [DONE], a running
+    non-streamed request with a 503."""
+    slow = [{"role": "user", "content": "go [[slow:x]]"}]
+
+    async def both():
+        s = asyncio.ensure_future(app.client.post(CHAT, json={"messages": slow, "stream": True}, headers=AUTH))
+        p = asyncio.ensure_future(app.client.post(CHAT, json={"messages": slow, "max_tokens": 4000}, headers=AUTH))
+        while len(app.engine._streams) < 2:
+            await asyncio.sleep(0.01)
+        app.st.begin_drain()
+        try:
+            refused = await app.client.post(CHAT, json={"messages": MSG}, headers=AUTH)
+            app.st.cut_off(30)
+            return refused, await s, await p
+        finally:
+            app.st.draining = False
+
+    refused, streamed, plain = app.call(both())
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
+    events = sse_events(streamed.text)
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "server_shutting_down"
+    assert plain.status_code == 503 and plain.json()["error"]["code"] == "server_shutting_down"
+    assert "30 s drain timeout" in plain.json()["error"]["message"]
+    normal_request_works(app)
+
+
 # ---- real sockets: timeouts, load, drain ------------------------------------------------------------
 
 
@@ -734,5 +762,6 @@ def test_sigterm_drains_then_ends_what_is_left_with_an_error(tmp_path):
             waited = time.perf_counter() - t0
         assert s.proc.wait(15) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it caught once it is done
         assert 1.8 < waited < 6, waited
+        print(f"drain: the cut-off requests answered {waited:.2f} s after SIGTERM (--shutdown-timeout 2)")
     finally:
         s.stop()
