@@ -601,6 +601,18 @@ def test_slow_headers_and_short_bodies_time_out(app, loopback):
     normal_request_works(app)
 
 
+def test_a_client_leaving_during_the_body_is_no_server_error(app, loopback, caplog):
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Length: 100\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", loopback.port)) as s:
+        s.sendall(head.encode() + b'{"messages": ')
+        time.sleep(0.2)
+    time.sleep(0.3)
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], caplog.text
+    normal_request_works(app)
+
+
 def test_separators_survive_sse_through_openai_and_bench_serving(app, loopback, tmp_path):
     """U+2028, U+2029 and U+0085 inside a data line: the openai client and tools/bench_serving.py split SSE as the
     spec says (httpx's aiter_lines would cut the JSON there)."""
