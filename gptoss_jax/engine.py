@@ -255,20 +255,13 @@ class Engine:
             outputs += self._fail([c.seq for c in work.prefills] + list(work.decodes), e)
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None:  # read while `call` runs on the device
-            outputs += self._collect_or_fail(in_flight)
+            outputs += self._collect(in_flight)
         if call is not None:
             if self.config.async_scheduling:
                 self._in_flight = call
             else:
-                outputs += self._collect_or_fail(call)
+                outputs += self._collect(call)
         return outputs
-
-    def _collect_or_fail(self, call: _Call) -> list[StepOutput]:
-        """`_collect`, or, when reading the call's results fails (the device call failed), fail its requests."""
-        try:
-            return self._collect(call)
-        except Exception as e:  # noqa: BLE001 - the call's requests fail, the engine goes on
-            return self._fail([s for s, *_ in call.prefills] + [s for s, *_ in call.decodes], e)
 
     def _fail(self, seqs: list[Sequence], error: BaseException) -> list[StepOutput]:
         """End `seqs` with finish reason "error". Their pages are freed without entering the prefix cache (the
@@ -313,16 +306,24 @@ class Engine:
         return call
 
     def _collect(self, call: _Call) -> list[StepOutput]:
-        """Wait for a call's tokens and hand them to their sequences."""
+        """Wait for a call's tokens and hand them to their sequences. Results that cannot be read (the device call
+        failed) fail the sequences of that call."""
         outputs = []
         if call.prefills:
-            sampled = _to_host(call.prefill_out, any(s.params.logprobs is not None for s, *_ in call.prefills))
-            for seq, row, epoch, ends_prompt in call.prefills:
-                if ends_prompt and seq.epoch == epoch:
-                    seq.num_pending -= 1
-                    outputs += self._append_or_fail(seq, lambda: [_pick(sampled, (row,))])
+            try:
+                sampled = _to_host(call.prefill_out, any(s.params.logprobs is not None for s, *_ in call.prefills))
+            except Exception as e:  # noqa: BLE001 - this call's requests fail, the engine goes on
+                outputs += self._fail([s for s, *_ in call.prefills], e)
+            else:
+                for seq, row, epoch, ends_prompt in call.prefills:
+                    if ends_prompt and seq.epoch == epoch:
+                        seq.num_pending -= 1
+                        outputs += self._append_or_fail(seq, lambda: [_pick(sampled, (row,))])
         if call.decodes:
-            sampled = _to_host(call.decode_out, any(s.params.logprobs is not None for s, *_ in call.decodes))
+            try:
+                sampled = _to_host(call.decode_out, any(s.params.logprobs is not None for s, *_ in call.decodes))
+            except Exception as e:  # noqa: BLE001 - this call's requests fail, the engine goes on
+                return outputs + self._fail([s for s, *_ in call.decodes], e)
             K = sampled[0].shape[0]
             for seq, row, epoch in call.decodes:
                 if seq.epoch == epoch:

@@ -360,38 +360,41 @@ def test_a_fault_in_one_request_fails_only_it(engine):
     assert alone(engine, pa, greedy(6)) == want
 
 
-@pytest.mark.parametrize("where", ["launch", "read"])
-def test_a_failed_device_call_fails_its_batch_and_the_engine_goes_on(engine, monkeypatch, where):
-    """A decode call that raises when dispatched, or whose results cannot be read (a kernel error surfaces there),
-    fails the requests of that batch; requests still waiting, and those after, run exactly."""
-    pa, pb, pc = prompts(3, 5, 9, seed=12)
-    want = {p[0]: alone(engine, p, greedy(6))[0] for p in (pa, pb, pc)}
-    real, calls = engine.runner.decode, []
+@pytest.mark.parametrize("stage,where", [("decode", "launch"), ("decode", "read"), ("prefill", "read")])
+def test_a_failed_device_call_fails_its_batch_and_the_engine_goes_on(engine, monkeypatch, stage, where):
+    """A device call that raises when dispatched, or whose results cannot be read (a kernel error surfaces there),
+    fails the requests of that call; the others, and requests after, run exactly."""
+    ps = prompts(3, 5, 9, seed=12)
+    want = [alone(engine, p, greedy(6))[0] for p in ps]
+    real, calls = getattr(engine.runner, stage), []
 
     class Unreadable:
         def __array__(self, *a, **k):
             raise RuntimeError("injected device fault")
 
-    def faulty(seqs):
-        calls.append([s.request_id for s in seqs])
+    def faulty(items):
+        calls.append({getattr(x, "seq", x).request_id for x in items})
         if len(calls) > 1:
-            return real(seqs)
+            return real(items)
         if where == "launch":
             raise RuntimeError("injected device fault")
-        sampled, rows = real(seqs)
+        sampled, rows = real(items)
         return sampled.replace(tokens=Unreadable()), rows
 
-    monkeypatch.setattr(engine.runner, "decode", faulty)
-    engine.add_request("a", pa, greedy(6))
-    engine.add_request("b", pb, greedy(6))
+    monkeypatch.setattr(engine.runner, stage, faulty)
+    for i, p in enumerate(ps[:2]):
+        engine.add_request(f"r{i}", p, greedy(6))
     done = _drain(engine)
-    assert {r: d[1] for r, d in done.items()} == {"a": "error", "b": "error"} and calls[0] == ["a", "b"]
-    assert all("injected device fault" in d[2] for d in done.values())
+    failed = {r for r, d in done.items() if d[1] == "error"}
+    assert failed == calls[0] and all("injected device fault" in done[r][2] for r in failed)
+    for i in range(2):
+        if f"r{i}" not in failed:
+            assert done[f"r{i}"][:2] == (want[i], "length")
     assert engine.stats().kv_cache_usage == 0
-    engine.add_request("c", pc, greedy(6))
-    engine.add_request("a2", pa, greedy(6))
+    engine.add_request("c", ps[2], greedy(6))
+    engine.add_request("a2", ps[0], greedy(6))
     done = _drain(engine)
-    assert done["c"][0] == want[pc[0]] and done["a2"][0] == want[pa[0]]
+    assert done["c"][0] == want[2] and done["a2"][0] == want[0]
 
 
 def test_sampling_values_beyond_the_engine_are_refused(engine):
