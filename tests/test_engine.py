@@ -360,7 +360,14 @@ def test_a_fault_in_one_request_fails_only_it(engine):
     assert alone(engine, pa, greedy(6)) == want
 
 
-@pytest.mark.parametrize("stage,where", [("decode", "launch"), ("decode", "read"), ("prefill", "read")])
+@pytest.mark.parametrize(
+    "stage,where",
+    [
+        ("decode", "read"),
+        pytest.param("decode", "launch", marks=pytest.mark.slow),
+        pytest.param("prefill", "read", marks=pytest.mark.slow),
+    ],
+)
 def test_a_failed_device_call_fails_its_batch_and_the_engine_goes_on(engine, monkeypatch, stage, where):
     """A device call that raises when dispatched, or whose results cannot be read (a kernel error surfaces there),
     fails the requests of that call; the others, and requests after, run exactly."""
