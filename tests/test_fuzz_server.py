@@ -444,6 +444,24 @@ def test_deep_tool_schema_and_huge_messages_are_400s(app):
     normal_request_works(app)
 
 
+def test_a_message_that_cannot_fit_is_refused_before_rendering(app):
+    """More than 128 characters per token of context (the longest token is 128 bytes): refused unrendered."""
+    L = app.engine.max_model_len
+    app.engine.max_model_len = 100  # a 12,800-character cap
+    try:
+        r = app.post(CHAT, {"messages": MSG + [{"role": "user", "content": "w " * 7000}]})
+        err = assert_api_error(r, 400)
+        assert err["param"] == "messages[1]" and err["code"] == "context_length_exceeded"
+        assert (
+            "messages[1] has 14004 characters; this model's context of 100 tokens holds at most 12800" in err["message"]
+        )
+        err = assert_api_error(app.post(RESPONSES, {"input": "hi", "instructions": "w " * 7000}), 400)
+        assert err["param"] == "instructions"
+        assert assert_api_error(app.post(COMPLETIONS, {"prompt": ["a", "w " * 7000]}), 400)["param"] == "prompt[1]"
+    finally:
+        app.engine.max_model_len = L
+
+
 def test_valid_edge_values_are_accepted(app):
     for body in (
         {"messages": MSG, "seed": 2**64 - 1, "n": 2, "max_tokens": 2},

@@ -285,11 +285,13 @@ def _stops(stop) -> list[str]:
     return [s for s in stops if s]
 
 
-def _check_chars(st: State, items, param: str) -> None:
+def _check_chars(st: State, items: list, param: str) -> None:
     """A message (or prompt, or input item) whose text alone cannot fit in the context is refused before it is
-    rendered: more than MAX_TOKEN_CHARS characters per token of the context."""
+    rendered: more than MAX_TOKEN_CHARS characters per token of the context. `items` are named `param[i]`, or
+    `param` when `items` is not a list."""
     cap = MAX_TOKEN_CHARS * st.engine.max_model_len
-    for i, item in enumerate(items):
+    for i, item in enumerate(items if isinstance(items, list) else [items]):
+        name = f"{param}[{i}]" if isinstance(items, list) else param
         n, stack = 0, [item]
         while stack:
             x = stack.pop()
@@ -302,9 +304,9 @@ def _check_chars(st: State, items, param: str) -> None:
         if n > cap:
             raise APIError(
                 400,
-                f"{param}[{i}] has {n} characters; this model's context of {st.engine.max_model_len} tokens holds "
+                f"{name} has {n} characters; this model's context of {st.engine.max_model_len} tokens holds "
                 f"at most {cap}.",
-                param=f"{param}[{i}]",
+                param=name,
                 code="context_length_exceeded",
             )
 
@@ -1086,8 +1088,8 @@ async def responses(request: Request) -> Response:
     _check_ready(st)
     effort = harmony.parse_reasoning_effort(("reasoning.effort", req.reasoning.effort if req.reasoning else None))
     tools = harmony.parse_chat_tools(req.tools, req.tool_choice)
-    _check_chars(st, [req.input] if isinstance(req.input, str) else req.input, "input")
-    _check_chars(st, [req.instructions or ""], "instructions")
+    _check_chars(st, req.input, "input")
+    _check_chars(st, req.instructions, "instructions")
     prompt = await asyncio.to_thread(st.renderer.render_responses, req.input, req.instructions, tools, effort)
     max_tokens = _max_tokens(st, len(prompt), req.max_output_tokens, "input")
     params = _sampling_params(
