@@ -21,7 +21,11 @@ log = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread failed; the server reports 500s and /health goes red."""
+    """The engine failed to load; the server reports 500s and /health goes red."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed inside the engine (finish reason "error", or a step that raised); the engine goes on."""
 
 
 class AsyncEngine:
@@ -100,11 +104,10 @@ class AsyncEngine:
                         self._deliver(outs)
                 elif did:
                     self._refresh_stats()
-            except BaseException as e:  # noqa: BLE001 - anything here kills serving; report it everywhere
+            except Exception as e:  # noqa: BLE001 - not attributable to one request: fail those in flight, go on
                 log.exception("engine step failed")
-                self.dead = e
-                self._fail_all(EngineDeadError(f"engine failed: {type(e).__name__}: {e}"))
-                return
+                self._fail_all(RequestFailedError(f"the engine step failed: {type(e).__name__}: {e}"))
+                busy = False
             if not busy:
                 self._wake.wait(0.5)
 
@@ -117,14 +120,21 @@ class AsyncEngine:
                 return did
             did = True
             kind = cmd[0]
-            if kind == "add":
-                _, rid, ids, params, fut = cmd
+            if kind == "add":  # all of one API request's choices, or none
+                _, requests, fut = cmd
+                added = []
                 try:
-                    self.engine.add_request(rid, ids, params)
+                    for rid, ids, params in requests:
+                        self.engine.add_request(rid, ids, params)
+                        added.append(rid)
                 except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    for rid in added:
+                        self.engine.abort_request(rid)
                     fut.set_exception(e)
                 else:
                     fut.set_result(None)
+            elif kind == "fail_all":
+                self._fail_all(cmd[1])
             elif kind == "abort":
                 try:
                     self.engine.abort_request(cmd[1])
@@ -150,7 +160,12 @@ class AsyncEngine:
                 entry[1].put_nowait(o)
 
     def _fail_all(self, err: BaseException) -> None:
+        """Fail every listening request and drop it from the engine (its pages are freed)."""
         for rid, (loop, q) in list(self._streams.items()):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # already gone
+                log.debug("abort of %s ignored", rid, exc_info=True)
             try:
                 loop.call_soon_threadsafe(q.put_nowait, err)
             except RuntimeError:
@@ -164,27 +179,42 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id))
 
+    def fail_all(self, err: BaseException) -> None:
+        """End every running request with `err` (raised by its stream); the engine stays up (the drain timeout of a
+        shutdown)."""
+        self._submit(("fail_all", err))
+
     async def add(self, request_id: str, prompt_ids: list[int], params: Any) -> "RequestStream":
         """Submit a request; returns once the engine accepted it (its `ValueError` otherwise).
         Iterate the returned stream for `StepOutput`s; `close()` it early to abort the request."""
+        return (await self.add_many([(request_id, prompt_ids, params)]))[0]
+
+    async def add_many(self, requests: list[tuple[str, list[int], Any]]) -> list["RequestStream"]:
+        """Submit several requests (one API request's choices) in one engine command: all are accepted or none
+        (the first `ValueError` is raised and the others are not left running)."""
         if self.dead is not None:
             raise EngineDeadError(f"engine failed: {self.dead}")
-        if request_id in self._streams:
-            raise ValueError(f"duplicate request id {request_id}")
-        stream = RequestStream(self, request_id)
-        self._streams[request_id] = (asyncio.get_running_loop(), stream.queue)
+        ids = [r[0] for r in requests]
+        if len(set(ids)) != len(ids) or any(rid in self._streams for rid in ids):
+            raise ValueError(f"duplicate request id among {ids}")
+        loop = asyncio.get_running_loop()
+        streams = [RequestStream(self, rid) for rid in ids]
+        for s in streams:
+            self._streams[s.request_id] = (loop, s.queue)
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(("add", request_id, list(prompt_ids), params, fut))
+        self._submit(("add", [(rid, list(ids_), p) for rid, ids_, p in requests], fut))
         try:
             await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
-            stream.close()  # the add may still land: the abort queued after it removes it
+            for s in streams:
+                s.close()  # the add may still land: the aborts queued after it remove it
             raise
         except BaseException:
-            stream.finished = True
-            stream.close()
+            for s in streams:
+                s.finished = True
+                s.close()
             raise
-        return stream
+        return streams
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: Any) -> AsyncIterator[Any]:
         """Yield the request's `StepOutput`s until one is finished; cancelling or closing the
@@ -241,10 +271,12 @@ class RequestStream:
             raise StopAsyncIteration
         out = await self.queue.get()
         if isinstance(out, BaseException):
-            self.finished = True  # the engine is gone; nothing to abort
+            self.finished = True  # the engine dropped it; nothing to abort
             raise out
         if out.finished:
             self.finished = True
+            if out.finish_reason == "error":
+                raise RequestFailedError(getattr(out, "error", None) or "the request failed in the engine")
         return out
 
     def close(self) -> None:

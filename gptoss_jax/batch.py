@@ -4,13 +4,15 @@ Each input line is an object with `prompt` (text) or `prompt_token_ids`, an opti
 the line number) and optional sampling fields (`max_tokens`, `temperature`, `top_p`, `top_k`,
 `min_p`, `seed`, `stop`, `stop_token_ids`, `logprobs`). Results are appended to the output as each
 request finishes, so an interrupted job resumes where it stopped: ids already in the output are
-skipped. All requests go through one continuously batched `Engine`.
+skipped (a last line cut short is dropped first); a request that fails in the engine is logged, counted as failed and
+not written, so a rerun tries it again. All requests go through one continuously batched `Engine`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from tqdm.auto import tqdm
 from gptoss_jax.engine import Engine
 from gptoss_jax.sampling import SamplingParams, find_stop_string
 
+log = logging.getLogger(__name__)
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
@@ -57,17 +60,41 @@ def read_requests(path: Path, engine: Engine, defaults: dict) -> list[tuple[str,
     return out
 
 
+def _drop_partial_line(path: Path) -> None:
+    """Cut a last line without its newline (a write cut short by a crash or a full disk), so the records appended
+    next start on a line of their own; that line's request runs again."""
+    with open(path, "rb+") as f:
+        f.seek(0, 2)
+        size = f.tell()
+        if size == 0:
+            return
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        pos = size
+        while pos > 0:  # back to the last newline, a block at a time
+            start = max(0, pos - 65536)
+            f.seek(start)
+            cut = f.read(pos - start).rfind(b"\n")
+            if cut >= 0:
+                f.truncate(start + cut + 1)
+                return
+            pos = start
+        f.truncate(0)
+
+
 def run(engine: Engine, input_path: str | Path, output_path: str | Path, defaults: dict, progress: bool = True) -> dict:
     """Generate every request of `input_path` not yet in `output_path`; returns a throughput summary."""
     output_path = Path(output_path)
     requests = read_requests(Path(input_path), engine, defaults)
     done = set()
     if output_path.exists():
+        _drop_partial_line(output_path)
         for line in output_path.read_text().splitlines():
             try:
                 done.add(str(json.loads(line)["id"]))
             except (json.JSONDecodeError, KeyError, TypeError):
-                continue  # a line cut by an interruption; that request runs again
+                continue  # not one of our records; its request (if any) runs again
     todo = [r for r in requests if r[0] not in done]
     prompts = {}
     for rid, ids, sp in todo:
@@ -76,7 +103,7 @@ def run(engine: Engine, input_path: str | Path, output_path: str | Path, default
     tokens = {rid: [] for rid in prompts}
     logprobs = {rid: [] for rid in prompts}
     t0 = time.perf_counter()
-    n_out = 0
+    n_out, failed = 0, []
     with open(output_path, "a") as f, tqdm(total=len(todo), desc="Requests", unit="req", disable=not progress) as bar:
         while engine.has_unfinished_requests():
             for o in engine.step():
@@ -87,6 +114,11 @@ def run(engine: Engine, input_path: str | Path, output_path: str | Path, default
                 ids, sp = prompts[o.request_id]
                 toks = tokens.pop(o.request_id)
                 n_out += len(toks)
+                bar.update(1)
+                if o.finish_reason == "error":  # not written: a rerun tries it again
+                    failed.append(o.request_id)
+                    log.error("%s", o.error)
+                    continue
                 record = {
                     "id": o.request_id,
                     "token_ids": toks,
@@ -104,13 +136,13 @@ def run(engine: Engine, input_path: str | Path, output_path: str | Path, default
                     record["logprobs"] = logprobs[o.request_id]
                 f.write(json.dumps(record) + "\n")
                 f.flush()
-                bar.update(1)
                 bar.set_postfix(out_tok_s=f"{n_out / (time.perf_counter() - t0):.0f}")
     elapsed = time.perf_counter() - t0
     n_in = sum(len(ids) for ids, _ in prompts.values())
     return {
         "requests": len(todo),
         "skipped": len(requests) - len(todo),
+        "failed": len(failed),
         "input_tokens": n_in,
         "output_tokens": n_out,
         "seconds": round(elapsed, 3),

@@ -49,11 +49,12 @@ class StepOutput:
     request_id: str
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort"
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None  # the stop token id (not in the output) or stop string
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None
     num_prompt_tokens: int
     num_cached_prompt_tokens: int
+    error: str | None = None  # with finish_reason "error": why this request failed (the engine goes on)
 
 
 @dataclasses.dataclass
@@ -184,6 +185,11 @@ class Engine:
                 f"{self.max_model_len} (max_model_len) including at least one generated token"
             )
         sp = sampling_params
+        if sp.top_k > self.model_config.vocab_size:
+            raise ValueError(
+                f"SamplingParams.top_k={sp.top_k}: at most the vocabulary size {self.model_config.vocab_size} "
+                "(0 disables it)"
+            )
         if sp.logprobs is not None and sp.logprobs > self.config.max_logprobs:
             raise ValueError(
                 f"SamplingParams.logprobs={sp.logprobs}: at most max_logprobs={self.config.max_logprobs} are served"
@@ -230,18 +236,51 @@ class Engine:
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """One scheduler step. A fault confined to some requests (a value the packing rejects, a sampler or
+        stop-string error, a device call that fails) ends those requests with finish reason "error"; the
+        others, and the engine, go on."""
         outputs, self._aborted = self._aborted, []
         work = self.scheduler.schedule()
-        call = None if work.empty else self._launch(work)
-        if self._in_flight is not None:  # read while `call` runs on the device
-            outputs += self._collect(self._in_flight)
-        self._in_flight = None
+        try:
+            call = None if work.empty else self._launch(work)
+        except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
+            call = None
+            outputs += self._fail([c.seq for c in work.prefills] + list(work.decodes), e)
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:  # read while `call` runs on the device
+            outputs += self._collect(in_flight)
         if call is not None:
             if self.config.async_scheduling:
                 self._in_flight = call
             else:
                 outputs += self._collect(call)
         return outputs
+
+    def _fail(self, seqs: list[Sequence], error: BaseException) -> list[StepOutput]:
+        """End `seqs` with finish reason "error". Their pages are freed without entering the prefix cache (the
+        failed call may have left them half written)."""
+        log.error("engine step failed for %d request(s)", len(seqs), exc_info=error)
+        out = []
+        for seq in dict.fromkeys(seqs):  # in order, once each
+            if self._requests.get(seq.request_id) is not seq:
+                continue  # already finished or aborted
+            del self._requests[seq.request_id]
+            self.scheduler.remove(seq, cache=False)
+            msg = f"request {seq.request_id} failed in the engine: {type(error).__name__}: {error}"
+            out.append(
+                StepOutput(
+                    seq.request_id,
+                    [],
+                    True,
+                    "error",
+                    None,
+                    None,
+                    seq.num_prompt_tokens,
+                    seq.num_cached_prompt_tokens,
+                    msg,
+                )
+            )
+        return out
 
     def _launch(self, work) -> _Call:
         """Enqueue this step's prefill and decode calls (neither waits for the other)."""
@@ -260,22 +299,38 @@ class Engine:
         return call
 
     def _collect(self, call: _Call) -> list[StepOutput]:
-        """Wait for a call's tokens and hand them to their sequences."""
+        """Wait for a call's tokens and hand them to their sequences. Results that cannot be read (the device call
+        failed) fail the sequences of that call."""
         outputs = []
         if call.prefills:
-            sampled = _to_host(call.prefill_out, any(s.params.logprobs is not None for s, *_ in call.prefills))
-            for seq, row, epoch, ends_prompt in call.prefills:
-                if ends_prompt and seq.epoch == epoch:
-                    seq.num_pending -= 1
-                    outputs.append(self._append(seq, [_pick(sampled, (row,))]))
+            try:
+                sampled = _to_host(call.prefill_out, any(s.params.logprobs is not None for s, *_ in call.prefills))
+            except Exception as e:  # noqa: BLE001 - this call's requests fail, the engine goes on
+                outputs += self._fail([s for s, *_ in call.prefills], e)
+            else:
+                for seq, row, epoch, ends_prompt in call.prefills:
+                    if ends_prompt and seq.epoch == epoch:
+                        seq.num_pending -= 1
+                        outputs += self._append_or_fail(seq, lambda: [_pick(sampled, (row,))])
         if call.decodes:
-            sampled = _to_host(call.decode_out, any(s.params.logprobs is not None for s, *_ in call.decodes))
+            try:
+                sampled = _to_host(call.decode_out, any(s.params.logprobs is not None for s, *_ in call.decodes))
+            except Exception as e:  # noqa: BLE001 - this call's requests fail, the engine goes on
+                return outputs + self._fail([s for s, *_ in call.decodes], e)
             K = sampled[0].shape[0]
             for seq, row, epoch in call.decodes:
                 if seq.epoch == epoch:
                     seq.num_pending -= K
-                    outputs.append(self._append(seq, [_pick(sampled, (k, row)) for k in range(K)]))
+                    outputs += self._append_or_fail(seq, lambda: [_pick(sampled, (k, row)) for k in range(K)])
         return outputs
+
+    def _append_or_fail(self, seq: Sequence, picks: Callable[[], list]) -> list[StepOutput]:
+        """`_append` of one sequence's tokens; an error there (a token the stop-string check cannot decode, a
+        bad value) fails that sequence only."""
+        try:
+            return [self._append(seq, picks())]
+        except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
+            return self._fail([seq], e)
 
     def _append(self, seq: Sequence, picks: list[tuple[int, float, list[tuple[int, float]]]]) -> StepOutput:
         """Add sampled tokens (fed one after another on device) until a stop or length limit."""

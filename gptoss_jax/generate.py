@@ -144,6 +144,9 @@ def _batch(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(json.dumps(summary))
+    if summary["failed"]:
+        print(f"error: {summary['failed']} request(s) failed (logged above); rerun to retry them", file=sys.stderr)
+        return 1
     return 0
 
 

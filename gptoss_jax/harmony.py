@@ -19,6 +19,7 @@ import os
 import re
 from typing import Any, Iterable
 
+from gptoss_jax import tokenizer as tokenizer_lib
 from gptoss_jax.tokenizer import CALL, CHANNEL, CONSTRAIN, END, ENDOFTEXT, MESSAGE, RETURN, START
 
 FIRST_SPECIAL = 199998  # o200k_harmony: every id >= this is a special token
@@ -108,6 +109,22 @@ def _text_of(content: Any, param: str) -> str:
     raise RenderError(f"{param} must be a string or a list of content parts", param)
 
 
+# Text that openai-harmony tokenizes itself (instructions, tool descriptions and schemas; message bodies go through
+# tiktoken, see `Renderer._render`) may not hold a run of more non-space characters than this: harmony's tokenizer is
+# quadratic in one regex piece and holds the GIL (40,000 characters: 0.55 s).
+MAX_HARMONY_WORD = 8192
+
+
+def _check_words(text: str, param: str) -> None:
+    """Reject a run of more than MAX_HARMONY_WORD non-space characters (linear: finds the longest run)."""
+    if len(text) > MAX_HARMONY_WORD and max(map(len, re.split(r"\s+", text))) > MAX_HARMONY_WORD:
+        raise RenderError(
+            f"{param} holds a run of more than {MAX_HARMONY_WORD} characters without whitespace; "
+            "put such data in a user message",
+            param,
+        )
+
+
 def parse_chat_tools(tools: Any, tool_choice: Any) -> list[Tool]:
     """OpenAI `tools` + `tool_choice` -> the function tools to render (`none` renders none)."""
     if tools is None:
@@ -127,13 +144,21 @@ def parse_chat_tools(tools: Any, tool_choice: Any) -> list[Tool]:
             raise RenderError(
                 f"tools[{i}]: 'parameters' must be a JSON schema object", f"tools[{i}].function.parameters"
             )
-        out.append(Tool(name, fn.get("description") or "", params))
+        description = fn.get("description") or ""
+        if not isinstance(description, str):
+            raise RenderError(f"tools[{i}]: 'description' must be a string", f"tools[{i}].function.description")
+        _check_words(description, f"tools[{i}].function.description")
+        _check_words(json.dumps(params) if params else "", f"tools[{i}].function.parameters")
+        out.append(Tool(name, description, params))
     if tool_choice is None or tool_choice in ("auto", "required"):
         return out
     if tool_choice == "none":
         return []
     if isinstance(tool_choice, dict):
-        name = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
+        fn = tool_choice.get("function")
+        if fn is not None and not isinstance(fn, dict):
+            raise RenderError("tool_choice.function must be an object with a 'name'", "tool_choice.function")
+        name = (fn or {}).get("name") or tool_choice.get("name")
         chosen = [t for t in out if t.name == name]
         if not chosen:
             raise RenderError(f"tool_choice names function {name!r}, which is not in 'tools'", "tool_choice")
@@ -154,10 +179,14 @@ class _Msg:
 
 
 class Renderer:
-    """Renders chat messages / Responses input into harmony prompt token ids."""
+    """Renders chat messages / Responses input into harmony prompt token ids. `tokenizer`: the o200k_harmony
+    `tiktoken.Encoding` that encodes message bodies (default: `tokenizer.load()`)."""
 
-    def __init__(self, conversation_start_date: str | None = None, model_identity: str | None = None):
+    def __init__(
+        self, conversation_start_date: str | None = None, model_identity: str | None = None, tokenizer: Any = None
+    ):
         self.enc = load_encoding()
+        self.tok = tokenizer if tokenizer is not None else tokenizer_lib.load()
         self.conversation_start_date = conversation_start_date
         self.model_identity = model_identity
 
@@ -172,6 +201,7 @@ class Renderer:
     ) -> list[int]:
         msgs = []
         if instructions:
+            _check_words(instructions, "instructions")
             msgs.append(_Msg("instructions", instructions))
         msgs += self._responses_to_msgs(input_)
         return self._render(msgs, tools, reasoning_effort)
@@ -198,6 +228,7 @@ class Renderer:
             role = m.get("role")
             if role in ("system", "developer"):
                 out.append(_Msg("instructions", _text_of(m.get("content"), f"{p}.content")))
+                _check_words(out[-1].text, f"{p}.content")
             elif role == "user":
                 out.append(_Msg("user", _text_of(m.get("content"), f"{p}.content")))
             elif role == "assistant":
@@ -225,7 +256,9 @@ class Renderer:
                         args = fn.get("arguments", "")
                         if not isinstance(args, str):
                             args = json.dumps(args)
-                        if isinstance(tc.get("id"), str):
+                        if not isinstance(tc.get("id", ""), str):
+                            raise RenderError(f"{p}.tool_calls[{j}].id must be a string", f"{p}.tool_calls[{j}].id")
+                        if tc.get("id"):
                             call_names[tc["id"]] = fn["name"]
                         out.append(
                             _Msg(
@@ -239,7 +272,10 @@ class Renderer:
                 elif text or not reasoning:
                     out.append(_Msg("assistant", text, channel="final"))
             elif role in ("tool", "function"):
-                name = m.get("name") or call_names.get(m.get("tool_call_id"))
+                call_id = m.get("tool_call_id")
+                if call_id is not None and not isinstance(call_id, str):
+                    raise RenderError(f"{p}.tool_call_id must be a string", f"{p}.tool_call_id")
+                name = m.get("name") or call_names.get(call_id)
                 if not isinstance(name, str):
                     raise RenderError(
                         f"{p}: cannot tell which function this result belongs to: give 'name' or a "
@@ -289,6 +325,7 @@ class Renderer:
                 role = it.get("role")
                 text = _text_of(it.get("content"), f"{p}.content")
                 if role in ("system", "developer"):
+                    _check_words(text, f"{p}.content")
                     out.append(_Msg("instructions", text))
                 elif role == "user":
                     out.append(_Msg("user", text))
@@ -305,6 +342,8 @@ class Renderer:
                 name, args = it.get("name"), it.get("arguments", "")
                 if not isinstance(name, str) or not isinstance(args, str):
                     raise RenderError(f"{p}: function_call needs string 'name' and 'arguments'", p)
+                if not isinstance(it.get("call_id", ""), str):
+                    raise RenderError(f"{p}.call_id must be a string", f"{p}.call_id")
                 call_names[it.get("call_id", "")] = name
                 out.append(
                     _Msg(
@@ -316,6 +355,8 @@ class Renderer:
                     )
                 )
             elif kind == "function_call_output":
+                if not isinstance(it.get("call_id", ""), str):
+                    raise RenderError(f"{p}.call_id must be a string", f"{p}.call_id")
                 name = call_names.get(it.get("call_id", ""))
                 if name is None:
                     raise RenderError(f"{p}: call_id {it.get('call_id')!r} matches no earlier function_call", p)
@@ -335,6 +376,26 @@ class Renderer:
 
     # ---- neutral messages -> harmony tokens ----------------------------------------------------
     def _render(self, msgs: list[_Msg], tools: list[Tool], effort: str) -> list[int]:
+        """openai-harmony renders the frame (system and developer messages, headers); the bodies of user, assistant
+        and tool messages are left empty there and encoded here with tiktoken, which gives the same tokens (a body
+        is encoded on its own, specials as plain text) in linear time and without the GIL, where harmony's own
+        tokenizer is quadratic in one long regex piece (160k x 'a': 9.5 s holding the event loop)."""
+        bodies = [m.text if m.role != "instructions" else "" for m in msgs]
+        frame = self._render_frame(
+            [dataclasses.replace(m, text="") if b else m for m, b in zip(msgs, bodies)], tools, effort
+        )
+        # Leading instructions merge into one developer message, so the last len(msgs) - k messages are msgs[k:].
+        k = next((i for i, m in enumerate(msgs) if m.role != "instructions"), len(msgs))
+        starts = [i for i, t in enumerate(frame) if t == MESSAGE]
+        out, prev = [], 0
+        for body, at in zip(bodies[k:], starts[len(starts) - (len(msgs) - k) :]):
+            if body:
+                out += frame[prev : at + 1]
+                out += self.tok.encode_ordinary(body)
+                prev = at + 1
+        return out + frame[prev:]
+
+    def _render_frame(self, msgs: list[_Msg], tools: list[Tool], effort: str) -> list[int]:
         import openai_harmony as oh
         from openai_harmony import ReasoningEffort, RenderConversationConfig
 

@@ -13,6 +13,16 @@ from flax import struct
 
 from gptoss_jax.tokenizer import ASSISTANT_STOPS
 
+# Bounds every entry point enforces (`SamplingParams` offline, the server at its edge): what the engine's int32 and
+# float32 sampling arrays hold, seeds as 64-bit integers (OpenAI's and vLLM's range), and stop lists small
+# enough that matching them per token stays cheap.
+INT32_MAX = 2**31 - 1
+SEED_RANGE = (-(2**63), 2**64 - 1)
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
 
 @dataclasses.dataclass
 class SamplingParams:
@@ -33,31 +43,53 @@ class SamplingParams:
 
     def __post_init__(self):
         def bad(field, why):
-            raise ValueError(f"SamplingParams.{field}={getattr(self, field)!r}: {why}")
+            raise ValueError(f"SamplingParams.{field}={_short(getattr(self, field))}: {why}")
 
-        if not isinstance(self.temperature, (int, float)) or not np.isfinite(self.temperature) or self.temperature < 0:
+        def is_int(x):
+            return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+        def is_num(x):
+            return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+        if not is_num(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
             bad("temperature", "must be a finite number >= 0")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            bad("top_k", "must be an integer >= 0 (0 disables it)")
-        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+        if not is_int(self.top_k) or not 0 <= self.top_k <= INT32_MAX:
+            bad(
+                "top_k", f"must be an integer in [0, {INT32_MAX}] (0 disables it; the engine caps it at its vocabulary)"
+            )
+        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            bad("seed", "must be an integer or None")
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            bad("max_tokens", "must be an integer >= 1")
-        if any(not isinstance(t, (int, np.integer)) or t < 0 for t in self.stop_token_ids):
+        if self.seed is not None and (not is_int(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            bad("seed", f"must be None or an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]")
+        if not is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT32_MAX:
+            bad("max_tokens", f"must be an integer in [1, {INT32_MAX}]")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__len__"):
+            bad("stop_token_ids", "must be a list of token ids")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} are supported")
+        if any(not is_int(t) or not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
-        if any(not isinstance(x, str) or not x for x in stop):
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or ()
+        if not isinstance(stop, (list, tuple)) or any(not isinstance(x, str) or not x for x in stop):
             bad("stop", "must be a string or a list of non-empty strings")
+        if len(stop) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_CHARS for x in stop):
+            bad("stop", f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters each")
         self.stop = tuple(stop)
-        if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or self.logprobs < 0
-        ):
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= INT32_MAX):
             bad("logprobs", "must be an integer >= 0 or None")
+        self.temperature, self.top_p, self.min_p = float(self.temperature), float(self.top_p), float(self.min_p)
+        self.top_k, self.max_tokens = int(self.top_k), int(self.max_tokens)
+        self.seed = None if self.seed is None else int(self.seed)
+        self.logprobs = None if self.logprobs is None else int(self.logprobs)
+
+
+def _short(value, limit: int = 200) -> str:
+    """`repr` cut to `limit` characters: error messages stay readable whatever a caller passed."""
+    r = repr(value)
+    return r if len(r) <= limit else f"{r[:limit]}... ({len(r)} characters)"
 
 
 @struct.dataclass

@@ -86,13 +86,15 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def remove(self, seq: Sequence) -> None:
-        """Drop a finished or aborted sequence and free its pages (full ones stay prefix-cached)."""
+    def remove(self, seq: Sequence, cache: bool = True) -> None:
+        """Drop a finished or aborted sequence and free its pages (full ones stay prefix-cached unless `cache` is
+        False: a failed sequence's pages may hold half-written K/V)."""
         if seq in self.running:
             self._leave(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.kv.register(seq.pages, seq.token_ids, seq.num_computed)
+        if cache:
+            self.kv.register(seq.pages, seq.token_ids, seq.num_computed)
         self.kv.free(seq.pages)
 
     def _leave(self, seq: Sequence) -> None:

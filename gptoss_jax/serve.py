@@ -69,10 +69,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--model-identity", default=None, help="replace the system message's identity line")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up requests before /health is 200")
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, seconds running requests may take to finish before each is ended with an error "
+        "(default 30)",
+    )
     p.add_argument("--log-level", default="info")
     # Test-only: load an engine from FILE.py:FACTORY instead of gptoss_jax.engine (scripted outputs).
     p.add_argument("--test-engine", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.shutdown_timeout < 0:
+        p.error("--shutdown-timeout must be >= 0")
     if args.conversation_start_date and not re.fullmatch(r"\d{4}-\d{2}-\d{2}", args.conversation_start_date):
         p.error("--conversation-start-date must be YYYY-MM-DD")
     return args
@@ -123,6 +132,7 @@ def main(argv=None) -> int:
     from gptoss_jax import tokenizer as tokenizer_lib
     from gptoss_jax.async_engine import AsyncEngine
     from gptoss_jax.server.app import ServerConfig, State, build_app
+    from gptoss_jax.server.http import DrainingServer, HeaderTimeoutProtocol
 
     model_path = Path(args.model) if args.model else demo.checkpoint_path()
     name = args.served_model_name or (model_path.name if args.model else "gpt-oss-demo")
@@ -175,9 +185,15 @@ def main(argv=None) -> int:
 
     app = build_app(st, lifespan=lifespan)
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=5
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        http=HeaderTimeoutProtocol,
+        # The drain (`DrainingServer`) ends requests at --shutdown-timeout; uvicorn cancels what is left a bit later.
+        timeout_graceful_shutdown=args.shutdown_timeout + DrainingServer.grace_s,
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, st, args.shutdown_timeout)
     server_box["server"] = server
     server.run()
     return 1 if server_box.get("failed") else 0

@@ -6,7 +6,9 @@ HTTP server: `python -m gptoss_jax.serve --test-engine tests/scripted_engine.py:
 
 The script is chosen by a marker in the prompt text: `[[script:NAME]]` (see SCRIPTS) or
 `[[count:N]]` (a final answer " t0 t1 ... tN-1"). Steps emit 1, 2 or 3 tokens in turn, so multi-token
-deliveries are exercised. KV "pages" (16 tokens each) are tracked so /metrics shows them freed.
+deliveries are exercised. Faults as `Engine` reports them: `[[fault:request]]` ends that request with finish reason
+"error" after a few tokens; `[[fault:step]]` makes one `step()` raise (a fault the engine cannot pin on a request).
+KV "pages" (16 tokens each) are tracked so /metrics shows them freed.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ SCRIPTS = {
     "<|message|>ok<|constrain|>!<|reserved_200013|><|return|>",
     "headerless": "I cannot help with that.<|return|>",
     "length": "<|channel|>analysis<|message|>" + "thinking " * 200 + "<|end|>",
+    "separators": "<|channel|>final<|message|>line\u2028para\u2029next\u0085end \u2028\u2029<|return|>",
     "stopword": "<|channel|>analysis<|message|>STOP in reasoning is fine<|end|>"
     "<|start|>assistant<|channel|>final<|message|>one two STOP three four<|return|>",
 }
@@ -55,6 +58,7 @@ class StepOutput:
     logprobs: list | None = None
     num_prompt_tokens: int = 0
     num_cached_prompt_tokens: int = 0
+    error: str | None = None
 
 
 @dataclasses.dataclass
@@ -78,6 +82,7 @@ class _Req:
     generated: int = 0
     steps: int = 0
     slow: bool = False
+    fault: str | None = None
 
 
 class ScriptedEngine:
@@ -92,8 +97,10 @@ class ScriptedEngine:
     def _script(self, prompt: list[int]) -> tuple[list[int], bool]:
         text = self.tokenizer.decode(prompt)
         # The last marker wins: in multi-turn tests the latest user message picks the script.
-        marks = re.findall(r"\[\[(script|count|slow):([A-Za-z_0-9]+)\]\]", text)
+        marks = re.findall(r"\[\[(script|count|slow|fault):([A-Za-z_0-9]+)\]\]", text)
         kind, arg = marks[-1] if marks else ("script", "default")
+        if kind == "fault":
+            return self.tokenizer.encode("<|channel|>final<|message|>", allowed_special="all"), True
         if kind == "count":
             body = "".join(f" t{i}" for i in range(int(arg)))
             return self.tokenizer.encode(f"<|channel|>final<|message|>{body}<|return|>", allowed_special="all"), False
@@ -112,7 +119,10 @@ class ScriptedEngine:
                 f"exceeds max_model_len {self.max_model_len}"
             )
         script, slow = self._script(list(prompt_token_ids))
-        self.reqs[request_id] = _Req(request_id, len(prompt_token_ids), script, sampling_params, slow=slow)
+        fault = re.findall(r"\[\[fault:(request|step)\]\]", self.tokenizer.decode(list(prompt_token_ids)))
+        self.reqs[request_id] = _Req(
+            request_id, len(prompt_token_ids), script, sampling_params, slow=slow, fault=fault[-1] if fault else None
+        )
         self.stats_.prompt_tokens_total += len(prompt_token_ids)
 
     def abort_request(self, request_id) -> None:
@@ -133,6 +143,12 @@ class ScriptedEngine:
             time.sleep(self.step_sleep)
         outs = []
         for rid, r in list(self.reqs.items()):
+            if r.fault and r.steps == 3:
+                del self.reqs[rid]
+                if r.fault == "step":
+                    raise RuntimeError("injected step fault")
+                outs.append(StepOutput(rid, [], True, "error", None, None, r.prompt_len, 0, f"request {rid}: injected"))
+                continue
             r.steps += 1
             k = 1 + (r.steps % 3)
             toks: list[int] = []

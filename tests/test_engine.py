@@ -229,6 +229,16 @@ def test_bad_requests(engine, prompt, kw, match):
         (dict(stop=[""]), "stop"),
         (dict(stop=[3]), "stop"),
         (dict(logprobs=True), "logprobs"),
+        (dict(top_k=2**31), "top_k"),
+        (dict(seed=2**64), "seed"),
+        (dict(seed=-(2**63) - 1), "seed"),
+        (dict(max_tokens=2**31), "max_tokens"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(temperature=1e39), "temperature"),
+        (dict(stop=["s"] * 17), "stop"),
+        (dict(stop="s" * 1025), "stop"),
+        (dict(stop_token_ids=[2**31]), "stop_token_ids"),
+        (dict(stop_token_ids=list(range(1025))), "stop_token_ids"),
     ],
 )
 def test_bad_new_sampling_params(kw, match):
@@ -257,6 +267,29 @@ def test_batch_job_resumes(engine, tmp_path):
     src.write_text('{"prompt_token_ids": [1], "max_tokenz": 3}\n')
     with pytest.raises(ValueError, match=r"in.jsonl:1: unknown field\(s\) \['max_tokenz'\]"):
         batch.run(engine, src, dst, {}, progress=False)
+
+
+def test_batch_resume_repairs_a_cut_last_line(engine, tmp_path):
+    """A crash mid-write leaves half a record without its newline: the rerun drops it and redoes that request, so
+    every line parses and each record is there once."""
+    import json
+
+    from gptoss_jax import batch
+
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = [{"id": r, "prompt_token_ids": [5, 6, 7 + i], "max_tokens": 3} for i, r in enumerate("abc")]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    defaults = dict(temperature=0, stop_token_ids=[])
+    batch.run(engine, src, dst, defaults, progress=False)
+    lines = dst.read_text().splitlines(keepends=True)
+    want = sorted(lines)
+    dst.write_text(lines[0] + lines[1][: len(lines[1]) // 2])
+    second = batch.run(engine, src, dst, defaults, progress=False)
+    assert (second["requests"], second["skipped"], second["failed"]) == (2, 1, 0)
+    assert sorted(dst.read_text().splitlines(keepends=True)) == want
+    dst.write_text(lines[0][:10])  # nothing whole at all
+    assert batch.run(engine, src, dst, defaults, progress=False)["requests"] == 3
+    assert sorted(dst.read_text().splitlines(keepends=True)) == want
 
 
 def test_async_scheduling_matches_sync(small_checkpoint, engine):
@@ -290,3 +323,129 @@ def test_abort_while_a_call_is_in_flight(engine):
     assert [o.finish_reason for o in outs if o.request_id == "a"] == ["abort"]
     assert sum(len(o.new_token_ids) for o in outs if o.request_id == "b") > 0
     assert not engine.has_unfinished_requests() and engine.stats().kv_cache_usage == 0
+
+
+class _Poison(tuple):
+    """A stop-token list that raises when read: a bad value reaching the engine past validation."""
+
+    def __contains__(self, item):
+        raise RuntimeError("injected fault")
+
+
+def _drain(engine):
+    """Step until idle: {id: (tokens, finish_reason, error)}."""
+    out, done = {}, {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                done[o.request_id] = (out[o.request_id], o.finish_reason, o.error)
+    return done
+
+
+def test_a_fault_in_one_request_fails_only_it(engine):
+    """A request whose value breaks the host-side step fails alone; its neighbours and later requests are exact."""
+    pa, pb = prompts(2, 5, 9, seed=11)
+    want = alone(engine, pa, greedy(6))
+    bad = greedy(6)
+    bad.stop_token_ids = _Poison()
+    engine.add_request("good", pa, greedy(6))
+    engine.add_request("bad", pb, bad)
+    done = _drain(engine)
+    assert done["good"][:2] == (want[0], "length")
+    assert (
+        done["bad"][1] == "error" and "request bad failed in the engine: RuntimeError: injected fault" in done["bad"][2]
+    )
+    assert engine.stats().kv_cache_usage == 0 and engine.stats().num_running == 0
+    assert alone(engine, pa, greedy(6)) == want
+
+
+@pytest.mark.parametrize(
+    "stage,where",
+    [
+        ("decode", "read"),
+        pytest.param("decode", "launch", marks=pytest.mark.slow),
+        pytest.param("prefill", "read", marks=pytest.mark.slow),
+    ],
+)
+def test_a_failed_device_call_fails_its_batch_and_the_engine_goes_on(engine, monkeypatch, stage, where):
+    """A device call that raises when dispatched, or whose results cannot be read (a kernel error surfaces there),
+    fails the requests of that call; the others, and requests after, run exactly."""
+    ps = prompts(3, 5, 9, seed=12)
+    want = [alone(engine, p, greedy(6))[0] for p in ps]
+    real, calls = getattr(engine.runner, stage), []
+
+    class Unreadable:
+        def __array__(self, *a, **k):
+            raise RuntimeError("injected device fault")
+
+    def faulty(items):
+        calls.append({getattr(x, "seq", x).request_id for x in items})
+        if len(calls) > 1:
+            return real(items)
+        if where == "launch":
+            raise RuntimeError("injected device fault")
+        sampled, rows = real(items)
+        return sampled.replace(tokens=Unreadable()), rows
+
+    monkeypatch.setattr(engine.runner, stage, faulty)
+    for i, p in enumerate(ps[:2]):
+        engine.add_request(f"r{i}", p, greedy(6))
+    done = _drain(engine)
+    failed = {r for r, d in done.items() if d[1] == "error"}
+    assert failed == calls[0] and all("injected device fault" in done[r][2] for r in failed)
+    for i in range(2):
+        if f"r{i}" not in failed:
+            assert done[f"r{i}"][:2] == (want[i], "length")
+    assert engine.stats().kv_cache_usage == 0
+    engine.add_request("c", ps[2], greedy(6))
+    engine.add_request("a2", ps[0], greedy(6))
+    done = _drain(engine)
+    assert done["c"][0] == want[2] and done["a2"][0] == want[0]
+
+
+def test_sampling_values_beyond_the_engine_are_refused(engine):
+    """The report's crash: top_k past int32 used to overflow the packing on the engine thread."""
+    with pytest.raises(ValueError, match=r"SamplingParams\.top_k=2147483648"):
+        greedy(2, top_k=2**31)
+    with pytest.raises(ValueError, match=r"top_k=600: at most the vocabulary size 512"):
+        engine.add_request("k", [1, 2], greedy(2, top_k=600))
+    assert not engine.has_unfinished_requests()
+
+
+def test_async_engine_keeps_serving_when_requests_fail(engine):
+    """Faults injected while other requests stream: only the faulty request fails, the others finish exactly,
+    and the AsyncEngine is neither dead nor holding pages afterwards."""
+    import asyncio
+
+    from gptoss_jax.async_engine import AsyncEngine, RequestFailedError
+
+    ps = prompts(4, 5, 9, seed=13)
+    want = [alone(engine, p, greedy(8))[0] for p in ps]
+    bad = greedy(8)
+    bad.stop_token_ids = _Poison()
+
+    async def main():
+        ae = AsyncEngine(engine)
+        ae.start()
+        await ae.wait_loaded()
+
+        async def one(i, p, sp):
+            toks = []
+            async for o in ae.generate(f"r{i}", p, sp):
+                toks += o.new_token_ids
+            return toks
+
+        try:
+            res = await asyncio.gather(
+                *(one(i, p, greedy(8)) for i, p in enumerate(ps)), one(9, ps[0], bad), return_exceptions=True
+            )
+            after = await one(10, ps[1], greedy(8))
+        finally:
+            ae.shutdown()
+        return ae, res, after
+
+    ae, res, after = asyncio.run(main())
+    assert res[:4] == want and isinstance(res[4], RequestFailedError) and "injected fault" in str(res[4])
+    assert after == want[1] and ae.dead is None
+    assert engine.stats().kv_cache_usage == 0 and not engine.has_unfinished_requests()

@@ -46,6 +46,19 @@ def make_prompt(rng: random.Random, n_tokens: int) -> str:
     return "Repeat and continue: " + " ".join(rng.choice(WORDS) for _ in range(max(1, n_tokens - 8)))
 
 
+async def sse_lines(chunks):
+    """The lines of a server-sent-events body as the spec splits them: at CRLF, LF or CR only. (httpx's
+    `aiter_lines` also splits at U+2028, U+2029 and U+0085, which generated text may hold inside one `data:` line.)"""
+    buf = b""
+    async for chunk in chunks:
+        buf += chunk
+        *lines, buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+        for line in lines:
+            yield line.decode("utf-8")
+    if buf:
+        yield buf.decode("utf-8")
+
+
 async def one_request(client: httpx.AsyncClient, args, prompt: str, out_len: int) -> dict:
     chat = args.endpoint == "chat"
     body: dict = {
@@ -71,7 +84,7 @@ async def one_request(client: httpx.AsyncClient, args, prompt: str, out_len: int
             if r.status_code != 200:
                 rec["error"] = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return rec
-            async for line in r.aiter_lines():
+            async for line in sse_lines(r.aiter_bytes()):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()

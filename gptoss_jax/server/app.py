@@ -20,12 +20,12 @@ from typing import Any, AsyncIterator
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from gptoss_jax import harmony
-from gptoss_jax.async_engine import AsyncEngine, EngineDeadError, stats_dict
+from gptoss_jax import harmony, sampling
+from gptoss_jax.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, stats_dict
 from gptoss_jax.sampling import SamplingParams
 from gptoss_jax.server import protocol as P
 from gptoss_jax.server.metrics import Metrics
@@ -33,6 +33,11 @@ from gptoss_jax.server.sse import SSEResponse
 
 log = logging.getLogger("gptoss_jax.server")
 APIError = P.APIError
+ENGINE_ERRORS = (EngineDeadError, RequestFailedError)
+MAX_JSON_DEPTH = 64  # nesting of a request body (a tool schema nests a few levels below the top)
+MAX_TOKEN_CHARS = (
+    128  # the longest o200k token is 128 bytes: a message of more than 128 x context characters cannot fit
+)
 
 
 @dataclasses.dataclass
@@ -43,6 +48,12 @@ class ServerConfig:
     conversation_start_date: str | None = None
     model_identity: str | None = None
     default_max_tokens: int | None = None
+    max_choices: int = 128  # sequences one request may start: prompts x n on /v1/completions, n elsewhere
+    body_timeout_s: float = 60.0  # the whole body must arrive within this (slow senders, short bodies)
+
+
+class ServerShuttingDownError(RequestFailedError):
+    """The drain timeout passed while this request was still running."""
 
 
 class State:
@@ -50,10 +61,29 @@ class State:
         self.engine = engine
         self.tok = tokenizer
         self.cfg = cfg
-        self.renderer = harmony.Renderer(cfg.conversation_start_date, cfg.model_identity)
+        self.renderer = harmony.Renderer(cfg.conversation_start_date, cfg.model_identity, tokenizer)
         self.metrics = Metrics(cfg.model_name)
         self.ready = False
+        self.draining = False
         self.created = int(time.time())
+
+    def begin_drain(self) -> None:
+        """Shutdown began: new requests get 503, running ones go on."""
+        self.draining = True
+
+    def cut_off(self, drain_timeout_s: float) -> None:
+        """The drain timeout passed: end every running request with an error (streams get an error event and
+        [DONE], the others a 503)."""
+        self.engine.fail_all(
+            ServerShuttingDownError(
+                f"The server is shutting down; this request was still running after the {drain_timeout_s:g} s drain "
+                "timeout. Retry it on another replica."
+            )
+        )
+
+
+class _ClientGone(Exception):
+    """The client closed the connection before its response was complete (nothing is sent)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -90,14 +120,24 @@ async def _read_json(st: State, request: Request) -> dict:
             413, f"Request body of {declared} bytes exceeds the limit of {limit} bytes.", code="request_too_large"
         )
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"Request body exceeds the limit of {limit} bytes.", code="request_too_large")
-        chunks.append(chunk)
     try:
-        body = json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        async with asyncio.timeout(st.cfg.body_timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"Request body exceeds the limit of {limit} bytes.", code="request_too_large")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(
+            408, f"The request body did not arrive within {st.cfg.body_timeout_s:g} s.", code="request_timeout"
+        ) from None
+    except ClientDisconnect:
+        raise _ClientGone from None
+    try:
+        body = json.loads(b"".join(chunks), parse_constant=_no_constant)
+    except RecursionError:
+        raise APIError(400, f"The JSON body nests deeper than {MAX_JSON_DEPTH} levels.", code="invalid_json") from None
+    except ValueError as e:  # bad JSON or UTF-8, NaN/Infinity, an integer of more than 4,300 digits
         raise APIError(
             400,
             f"We could not parse the JSON body of your request ({e}). The body must be valid JSON.",
@@ -105,7 +145,36 @@ async def _read_json(st: State, request: Request) -> dict:
         ) from None
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+    _check_json(body)
     return body
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _check_json(body: dict) -> None:
+    """Nesting within MAX_JSON_DEPTH, and every string valid Unicode (JSON escapes can spell lone surrogates,
+    which no tokenizer encodes)."""
+    stack = [(body, 1)]
+    while stack:
+        x, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(400, f"The JSON body nests deeper than {MAX_JSON_DEPTH} levels.", code="invalid_json")
+        items = x.items() if isinstance(x, dict) else enumerate(x)
+        for k, v in items:
+            for s in (k, v):
+                if isinstance(s, str):
+                    try:
+                        s.encode("utf-8")
+                    except UnicodeEncodeError:
+                        raise APIError(
+                            400,
+                            f"The JSON body holds a string that is not valid Unicode (a lone surrogate): {s[:40]!r}.",
+                            code="invalid_json",
+                        ) from None
+            if isinstance(v, (dict, list)):
+                stack.append((v, depth + 1))
 
 
 def _validate(model_cls, body: dict):
@@ -126,6 +195,8 @@ def _check_model(st: State, name: str | None) -> None:
 
 
 def _check_ready(st: State) -> None:
+    if st.draining:
+        raise APIError(503, "The server is shutting down.", type="server_error", code="server_shutting_down")
     if st.engine.dead is not None:
         raise APIError(500, f"The engine failed: {st.engine.dead}", type="server_error")
     if not st.ready:
@@ -167,7 +238,14 @@ def _max_tokens(st: State, prompt_len: int, requested: int | None, what: str) ->
 _SP_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
-def _sampling_params(*, temperature, top_p, top_k, min_p, seed, max_tokens, logprobs) -> SamplingParams:
+def _sampling_params(
+    *, temperature, top_p, top_k, min_p, seed, max_tokens, logprobs, vocab_size: int | None = None
+) -> SamplingParams:
+    """The engine's `SamplingParams` for one choice; a value out of bounds is a 400 naming the parameter."""
+    if vocab_size is not None and top_k is not None and top_k > vocab_size:
+        raise APIError(
+            400, f"'top_k' is {top_k}; at most the vocabulary size {vocab_size} (-1 or 0 disable it).", param="top_k"
+        )
     kw = dict(
         temperature=1.0 if temperature is None else float(temperature),
         top_p=1.0 if top_p is None else float(top_p),
@@ -184,16 +262,53 @@ def _sampling_params(*, temperature, top_p, top_k, min_p, seed, max_tokens, logp
     try:
         return SamplingParams(**kw)
     except ValueError as e:
-        raise APIError(400, str(e)) from None
+        field = str(e).partition("=")[0].removeprefix("SamplingParams.")
+        raise APIError(400, str(e), param=field if field in _SP_FIELDS else None) from None
+
+
+def _choice_seed(seed: int | None, i: int) -> int | None:
+    """Choice i's seed: `seed + i`, wrapped into the 64-bit range."""
+    if seed is None:
+        return None
+    lo, hi = sampling.SEED_RANGE
+    return (seed + i - lo) % (hi - lo + 1) + lo
 
 
 def _stops(stop) -> list[str]:
     if stop is None:
         return []
     stops = [stop] if isinstance(stop, str) else list(stop)
-    if len(stops) > 16:
-        raise APIError(400, "At most 16 stop sequences are supported.", param="stop")
+    if len(stops) > sampling.MAX_STOP_STRINGS:
+        raise APIError(400, f"At most {sampling.MAX_STOP_STRINGS} stop sequences are supported.", param="stop")
+    if any(len(s) > sampling.MAX_STOP_CHARS for s in stops):
+        raise APIError(400, f"A stop sequence may have at most {sampling.MAX_STOP_CHARS} characters.", param="stop")
     return [s for s in stops if s]
+
+
+def _check_chars(st: State, items: list, param: str) -> None:
+    """A message (or prompt, or input item) whose text alone cannot fit in the context is refused before it is
+    rendered: more than MAX_TOKEN_CHARS characters per token of the context. `items` are named `param[i]`, or
+    `param` when `items` is not a list."""
+    cap = MAX_TOKEN_CHARS * st.engine.max_model_len
+    for i, item in enumerate(items if isinstance(items, list) else [items]):
+        name = f"{param}[{i}]" if isinstance(items, list) else param
+        n, stack = 0, [item]
+        while stack:
+            x = stack.pop()
+            if isinstance(x, str):
+                n += len(x)
+            elif isinstance(x, dict):
+                stack += x.values()
+            elif isinstance(x, list):
+                stack += x
+        if n > cap:
+            raise APIError(
+                400,
+                f"{name} has {n} characters; this model's context of {st.engine.max_model_len} tokens holds "
+                f"at most {cap}.",
+                param=name,
+                code="context_length_exceeded",
+            )
 
 
 def _unsupported_penalties(req) -> None:
@@ -324,7 +439,8 @@ class ChoiceRun:
 
 
 async def _run_choice(run: ChoiceRun, stream, metrics: Metrics, t0: float) -> AsyncIterator[tuple]:
-    """Yield `(index, events, finish_reason|None)` until the choice finishes; abort on early exit."""
+    """Yield `(index, events, finish_reason|None)` until the choice finishes; abort on early exit. The request
+    counters are kept by `_account` once the response is delivered (or not)."""
     last, first = t0, True
     try:
         async for out in stream:
@@ -334,17 +450,38 @@ async def _run_choice(run: ChoiceRun, stream, metrics: Metrics, t0: float) -> As
                 first, last = False, now
             events = run.feed(out)
             if run.finish_reason is not None:
-                if run.finish_reason in ("stop", "length", "tool_calls"):
-                    metrics.request_finished(run.finish_reason)
                 metrics.e2e.observe(time.perf_counter() - t0)
                 yield run.index, events, run.finish_reason
                 return
             if events:
                 yield run.index, events, None
     finally:
-        if run.finish_reason is None:  # client gone or cancelled: the engine request is aborted
-            metrics.request_aborted()
         stream.close()  # aborts unless the engine finished it (a stop string did not)
+
+
+def _account(st: State, runs: list[ChoiceRun], outcome: str) -> None:
+    """Count a request's choices once its response is over: "delivered" (by finish reason), "gone" (the client
+    left first: aborted, whatever the engine had finished) or "failed" (an engine error or the shutdown)."""
+    for r in runs:
+        if outcome == "delivered" and r.finish_reason in ("stop", "length", "tool_calls"):
+            st.metrics.request_finished(r.finish_reason)
+        elif outcome == "gone":
+            st.metrics.request_aborted()
+
+
+def _engine_error(st: State, e: BaseException) -> APIError:
+    """The API error for an engine failure (counted once in http_request_errors_total)."""
+    if isinstance(e, ServerShuttingDownError):
+        err = APIError(503, str(e), type="server_error", code="server_shutting_down")
+    else:
+        err = APIError(500, str(e), type="server_error", code="engine_error")
+    st.metrics.http_error(err.status)
+    return err
+
+
+def _sse_error(st: State, e: BaseException) -> str:
+    """A stream's last words after an engine failure: an error event, then [DONE]."""
+    return "data: " + json.dumps(_engine_error(st, e).body()) + "\n\ndata: [DONE]\n\n"
 
 
 async def _merge(gens: list[AsyncIterator]) -> AsyncIterator[tuple]:
@@ -384,25 +521,29 @@ async def _merge(gens: list[AsyncIterator]) -> AsyncIterator[tuple]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _start_choices(st: State, rid: str, prompts: list[list[int]], params: list[SamplingParams]) -> list:
-    """Add every choice's request to the engine; on any failure abort those already added."""
-    streams = []
+async def _start_choices(
+    st: State, request: Request, rid: str, prompts: list[list[int]], params: list[SamplingParams]
+) -> list:
+    """Add every choice's request to the engine in one command (all or none), unless the client leaves first."""
+    add = asyncio.ensure_future(
+        st.engine.add_many([(f"{rid}-{i}", ids, p) for i, (ids, p) in enumerate(zip(prompts, params))])
+    )
+    watch = asyncio.ensure_future(_until_disconnect(request))
     try:
-        for i, (ids, p) in enumerate(zip(prompts, params)):
-            streams.append(await st.engine.add(f"{rid}-{i}", ids, p))
+        await asyncio.wait({add, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not add.done():
+            add.cancel()  # aborts whatever the engine accepted
+            await asyncio.gather(add, return_exceptions=True)
+    if add.cancelled():
+        raise _ClientGone
+    try:
+        return add.result()
     except ValueError as e:
-        for s in streams:
-            s.close()
         raise APIError(400, str(e)) from None
-    except EngineDeadError as e:
-        for s in streams:
-            s.close()
-        raise APIError(500, str(e), type="server_error") from None
-    except BaseException:
-        for s in streams:
-            s.close()
-        raise
-    return streams
+    except ENGINE_ERRORS as e:
+        raise _engine_error(st, e) from None
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -413,8 +554,9 @@ async def _until_disconnect(request: Request) -> None:
             return
 
 
-async def _collect(request: Request, events: AsyncIterator, sink) -> bool:
-    """Feed all events to `sink` unless the client disconnects first (then abort; returns False)."""
+async def _collect(st: State, request: Request, runs: list[ChoiceRun], events: AsyncIterator, sink) -> None:
+    """Feed all events to `sink`. Raises `_ClientGone` when the client disconnects first (the choices are
+    aborted), the engine failure as an `APIError`; a cancellation (the server stopping) propagates."""
 
     async def consume():
         async for item in events:
@@ -422,18 +564,26 @@ async def _collect(request: Request, events: AsyncIterator, sink) -> bool:
 
     task = asyncio.create_task(consume())
     watch = asyncio.create_task(_until_disconnect(request))
+    st.metrics.in_flight += 1
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        st.metrics.in_flight -= 1
         watch.cancel()
-        if not task.done():
+        gone = not task.done()
+        if gone:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            await events.aclose()
-            return False
-    await events.aclose()
-    task.result()
-    return True
+        await events.aclose()
+    if gone:
+        _account(st, runs, "gone")
+        raise _ClientGone
+    try:
+        task.result()
+    except ENGINE_ERRORS as e:
+        _account(st, runs, "failed")
+        raise _engine_error(st, e) from None
+    _account(st, runs, "delivered")
 
 
 def _usage(runs: list[ChoiceRun], prompt_tokens: int) -> dict:
@@ -469,7 +619,8 @@ async def chat_completions(request: Request) -> Response:
         ("chat_template_kwargs.reasoning_effort", (req.chat_template_kwargs or {}).get("reasoning_effort")),
     )
     tools = harmony.parse_chat_tools(req.tools, req.tool_choice)
-    prompt = st.renderer.render_chat(req.messages, tools, effort)
+    _check_chars(st, req.messages, "messages")
+    prompt = await asyncio.to_thread(st.renderer.render_chat, req.messages, tools, effort)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = _max_tokens(st, len(prompt), requested, "messages")
     top = (req.top_logprobs or 0) if req.logprobs else None
@@ -482,9 +633,10 @@ async def chat_completions(request: Request) -> Response:
             top_p=req.top_p,
             top_k=req.top_k,
             min_p=req.min_p,
-            seed=None if req.seed is None else req.seed + i,
+            seed=_choice_seed(req.seed, i),
             max_tokens=max_tokens,
             logprobs=top,
+            vocab_size=st.tok.n_vocab,
         )
         for i in range(req.n)
     ]
@@ -495,7 +647,7 @@ async def chat_completions(request: Request) -> Response:
         for i in range(req.n)
     ]
     t0 = time.perf_counter()
-    streams = await _start_choices(st, rid, [prompt] * req.n, params)
+    streams = await _start_choices(st, request, rid, [prompt] * req.n, params)
     events = _merge([_run_choice(r, s, st.metrics, t0) for r, s in zip(runs, streams)])
     include_reasoning = req.include_reasoning
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.cfg.model_name}
@@ -511,6 +663,7 @@ async def chat_completions(request: Request) -> Response:
 
         async def gen():
             st.metrics.in_flight += 1
+            outcome = "gone"
             try:
                 for r in runs:
                     yield chunk(r.index, {"role": "assistant", "content": ""})
@@ -523,11 +676,14 @@ async def chat_completions(request: Request) -> Response:
                         yield chunk(index, {}, finish)
                 if include_usage:
                     yield "data: " + json.dumps(dict(base, choices=[], usage=_usage(runs, len(prompt)))) + "\n\n"
+                outcome = "delivered"
                 yield "data: [DONE]\n\n"
-            except EngineDeadError as e:
-                yield "data: " + json.dumps(APIError(500, str(e), type="server_error").body()) + "\n\n"
+            except ENGINE_ERRORS as e:
+                outcome = "failed"
+                yield _sse_error(st, e)
             finally:
                 st.metrics.in_flight -= 1
+                _account(st, runs, outcome)
                 await events.aclose()
 
         return SSEResponse(gen())
@@ -548,14 +704,7 @@ async def chat_completions(request: Request) -> Response:
             elif ev[0] == "tool_args":
                 acc["tools"][ev[1]]["function"]["arguments"] += ev[2]
 
-    st.metrics.in_flight += 1
-    try:
-        if not await _collect(request, events, sink):
-            return Response(status_code=499)
-    except EngineDeadError as e:
-        raise APIError(500, str(e), type="server_error") from None
-    finally:
-        st.metrics.in_flight -= 1
+    await _collect(st, request, runs, events, sink)
     out_choices = []
     for r in runs:
         acc = choices[r.index]
@@ -610,7 +759,7 @@ def _chat_delta(ev, include_reasoning: bool) -> tuple[dict | None, dict | None]:
 # ------------------------------------------------------------------------------------------------
 
 
-def _completion_prompts(st: State, prompt) -> list[list[int]]:
+def _completion_prompts(st: State, prompt, n: int) -> list[list[int]]:
     if isinstance(prompt, str):
         prompts = [prompt]
     elif prompt and all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
@@ -619,6 +768,14 @@ def _completion_prompts(st: State, prompt) -> list[list[int]]:
         prompts = list(prompt)
     if not prompts:
         raise APIError(400, "'prompt' must not be empty.", param="prompt")
+    if len(prompts) * n > st.cfg.max_choices:
+        raise APIError(
+            400,
+            f"{len(prompts)} prompts x n={n} would start {len(prompts) * n} sequences; at most "
+            f"{st.cfg.max_choices} per request.",
+            param="prompt",
+        )
+    _check_chars(st, prompts, "prompt")
     out = []
     vocab = st.tok.n_vocab
     for p in prompts:
@@ -647,7 +804,7 @@ async def completions(request: Request) -> Response:
     if req.best_of not in (None, 1, req.n):
         raise APIError(400, "'best_of' is not supported by this server.", param="best_of")
     _check_ready(st)
-    prompts = _completion_prompts(st, req.prompt)
+    prompts = await asyncio.to_thread(_completion_prompts, st, req.prompt, req.n)
     max_toks = [_max_tokens(st, len(p), req.max_tokens, "prompt") for p in prompts]
     top = req.logprobs
     stops = _stops(req.stop)
@@ -662,16 +819,17 @@ async def completions(request: Request) -> Response:
                     top_p=req.top_p,
                     top_k=req.top_k,
                     min_p=req.min_p,
-                    seed=None if req.seed is None else req.seed + i,
+                    seed=_choice_seed(req.seed, i),
                     max_tokens=max_toks[pi],
                     logprobs=top,
+                    vocab_size=st.tok.n_vocab,
                 )
             )
             runs.append(ChoiceRun(st, i, mode="text", stops=stops, top_logprobs=top))
     rid = _new_id("cmpl-")
     created = int(time.time())
     t0 = time.perf_counter()
-    streams = await _start_choices(st, rid, all_prompts, params)
+    streams = await _start_choices(st, request, rid, all_prompts, params)
     events = _merge([_run_choice(r, s, st.metrics, t0) for r, s in zip(runs, streams)])
     prompt_tokens = sum(len(p) for p in prompts) * req.n
     base = {"id": rid, "object": "text_completion", "created": created, "model": st.cfg.model_name}
@@ -700,6 +858,7 @@ async def completions(request: Request) -> Response:
 
         async def gen():
             st.metrics.in_flight += 1
+            outcome = "gone"
             try:
                 async for index, evs, finish in events:
                     for ev in evs:
@@ -709,11 +868,14 @@ async def completions(request: Request) -> Response:
                 if include_usage:
                     u = _usage(runs, prompt_tokens)
                     yield "data: " + json.dumps(dict(base, choices=[], usage=u)) + "\n\n"
+                outcome = "delivered"
                 yield "data: [DONE]\n\n"
-            except EngineDeadError as e:
-                yield "data: " + json.dumps(APIError(500, str(e), type="server_error").body()) + "\n\n"
+            except ENGINE_ERRORS as e:
+                outcome = "failed"
+                yield _sse_error(st, e)
             finally:
                 st.metrics.in_flight -= 1
+                _account(st, runs, outcome)
                 await events.aclose()
 
         return SSEResponse(gen())
@@ -727,14 +889,7 @@ async def completions(request: Request) -> Response:
             texts[index].append(ev[1])
             entries[index] += ev[2]
 
-    st.metrics.in_flight += 1
-    try:
-        if not await _collect(request, events, sink):
-            return Response(status_code=499)
-    except EngineDeadError as e:
-        raise APIError(500, str(e), type="server_error") from None
-    finally:
-        st.metrics.in_flight -= 1
+    await _collect(st, request, runs, events, sink)
     choices = [
         {
             "index": r.index,
@@ -926,12 +1081,16 @@ async def responses(request: Request) -> Response:
             param="previous_response_id",
         )
     fmt = (req.text or {}).get("format") if isinstance(req.text, dict) else None
+    if fmt is not None and not isinstance(fmt, dict):
+        raise APIError(400, "text.format must be an object such as {'type': 'text'}.", param="text.format")
     if fmt and fmt.get("type") not in (None, "text"):
         raise APIError(400, "text.format other than 'text' is not supported yet.", param="text.format")
     _check_ready(st)
     effort = harmony.parse_reasoning_effort(("reasoning.effort", req.reasoning.effort if req.reasoning else None))
     tools = harmony.parse_chat_tools(req.tools, req.tool_choice)
-    prompt = st.renderer.render_responses(req.input, req.instructions, tools, effort)
+    _check_chars(st, req.input, "input")
+    _check_chars(st, req.instructions, "instructions")
+    prompt = await asyncio.to_thread(st.renderer.render_responses, req.input, req.instructions, tools, effort)
     max_tokens = _max_tokens(st, len(prompt), req.max_output_tokens, "input")
     params = _sampling_params(
         temperature=req.temperature,
@@ -946,7 +1105,7 @@ async def responses(request: Request) -> Response:
     created = int(time.time())
     run = ChoiceRun(st, 0, mode="harmony", tool_names=[t.name for t in tools])
     t0 = time.perf_counter()
-    streams = await _start_choices(st, resp_id, [prompt], [params])
+    streams = await _start_choices(st, request, resp_id, [prompt], [params])
     events = _merge([_run_choice(run, streams[0], st.metrics, t0)])
     builder = _ResponseBuilder(resp_id)
 
@@ -995,6 +1154,7 @@ async def responses(request: Request) -> Response:
 
         async def gen():
             st.metrics.in_flight += 1
+            outcome = "gone"
             try:
                 yield sse(builder._ev("response.created", response=response_obj("in_progress")))
                 yield sse(builder._ev("response.in_progress", response=response_obj("in_progress")))
@@ -1006,11 +1166,15 @@ async def responses(request: Request) -> Response:
                     yield sse(e)
                 final = response_obj("completed")
                 kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+                outcome = "delivered"
                 yield sse(builder._ev(kind, response=final))
-            except EngineDeadError as e:
-                yield sse(builder._ev("error", message=str(e), code="server_error", param=None))
+            except ENGINE_ERRORS as e:
+                outcome = "failed"
+                err = _engine_error(st, e)
+                yield sse(builder._ev("error", message=err.message, code=err.code, param=None))
             finally:
                 st.metrics.in_flight -= 1
+                _account(st, [run], outcome)
                 await events.aclose()
 
         return SSEResponse(gen())
@@ -1019,14 +1183,7 @@ async def responses(request: Request) -> Response:
         for ev in item[1]:
             builder.add(ev)
 
-    st.metrics.in_flight += 1
-    try:
-        if not await _collect(request, events, sink):
-            return Response(status_code=499)
-    except EngineDeadError as e:
-        raise APIError(500, str(e), type="server_error") from None
-    finally:
-        st.metrics.in_flight -= 1
+    await _collect(st, request, [run], events, sink)
     builder.finish()
     return JSONResponse(response_obj("completed"))
 
@@ -1079,6 +1236,8 @@ def _wrap(handler):
             return _error_response(e, st.metrics)
         except harmony.RenderError as e:
             return _error_response(APIError(400, str(e), param=e.param), st.metrics)
+        except _ClientGone:
+            return Response(status_code=499)  # nobody is listening; counted as aborted where choices had started
 
     return endpoint
 
@@ -1088,14 +1247,13 @@ async def _http_exception(request: Request, exc: HTTPException) -> Response:
         404: f"Unknown path {request.url.path}.",
         405: f"Method {request.method} is not allowed on {request.url.path}.",
     }.get(exc.status_code, exc.detail)
-    return JSONResponse(APIError(exc.status_code, msg).body(), status_code=exc.status_code)
+    return _error_response(APIError(exc.status_code, msg), request.app.state.st.metrics)
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s", request.url.path, exc_info=exc)
-    return JSONResponse(
-        APIError(500, f"Internal server error: {type(exc).__name__}", type="server_error").body(), status_code=500
-    )
+    err = APIError(500, f"Internal server error: {type(exc).__name__}", type="server_error")
+    return _error_response(err, request.app.state.st.metrics)
 
 
 def build_app(st: State, lifespan=None) -> Starlette:
@@ -1110,5 +1268,6 @@ def build_app(st: State, lifespan=None) -> Starlette:
     app = Starlette(
         routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_exception, Exception: _server_error}
     )
+    app.router.redirect_slashes = False  # '/v1/models/' is a 404, not a redirect built from the Host header
     app.state.st = st
     return app

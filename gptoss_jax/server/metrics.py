@@ -179,7 +179,7 @@ class Metrics:
             metric(
                 "num_aborted_requests_total",
                 "counter",
-                "Requests aborted (client disconnect, stop string).",
+                "Requests whose client left before the response was complete.",
                 self.aborted,
             )
             lines += [

@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gptoss_jax.sampling import INT32_MAX, SEED_RANGE
+
 
 class APIError(Exception):
     """Becomes `{"error": {"message", "type", "param", "code"}}` with `status`."""
@@ -54,9 +56,9 @@ class _Sampling(_Base):
     model: str | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -68,8 +70,8 @@ class _Sampling(_Base):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[Any]
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     n: int = Field(1, ge=1, le=16)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -85,7 +87,7 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
     n: int = Field(1, ge=1, le=16)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
@@ -106,7 +108,7 @@ class ResponsesRequest(_Base):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     reasoning: ResponsesReasoning | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stream: bool = False
