@@ -19,7 +19,8 @@ class SamplingParams:
     """vLLM-style sampling settings. `temperature=0` is greedy; `top_k=0` / `top_p=1` / `min_p=0`
     disable those filters; `seed=None` draws from the engine's generator. `stop` strings end the
     output (the text excludes them; needs a tokenizer); `logprobs=n` returns each new token's
-    log-probability and the `n` most likely alternatives (0 = the sampled token's only)."""
+    log-probability and the `n` most likely alternatives (0 = the sampled token's only). `n` completions per prompt
+    (`LLM.generate`; with a `seed`, completion `i` uses `seed + i`, as the server does)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -30,6 +31,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] = ASSISTANT_STOPS
     stop: tuple[str, ...] | list[str] | str | None = None
     logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self):
         def bad(field, why):
@@ -58,6 +60,8 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or self.logprobs < 0
         ):
             bad("logprobs", "must be an integer >= 0 or None")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            bad("n", "must be an integer >= 1")
 
 
 @struct.dataclass

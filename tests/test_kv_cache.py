@@ -61,10 +61,18 @@ def test_profiles_load_and_bad_keys_are_named(tmp_path):
         assert cfg.warmup and cfg.max_num_seqs >= 1
     bad = tmp_path / "bad.yaml"
     bad.write_text("max_num_seqs: 4\nmax_num_seq: 8\n")
-    with pytest.raises(ConfigError, match=r"bad.yaml: unknown engine setting 'max_num_seq'"):
+    with pytest.raises(
+        ConfigError, match=r"bad.yaml: unknown engine setting 'max_num_seq' \(did you mean 'max_num_seqs'"
+    ):
         engine_config.load(bad)
-    bad.write_text("kv_cache_memory_fraction: 1.5\n")
-    with pytest.raises(ConfigError, match=r"bad.yaml: .*kv_cache_memory_fraction=1.5"):
+    bad.write_text("gpu_memory_utilization: 1.5\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: .*gpu_memory_utilization=1.5"):
+        engine_config.load(bad)
+    bad.write_text("kv_cache_memory_fraction: 0.9\n")  # renamed, and its meaning changed: the error says so
+    with pytest.raises(ConfigError, match=r"bad.yaml: 'kv_cache_memory_fraction' is now 'gpu_memory_utilization'"):
+        engine_config.load(bad)
+    bad.write_text("zzz: 1\n")
+    with pytest.raises(ConfigError, match=r"unknown engine setting 'zzz' \(known: "):
         engine_config.load(bad)
     with pytest.raises(ConfigError, match="profiles"):
         engine_config.load("no_such_profile")
