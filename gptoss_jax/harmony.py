@@ -51,7 +51,7 @@ def load_encoding(rank_file: str | os.PathLike | None = None):
 
         path = Path(rank_file) if rank_file is not None else tokenizer_lib.rank_file()
         if path.name != tokenizer_lib.RANK_FILE:  # openai-harmony wants this exact name: a link of that name
-            link = tokenizer_lib._home_copy().parent / "linked" / tokenizer_lib.RANK_FILE
+            link = tokenizer_lib.downloaded_copy().parent / "linked" / tokenizer_lib.RANK_FILE
             link.parent.mkdir(parents=True, exist_ok=True)
             link.unlink(missing_ok=True)
             link.symlink_to(path.resolve())

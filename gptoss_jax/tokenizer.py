@@ -36,7 +36,7 @@ LOOKUP_ORDER = (
 )
 
 
-def _home_copy() -> Path:
+def downloaded_copy() -> Path:
     """Where a downloaded rank file is kept (beside the demo checkpoint: `runtime.home()`)."""
     from gptoss_jax import runtime
 
@@ -52,7 +52,7 @@ def _candidates(path: str | Path | None, checkpoint: str | Path | None) -> list[
         out += [Path(checkpoint) / RANK_FILE, Path(checkpoint) / "original" / RANK_FILE]
     if os.environ.get("TIKTOKEN_ENCODINGS_BASE"):
         out.append(Path(os.environ["TIKTOKEN_ENCODINGS_BASE"]) / RANK_FILE)
-    out.append(_home_copy())
+    out.append(downloaded_copy())
     return out
 
 
@@ -74,7 +74,7 @@ def rank_file(path: str | Path | None = None, checkpoint: str | Path | None = No
             f"({type(e).__name__}: {e}). Lookup order: {LOOKUP_ORDER}. Offline, give the file with --tokenizer "
             "PATH, put it in the checkpoint folder, or set TIKTOKEN_ENCODINGS_BASE to the folder holding it."
         ) from None
-    target = _home_copy()
+    target = downloaded_copy()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(f".tmp{os.getpid()}")
     tmp.write_bytes(data)
