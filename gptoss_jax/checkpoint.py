@@ -12,6 +12,8 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
+import re
 from pathlib import Path
 
 import jax
@@ -96,6 +98,46 @@ def tensor_targets(cfg: ModelConfig, layout: str) -> dict[str, list[Target]]:
             for kind, fields in ORIGINAL_QKV.items():
                 out[f"block.{l}.attn.qkv.{kind}"] = [Target((f,), l, b) for f, b in zip(fields, bounds)]
     return out
+
+
+# Files of a Hugging Face repo that loading reads: the HF layout at its top level (`original/` and `metal/` hold the
+# same weights again in other layouts) and the tokenizer's rank file when a repo ships it.
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.tiktoken"]
+HUB_IGNORE = ["original/*", "metal/*"]
+
+
+def resolve_model(model: str | os.PathLike, *, revision: str | None = None, download_dir=None) -> Path:
+    """A checkpoint folder for `model`: the local folder if it exists, else a Hugging Face repo id resolved by
+    `huggingface_hub.snapshot_download` (its cache, or `download_dir`; `HF_HUB_OFFLINE=1` uses the cache alone;
+    `revision` a branch, tag or commit). An error names both readings when neither works, as vLLM's `--model`."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    name = str(model)
+    looks_like_repo = bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name)) and not name.startswith((".", "/", "~"))
+    if not looks_like_repo:
+        raise CheckpointError(f"{name}: checkpoint folder not found (and not a Hugging Face repo id: 'org/name')")
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        folder = huggingface_hub.snapshot_download(
+            name,
+            revision=revision,
+            cache_dir=download_dir,
+            allow_patterns=HUB_PATTERNS,
+            ignore_patterns=HUB_IGNORE,
+        )
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"{name}: no such local folder, and as a Hugging Face repo id (revision {revision or 'main'}, cache "
+            f"{download_dir or constants.HF_HUB_CACHE}"
+            f"{', HF_HUB_OFFLINE=1' if constants.HF_HUB_OFFLINE else ''}) it failed: "
+            f"{type(e).__name__}: {first}"
+        ) from None
+    return Path(folder)
 
 
 def find_files(path: Path) -> tuple[str, list[Path]]:

@@ -115,10 +115,12 @@ def _require(raw: dict[str, Any], key: str, source: str) -> Any:
     return raw[key]
 
 
-def _eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
-    # config.json lists only <|return|>; chat generation must also stop on <|call|>.
+def _eos_ids(raw: dict[str, Any], source: str) -> tuple[int, ...]:
+    # config.json lists only <|return|>; chat generation must also stop on <|call|>. Hugging Face allows null.
     eos = raw.get("eos_token_id", 200002)
-    ids = list(eos) if isinstance(eos, list) else [eos]
+    ids = [i for i in (eos if isinstance(eos, list) else [eos]) if i is not None]
+    if any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids):
+        raise ConfigError(f"{source}: eos_token_id={eos!r} must be a token id, a list of them, or null")
     for stop in (200002, 200012):
         if stop < raw.get("vocab_size", 0) and stop not in ids:
             ids.append(stop)
@@ -164,8 +166,8 @@ def from_hf_dict(raw: dict[str, Any], source: str = "config.json") -> ModelConfi
         swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
         max_position_embeddings=int(raw.get("max_position_embeddings", original_max * factor)),
-        eos_token_ids=_eos_ids(raw),
-        pad_token_id=int(raw.get("pad_token_id", 199999)),
+        eos_token_ids=_eos_ids(raw, source),
+        pad_token_id=int(raw.get("pad_token_id") if raw.get("pad_token_id") is not None else 199999),
     )
 
 
@@ -182,7 +184,7 @@ def from_original_dict(raw: dict[str, Any], source: str = "original/config.json"
         rope_original_max_pos=initial,
         swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
         max_position_embeddings=int(initial * factor),
-        eos_token_ids=_eos_ids(raw),
+        eos_token_ids=_eos_ids(raw, source),
     )
 
 

@@ -85,7 +85,8 @@ class Engine:
     YAML path or a profile name ('low_latency', 'max_throughput'); `overrides` replace its fields.
     `compile_cache_dir`: where compiled steps persist across processes (`runtime.compile_cache_dir`: default
     `$GPTOSS_JAX_HOME/compile-cache`; False turns it off). `on_progress(stage, done, total, detail)` hears of the
-    weights' loading and of warm-up, program by program (the server's /health reports it)."""
+    weights' loading and of warm-up, program by program (the server's /health reports it). `model` is a checkpoint
+    folder or a Hugging Face repo id (`checkpoint.resolve_model`, with `revision` and `download_dir`)."""
 
     def __init__(
         self,
@@ -102,13 +103,15 @@ class Engine:
         progress: bool = True,
         on_progress: Callable[[str, int, int, str], None] | None = None,
         layout=None,
+        revision: str | None = None,
+        download_dir: str | os.PathLike | None = None,
         **overrides: Any,
     ):
-        self.compile_cache_dir = runtime.prepare(compile_cache_dir)
         self._on_progress, self._progress_bar = on_progress, progress
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
         self.config = ec = engine_config.load(config, **overrides)
+        self.compile_cache_dir = runtime.prepare(compile_cache_dir, ec.gpu_memory_utilization)
         # Which kernels run (`pallas_kernels.choice`), resolved for this device; `impl` overrides the config's.
         self.kernels = (ec.kernels if impl is None else dataclasses.replace(ec.kernels, impl=impl)).for_device()
         # Several devices: `layout` (a sharding.rules.Layout) or the config's mesh; None = one device.
@@ -118,8 +121,13 @@ class Engine:
         self.num_ranks = layout.num_ranks if layout is not None else 1
         t0 = time.perf_counter()
         self._report("loading weights", 0, 1, str(model or "the demo checkpoint"))
+        self._owns_params = loaded is None
         if loaded is None:
-            self.model_path: Path | None = Path(model) if model is not None else demo.checkpoint_path()
+            self.model_path: Path | None = (
+                checkpoint.resolve_model(model, revision=revision, download_dir=download_dir)
+                if model is not None
+                else demo.checkpoint_path()
+            )
             self.model_config, params = checkpoint.load_placed(
                 self.model_path, DTYPES[dtype], self.kernels, layout, cache_dir=cache_dir, progress=progress
             )
@@ -190,6 +198,11 @@ class Engine:
                 f"SamplingParams.top_k={sp.top_k}: at most the vocabulary size {self.model_config.vocab_size} "
                 "(0 disables it)"
             )
+        if sp.n != 1:
+            raise ValueError(
+                f"request {request_id}: SamplingParams.n={sp.n}; the engine runs one sequence per request "
+                "(LLM.generate and the server fan n out into n requests)"
+            )
         if sp.logprobs is not None and sp.logprobs > self.config.max_logprobs:
             raise ValueError(
                 f"SamplingParams.logprobs={sp.logprobs}: at most max_logprobs={self.config.max_logprobs} are served"
@@ -216,9 +229,11 @@ class Engine:
         )
 
     def close(self) -> None:
-        """Free the KV cache's device memory now (a new engine in the same process sizes its cache from
-        free memory, so it must not wait for garbage collection)."""
-        self.runner.close()
+        """Free this engine's device memory now: the KV cache, and the parameters it loaded itself (not those
+        given as `loaded`). A new engine in the same process sizes its cache from the device's memory, so it must
+        not wait for garbage collection. The engine is unusable afterwards; closing twice is harmless."""
+        self._in_flight = None
+        self.runner.close(params=self._owns_params)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._aborted)

@@ -9,6 +9,7 @@ request.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,9 @@ class EngineConfig:
     async_scheduling: bool = True  # schedule and dispatch a step before reading the previous one
     page_size: int = 16
     kv_cache_dtype: str = "auto"  # 'auto' (the model's dtype) or 'fp8' / 'fp8_e4m3' (pallas_kernels/kv_quant.py)
-    kv_cache_memory_fraction: float = 0.9  # of free device memory after the weights
+    # Fraction of each device's whole memory this engine may hold: weights, KV cache and step activations, as
+    # vLLM's --gpu-memory-utilization; the KV cache gets what the weights and the activation reserve leave of it.
+    gpu_memory_utilization: float = 0.9
     num_pages: int | None = None  # full-layer pages, overrides the memory fraction
     kv_cache_tokens: int | None = None  # same, in tokens
     enable_prefix_caching: bool = True
@@ -79,9 +82,9 @@ class EngineConfig:
                 raise ConfigError(f"EngineConfig.{name}={v!r}: must be an integer >= 2 or null")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ConfigError(f"EngineConfig.max_logprobs={self.max_logprobs!r}: must be an integer >= 0")
-        f = self.kv_cache_memory_fraction
-        if not isinstance(f, (int, float)) or not 0 < f <= 1:
-            raise ConfigError(f"EngineConfig.kv_cache_memory_fraction={f!r}: must be in (0, 1]")
+        f = self.gpu_memory_utilization
+        if not isinstance(f, (int, float)) or isinstance(f, bool) or not 0 < f <= 1:
+            raise ConfigError(f"EngineConfig.gpu_memory_utilization={f!r}: must be in (0, 1]")
         if self.prefill_chunk_size > self.max_num_batched_tokens:
             raise ConfigError(
                 f"EngineConfig.prefill_chunk_size={self.prefill_chunk_size} exceeds "
@@ -147,6 +150,16 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+# Settings whose meaning changed with their name: a clear error rather than a silent reinterpretation.
+RENAMED = {
+    "kv_cache_memory_fraction": (
+        "gpu_memory_utilization",
+        "the fraction of the whole device for weights, KV cache and activations, as vLLM's "
+        "--gpu-memory-utilization; the old key was a fraction of the memory left after the weights",
+    ),
+}
+
+
 def load(source: EngineConfig | str | Path | None, **overrides: Any) -> EngineConfig:
     """An `EngineConfig` from an instance, a YAML file or profile name ('low_latency',
     'max_throughput'), or defaults; keyword overrides win. Unknown keys are errors naming the file."""
@@ -171,8 +184,12 @@ def load(source: EngineConfig | str | Path | None, **overrides: Any) -> EngineCo
     raw.update(overrides)
     known = {f.name for f in dataclasses.fields(EngineConfig)}
     for key in raw:
+        if key in RENAMED:
+            raise ConfigError(f"{where}: '{key}' is now '{RENAMED[key][0]}' ({RENAMED[key][1]})")
         if key not in known:
-            raise ConfigError(f"{where}: unknown engine setting '{key}' (known: {sorted(known)})")
+            close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.5)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ConfigError(f"{where}: unknown engine setting '{key}' ({hint}known: {sorted(known)})")
     if isinstance(raw.get("decode_batch_buckets"), list):
         raw["decode_batch_buckets"] = tuple(raw["decode_batch_buckets"])
     try:

@@ -1,7 +1,7 @@
-"""Command line generation: `python -m gptoss_jax.generate --model DIR --prompt TEXT`.
+"""Command line generation: `python -m gptoss_jax.generate --model DIR|ORG/NAME --prompt TEXT`.
 
-Without `--model` it runs the built-in demo checkpoint. `--input in.jsonl --output out.jsonl` runs a
-resumable offline batch job instead (see `gptoss_jax.batch`).
+Without `--model` it runs the built-in demo checkpoint; model and engine flags are `serve`'s (vLLM's names).
+`--input in.jsonl --output out.jsonl` runs a resumable offline batch job instead (see `gptoss_jax.batch`).
 """
 
 import argparse
@@ -9,40 +9,41 @@ import json
 import sys
 import time
 
-from gptoss_jax import batch
+from gptoss_jax import batch, cli
 from gptoss_jax.engine import Engine
 from gptoss_jax.llm import LLM
 from gptoss_jax.sampling import SamplingParams
-from pallas_kernels.kv_quant import DTYPES as KV_CACHE_DTYPES
 from sharding import distributed
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m gptoss_jax.generate", description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="checkpoint folder (HF or original layout); default: built-in demo")
-    src = p.add_mutually_exclusive_group(required=True)
+    p = argparse.ArgumentParser(
+        prog=cli.prog("gptoss-generate", "gptoss_jax.generate"),
+        description=__doc__.splitlines()[0],
+        formatter_class=cli.Formatter,
+    )
+    cli.add_model_args(p)
+    cli.add_engine_args(p)
+    g = p.add_argument_group("input and output")
+    src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (tokenised as is, special tokens allowed)")
     src.add_argument("--prompt-ids", help="comma-separated prompt token ids, e.g. 1,2,3")
     src.add_argument("--input", help="JSONL of requests for a batch job (needs --output)")
-    p.add_argument("--output", help="JSONL results of a batch job; existing ids are skipped (resume)")
-    p.add_argument("--engine-config", help="engine profile (low_latency, max_throughput) or YAML file")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument(
-        "--kv-cache-dtype",
-        choices=sorted(KV_CACHE_DTYPES),
-        default=None,
-        help="KV cache: 'auto' (the model's dtype) or 'fp8' (e4m3, half the bytes; default: the config's, auto)",
+    g.add_argument("--output", help="JSONL results of a batch job; ids already there are skipped (resume)")
+    g.add_argument(
+        "--output-order",
+        choices=["completion", "input"],
+        default="completion",
+        help="batch jobs: write each result as it finishes, or in the input's order",
     )
-    p.add_argument("--tokenizer", help="path to o200k_base.tiktoken (or its folder)")
-    p.add_argument("--cache-dir", help="save/restore converted parameters here (orbax)")
-    p.add_argument("--compile-cache-dir", help="where compiled steps persist across runs ('off' for none)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    g.add_argument("--cache-dir", help="save/restore converted parameters here (orbax)")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    s = p.add_argument_group("sampling (a batch job's lines may set their own)")
+    s.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    s.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0 = off)")
+    s.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability (0 = off)")
     return p.parse_args(argv)
 
 
@@ -62,24 +63,19 @@ def main(argv=None) -> int:
             print(f"error: --prompt-ids must be comma-separated integers, got {args.prompt_ids!r}", file=sys.stderr)
             return 2
     try:
-        sp = SamplingParams(
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            seed=args.seed,
-            max_tokens=args.max_tokens,
-        )
+        sp = SamplingParams(**_sampling(args))
+        model_path, ec = cli.resolve(args)
         t0 = time.perf_counter()
         llm = LLM(
-            args.model,
+            model_path,
             dtype=args.dtype,
             tokenizer=args.tokenizer,
             cache_dir=args.cache_dir,
             compile_cache_dir=args.compile_cache_dir,
+            impl=args.impl,
+            seed=args.seed or 0,
             progress=not args.json,
-            engine_config=args.engine_config,
-            **_cache_overrides(args),
+            engine_config=ec,
         )
         t1 = time.perf_counter()
         if ids is not None:
@@ -88,8 +84,7 @@ def main(argv=None) -> int:
             out = llm.generate([args.prompt], sp, use_tqdm=not args.json)[0]
         t2 = time.perf_counter()
     except (ValueError, OSError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return cli.fail(e)
     c = out.outputs[0]
     if args.json:
         print(
@@ -115,34 +110,30 @@ def main(argv=None) -> int:
     return 0
 
 
-def _cache_overrides(args) -> dict:
-    """Engine settings given as flags (over the engine config's)."""
-    return {"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype else {}
+def _sampling(args) -> dict:
+    return dict(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, max_tokens=args.max_tokens
+    )
 
 
 def _batch(args) -> int:
-    defaults = dict(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.seed,
-        max_tokens=args.max_tokens,
-    )
     try:
+        SamplingParams(**_sampling(args))
+        batch.read_lines(args.input)  # a missing file or duplicate ids fail before the model loads
+        model_path, ec = cli.resolve(args)
         engine = Engine(
-            args.model,
+            model_path,
             dtype=args.dtype,
-            config=args.engine_config,
+            config=ec,
             tokenizer=args.tokenizer,
             cache_dir=args.cache_dir,
             compile_cache_dir=args.compile_cache_dir,
-            **_cache_overrides(args),
+            impl=args.impl,
+            seed=args.seed or 0,
         )
-        summary = batch.run(engine, args.input, args.output, defaults)
+        summary = batch.run(engine, args.input, args.output, _sampling(args), ordered=args.output_order == "input")
     except (ValueError, OSError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return cli.fail(e)
     print(json.dumps(summary))
     if summary["failed"]:
         print(f"error: {summary['failed']} request(s) failed (logged above); rerun to retry them", file=sys.stderr)

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import re
+from pathlib import Path
 from typing import Any, Iterable
 
 from gptoss_jax import tokenizer as tokenizer_lib
@@ -40,19 +41,30 @@ class RenderError(ValueError):
 _ENCODING = None
 
 
-def load_encoding():
-    """The harmony encoding, loaded once. Fails loudly (at start-up) without a local vocab file."""
+def load_encoding(rank_file: str | os.PathLike | None = None):
+    """The harmony encoding, loaded once, from `rank_file` (default: `tokenizer.rank_file()`'s lookup, which
+    downloads when nothing local is found). openai-harmony reads the vocabulary only from
+    `$TIKTOKEN_ENCODINGS_BASE/o200k_base.tiktoken`, so that variable points at the file's folder while it loads."""
     global _ENCODING
     if _ENCODING is None:
         import openai_harmony as oh
 
-        base = os.environ.get("TIKTOKEN_ENCODINGS_BASE")
-        if not base or not os.path.exists(os.path.join(base, "o200k_base.tiktoken")):
-            raise RuntimeError(
-                "openai-harmony needs o200k_base.tiktoken offline: set TIKTOKEN_ENCODINGS_BASE to the folder "
-                f"holding it (currently {base!r})"
-            )
-        _ENCODING = oh.load_harmony_encoding(oh.HarmonyEncodingName.HARMONY_GPT_OSS)
+        path = Path(rank_file) if rank_file is not None else tokenizer_lib.rank_file()
+        if path.name != tokenizer_lib.RANK_FILE:  # openai-harmony wants this exact name: a link of that name
+            link = tokenizer_lib.downloaded_copy().parent / "linked" / tokenizer_lib.RANK_FILE
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.unlink(missing_ok=True)
+            link.symlink_to(path.resolve())
+            path = link
+        before = os.environ.get("TIKTOKEN_ENCODINGS_BASE")
+        os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(path.parent)
+        try:
+            _ENCODING = oh.load_harmony_encoding(oh.HarmonyEncodingName.HARMONY_GPT_OSS)
+        finally:
+            if before is None:
+                os.environ.pop("TIKTOKEN_ENCODINGS_BASE")
+            else:
+                os.environ["TIKTOKEN_ENCODINGS_BASE"] = before
     return _ENCODING
 
 

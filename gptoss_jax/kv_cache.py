@@ -282,7 +282,21 @@ def pool_sizes(
             raise ValueError(
                 f"the KV cache budget ({kv_bytes / 2**20:.1f} MiB) does not cover the sliding-window "
                 f"pages of max_num_seqs={max_num_seqs} sequences; lower max_num_seqs or raise "
-                "kv_cache_memory_fraction"
+                "gpu_memory_utilization"
             )
         return left // per_full_page, num_sliding
     return math.ceil(full_tokens / page_size) + 1, num_sliding
+
+
+def activation_bytes(mc, ec, itemsize: int) -> int:
+    """Device memory to keep free for the largest step's temporaries (`EngineConfig.gpu_memory_utilization` counts
+    them): twice an estimate of a prefill step of `max_num_batched_tokens` tokens (per token, in float32: the residual
+    stream and norms, q/k/v, and `experts_per_token` expert rows of gate/up, activation and down) plus one layer's
+    experts dequantised for the prefill GEMMs, plus the decode call's logits and the sampler's copies of them. An
+    estimate, not a measurement: the factor 2 covers padded buckets and the allocator's fragmentation."""
+    h, i = mc.hidden_size, mc.intermediate_size
+    qkv = (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim
+    per_token = 4 * (6 * h + qkv + mc.experts_per_token * (3 * i + h))
+    experts = mc.num_experts * 3 * h * i * max(itemsize, 2)
+    logits = ec.max_num_seqs * ec.decode_steps_per_call * mc.vocab_size * 4 * 2
+    return 2 * (ec.max_num_batched_tokens * per_token + experts + logits)

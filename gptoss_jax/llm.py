@@ -32,6 +32,10 @@ class CompletionOutput:
     finish_reason: str  # "stop" (a stop token or string) or "length"
     stop_reason: int | str | None  # the stop token id (not in `token_ids`) or the stop string (not in `text`)
     logprobs: list | None = None  # per token: (logprob, [(token_id, logprob), ...])
+    # `LLM.chat` only, as the server splits a harmony reply: `text` is the final answer (the `content`), the
+    # analysis channel is `reasoning_content`, and `functions.*` calls are `tool_calls` ({"name", "arguments"}).
+    reasoning_content: str | None = None
+    tool_calls: list[dict] | None = None
 
 
 @dataclasses.dataclass
@@ -43,7 +47,9 @@ class RequestOutput:
 
 
 class LLM:
-    """A loaded gpt-oss model. `model=None` uses the built-in tiny demo checkpoint."""
+    """A loaded gpt-oss model. `model` is a checkpoint folder or a Hugging Face repo id (`revision`, `download_dir`
+    as vLLM's); None uses the built-in tiny demo checkpoint. `close()` (or leaving a `with LLM(...) as llm:` block,
+    or dropping the last reference) frees its device memory."""
 
     def __init__(
         self,
@@ -58,6 +64,8 @@ class LLM:
         seed: int = 0,
         progress: bool = True,
         engine_config: EngineConfig | str | None = None,
+        revision: str | None = None,
+        download_dir: str | os.PathLike | None = None,
         **engine_overrides,
     ):
         if dtype not in DTYPES:
@@ -74,6 +82,8 @@ class LLM:
             cache_dir=cache_dir,
             compile_cache_dir=compile_cache_dir,
             progress=progress,
+            revision=revision,
+            download_dir=download_dir,
             **engine_overrides,
         )
         self.model_path = self.engine.model_path
@@ -82,6 +92,18 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self._next_id = 0
+        self._renderer = None
+
+    def close(self) -> None:
+        """Free the device memory now (KV cache, parameters); the object is unusable afterwards."""
+        self.engine.close()
+        self.params = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @classmethod
     def from_params(
@@ -161,8 +183,71 @@ class LLM:
         for i, p in enumerate(params):
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params[{i}] is {type(p).__name__}, expected SamplingParams")
-        outs = self._run_batch(ids, params, use_tqdm)
-        return [RequestOutput(t, i, [o], cached) for t, i, (o, cached) in zip(texts, ids, outs)]
+        # n completions of a prompt are n requests (completion j seeded `seed + j`), run in one batch
+        flat = [(k, j) for k, p in enumerate(params) for j in range(p.n)]
+        one = [
+            dataclasses.replace(params[k], n=1, seed=None if params[k].seed is None else params[k].seed + j)
+            for k, j in flat
+        ]
+        outs = self._run_batch([ids[k] for k, _ in flat], one, use_tqdm)
+        results = [RequestOutput(t, i, [], 0) for t, i in zip(texts, ids)]
+        for (k, j), (o, cached) in zip(flat, outs):
+            o.index = j
+            results[k].outputs.append(o)
+            results[k].num_cached_tokens = cached
+        return results
+
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        reasoning_effort: str = "medium",
+        tools: list[dict] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Chat completions offline: each conversation (OpenAI-style `messages`, or a list of them) rendered with
+        harmony as the server renders it (`reasoning_effort`, function `tools`), generated, and its reply split as
+        the server splits it: `text` the final answer, `reasoning_content` the analysis, `tool_calls` the calls.
+        Needs the `serve` extra (openai-harmony) and the o200k_harmony vocabulary."""
+        from gptoss_jax import harmony
+
+        if self.tokenizer is None:
+            raise ValueError(f"{self.model_path} has no o200k_harmony vocabulary: chat needs one")
+        if self._renderer is None:
+            self._renderer = harmony.Renderer()
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        effort = harmony.parse_reasoning_effort(("reasoning_effort", reasoning_effort))
+        parsed_tools = harmony.parse_chat_tools(tools, None) if tools else []
+        prompts = [self._renderer.render_chat(m, parsed_tools, effort) for m in conversations]
+        if sampling_params is None:
+            sampling_params = SamplingParams(stop_token_ids=harmony.STOP_TOKENS)
+        outs = self.generate(prompt_token_ids=prompts, sampling_params=sampling_params, use_tqdm=use_tqdm)
+        for out in outs:
+            out.prompt = None
+            for c in out.outputs:
+                self._split_reply(c, harmony.OutputParser(self.tokenizer, [t.name for t in parsed_tools]))
+        return outs
+
+    @staticmethod
+    def _split_reply(c: CompletionOutput, parser) -> None:
+        """Harmony reply tokens -> content, reasoning and tool calls (the server's parser)."""
+        deltas = [d for t in c.token_ids for d in parser.process(t)] + parser.finish()
+        content, reasoning, calls = [], [], {}
+        for d in deltas:
+            if d.kind == "content":
+                content.append(d.text)
+            elif d.kind == "reasoning":
+                reasoning.append(d.text)
+            elif d.kind == "tool_start":
+                calls[d.tool_index] = {"name": d.name, "arguments": ""}
+            elif d.kind == "tool_args":
+                calls[d.tool_index]["arguments"] += d.text
+        c.text = "".join(content)
+        c.reasoning_content = "".join(reasoning) or None
+        c.tool_calls = [calls[i] for i in sorted(calls)] or None
+        if c.tool_calls and c.finish_reason == "stop":
+            c.finish_reason = "tool_calls"
 
     def _run_batch(
         self, ids: list[list[int]], params: list[SamplingParams], use_tqdm: bool

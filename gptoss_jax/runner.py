@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from gptoss_jax import kv_cache, model, steps
+from gptoss_jax import kv_cache, model, runtime, steps
 from gptoss_jax.config import ModelConfig
 from gptoss_jax.engine_config import EngineConfig, bucket
 from gptoss_jax.program_store import ProgramStore
@@ -104,14 +104,14 @@ class ModelRunner:
         return self.st.kernels
 
     def _pool_sizes(self) -> tuple[int, int]:
-        """(full, sliding) pages per attention rank: the config's count, or what `kv_cache_memory_fraction` of the
-        device memory left after the weights holds."""
+        """(full, sliding) pages per attention rank: the config's count, or what `gpu_memory_utilization` of the
+        device leaves after the weights (in use now) and the activation reserve (`kv_cache.activation_bytes`)."""
         mc, ec = self.model_config, self.config
         kv_bytes = None
         if ec.num_pages is None and ec.kv_cache_tokens is None:
             stats = jax.devices()[0].memory_stats() or {}
             if "bytes_limit" in stats:
-                kv_bytes = int((stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * ec.kv_cache_memory_fraction)
+                kv_bytes = self._kv_budget(stats)
             else:
                 kv_bytes = CPU_KV_BYTES
         full_tokens = ec.kv_cache_tokens if ec.num_pages is None else (ec.num_pages - 1) * ec.page_size
@@ -128,11 +128,50 @@ class ModelRunner:
             full_tokens,
         )
 
-    def close(self) -> None:
-        """Free the KV cache's device memory now (a new engine in the same process sizes its cache from free
-        memory, so it must not wait for garbage collection)."""
-        for buf in jax.tree.leaves((self.cache, self._last_tokens)):
-            buf.delete()
+    def _kv_budget(self, stats: dict) -> int:
+        """KV cache bytes per device under vLLM's meaning of `gpu_memory_utilization`: that fraction of the whole
+        device, less what is in use (the weights) and the reserve for the largest step's activations."""
+        mc, ec = self.model_config, self.config
+        total = runtime.device_memory_bytes(stats)
+        allowed = ec.gpu_memory_utilization * total
+        if allowed > stats["bytes_limit"]:
+            log.warning(
+                "gpu_memory_utilization=%.2f asks for %.1f GiB, JAX's memory pool has %.1f GiB "
+                "(XLA_PYTHON_CLIENT_MEM_FRACTION): using the pool",
+                ec.gpu_memory_utilization,
+                allowed / 2**30,
+                stats["bytes_limit"] / 2**30,
+            )
+            allowed = stats["bytes_limit"]
+        in_use = stats.get("bytes_in_use", 0)
+        reserve = kv_cache.activation_bytes(mc, ec, jnp.dtype(self.dtype).itemsize)
+        kv = int(allowed - in_use - reserve)
+        log.info(
+            "memory: %.2f x %.1f GiB = %.1f GiB for this engine: %.1f GiB in use (weights), %.1f GiB reserved for "
+            "activations, %.1f GiB for the KV cache",
+            ec.gpu_memory_utilization,
+            total / 2**30,
+            allowed / 2**30,
+            in_use / 2**30,
+            reserve / 2**30,
+            kv / 2**30,
+        )
+        if kv <= 0:
+            raise ValueError(
+                f"gpu_memory_utilization={ec.gpu_memory_utilization} of this device ({total / 2**30:.1f} GiB) is "
+                f"{allowed / 2**30:.1f} GiB: the weights and other arrays already use {in_use / 2**30:.1f} GiB and "
+                f"the activations need ~{reserve / 2**30:.1f} GiB, which leaves nothing for the KV cache; raise "
+                "gpu_memory_utilization, or lower max_num_batched_tokens / max_num_seqs"
+            )
+        return kv
+
+    def close(self, params: bool = False) -> None:
+        """Free the KV cache's device memory now, and the parameters' with `params` (a new engine in the same
+        process sizes its cache from the device's memory, so it must not wait for garbage collection)."""
+        for buf in jax.tree.leaves((self.cache, self._last_tokens) + ((self.params,) if params else ())):
+            if not buf.is_deleted():
+                buf.delete()
+        self._programs.clear()
 
     # ---- the steps ---------------------------------------------------------------------------------------------
     def prefill(self, chunks: list[PrefillChunk]) -> tuple[Sampled, list[int]]:

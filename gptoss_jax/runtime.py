@@ -1,7 +1,8 @@
 """Process settings a serving process applies before it touches a device (`Engine`, `LLM` and `serve` call
 `prepare`); importing the package changes none of them.
 
-- GPU memory: JAX's pool raised from 75% to `GPU_MEMORY_FRACTION` of the device.
+- GPU memory: JAX's pool raised from 75% to `GPU_MEMORY_FRACTION` of the device (or to the engine's
+  `gpu_memory_utilization` where that is higher; the engine itself keeps to `gpu_memory_utilization`).
 - JAX's persistent compilation cache, on by default in `home()/compile-cache`, so a restart loads the compiled
   steps (the Pallas kernels inside them included) instead of compiling them again. It is per user (the folder is
   made private: a compilation cache is trusted code), bounded (`COMPILE_CACHE_BYTES`, least recently used entries
@@ -50,14 +51,25 @@ def compile_cache_dir(setting: str | os.PathLike | bool | None = None) -> Path |
     return Path(setting).expanduser()
 
 
-def prepare(compile_cache: str | os.PathLike | bool | None = None) -> Path | None:
+def prepare(
+    compile_cache: str | os.PathLike | bool | None = None, gpu_memory_utilization: float | None = None
+) -> Path | None:
     """Apply the process settings (see the module docstring) for a process about to serve; returns the
-    compilation cache folder in use (None: off). `compile_cache` as `compile_cache_dir`."""
-    _memory_fraction()
+    compilation cache folder in use (None: off). `compile_cache` as `compile_cache_dir`; a `gpu_memory_utilization`
+    above `GPU_MEMORY_FRACTION` raises JAX's pool to it."""
+    _memory_fraction(max(float(GPU_MEMORY_FRACTION), gpu_memory_utilization or 0.0))
     return _compile_cache(compile_cache_dir(compile_cache))
 
 
-def _memory_fraction() -> None:
+def device_memory_bytes(stats: dict) -> int:
+    """The whole memory of a device, from its `memory_stats()`: JAX's pool (`bytes_limit`) is
+    `XLA_PYTHON_CLIENT_MEM_FRACTION` of it (0.75 when unset); the platform allocator has no pool of its own."""
+    if os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") == "platform":
+        return int(stats["bytes_limit"])
+    return int(stats["bytes_limit"] / float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")))
+
+
+def _memory_fraction(fraction: float) -> None:
     """JAX reads the variable when its GPU backend starts, so a process that used a device before keeps what it
     had (logged)."""
     if "XLA_PYTHON_CLIENT_MEM_FRACTION" in os.environ:
@@ -66,10 +78,10 @@ def _memory_fraction() -> None:
         log.info(
             "JAX's backends started before gptoss_jax.runtime.prepare(): the GPU memory pool keeps JAX's default "
             "size; set XLA_PYTHON_CLIENT_MEM_FRACTION=%s before the first JAX call for the engine's",
-            GPU_MEMORY_FRACTION,
+            f"{fraction:g}",
         )
         return
-    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = GPU_MEMORY_FRACTION
+    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{fraction:g}"
 
 
 def _compile_cache(path: Path | None) -> Path | None:

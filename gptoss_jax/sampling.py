@@ -29,7 +29,8 @@ class SamplingParams:
     """vLLM-style sampling settings. `temperature=0` is greedy; `top_k=0` / `top_p=1` / `min_p=0`
     disable those filters; `seed=None` draws from the engine's generator. `stop` strings end the
     output (the text excludes them; needs a tokenizer); `logprobs=n` returns each new token's
-    log-probability and the `n` most likely alternatives (0 = the sampled token's only)."""
+    log-probability and the `n` most likely alternatives (0 = the sampled token's only). `n` completions per prompt
+    (`LLM.generate`; with a `seed`, completion `i` uses `seed + i`, as the server does)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -40,6 +41,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] = ASSISTANT_STOPS
     stop: tuple[str, ...] | list[str] | str | None = None
     logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self):
         def bad(field, why):
@@ -80,8 +82,10 @@ class SamplingParams:
         self.stop = tuple(stop)
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= INT32_MAX):
             bad("logprobs", "must be an integer >= 0 or None")
+        if not is_int(self.n) or not 1 <= self.n <= INT32_MAX:
+            bad("n", "must be an integer >= 1")
         self.temperature, self.top_p, self.min_p = float(self.temperature), float(self.top_p), float(self.min_p)
-        self.top_k, self.max_tokens = int(self.top_k), int(self.max_tokens)
+        self.top_k, self.max_tokens, self.n = int(self.top_k), int(self.max_tokens), int(self.n)
         self.seed = None if self.seed is None else int(self.seed)
         self.logprobs = None if self.logprobs is None else int(self.logprobs)
 

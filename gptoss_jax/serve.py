@@ -1,7 +1,8 @@
-"""OpenAI-compatible server: `python -m gptoss_jax.serve --model DIR [--config configs/X.yaml] [--port 8000]`.
+"""OpenAI-compatible server: `python -m gptoss_jax.serve --model DIR|ORG/NAME [--config PROFILE] [--port 8000]`.
 
-Without `--model` it serves the built-in demo checkpoint. Endpoints: POST /v1/chat/completions,
-/v1/completions, /v1/responses; GET /v1/models, /health (200 once loaded and warmed up), /metrics.
+Without `--model` it serves the built-in demo checkpoint. Flags are named as vLLM's (docs/server.md). Endpoints:
+POST /v1/chat/completions, /v1/completions, /v1/responses; GET /v1/models, /health (200 once loaded and warmed up),
+/metrics.
 """
 
 from __future__ import annotations
@@ -10,73 +11,74 @@ import argparse
 import asyncio
 import contextlib
 import importlib.util
+import json
 import logging
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
-from gptoss_jax import runtime
-from pallas_kernels.kv_quant import DTYPES as KV_CACHE_DTYPES
+from gptoss_jax import cli, runtime
 from sharding import distributed
 
 log = logging.getLogger("gptoss_jax.serve")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m gptoss_jax.serve", description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="checkpoint folder (HF or original layout); default: the built-in demo")
-    p.add_argument("--config", help="engine config (configs/*.yaml): batch sizes, KV pages, max_model_len")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 for all)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument(
+    p = argparse.ArgumentParser(
+        prog=cli.prog("gptoss-serve", "gptoss_jax.serve"),
+        description=__doc__.splitlines()[0],
+        formatter_class=cli.Formatter,
+    )
+    cli.add_model_args(p)
+    cli.add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 for all)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port")
+    g.add_argument(
         "--api-key",
         default=os.environ.get("GPTOSS_JAX_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $GPTOSS_JAX_API_KEY)",
     )
-    p.add_argument("--served-model-name", help="model id in the API (default: the checkpoint folder's name)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument(
-        "--kv-cache-dtype",
-        choices=sorted(KV_CACHE_DTYPES),
-        default=None,
-        help="KV cache: 'auto' (the model's dtype) or 'fp8' (e4m3, half the bytes; default: the config's, auto)",
+    g.add_argument("--served-model-name", help="model id in the API (default: the repo id, or the folder's name)")
+    g.add_argument("--root-path", default="", help="path prefix when behind a proxy that strips it (ASGI root_path)")
+    g.add_argument("--ssl-keyfile", help="serve HTTPS with this private key (with --ssl-certfile)")
+    g.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (with --ssl-keyfile)")
+    g.add_argument(
+        "--allowed-origins",
+        type=_origins,
+        default=[],
+        help="CORS: origins browsers may call from, as a JSON list or comma-separated ('*' for any; none: CORS off)",
     )
-    p.add_argument(
-        "--compile-cache-dir",
-        default=None,
-        help="where compiled steps persist across restarts ('off' for none; default $GPTOSS_JAX_COMPILE_CACHE, "
-        "else $GPTOSS_JAX_HOME/compile-cache, $GPTOSS_JAX_HOME defaulting to ~/.cache/gptoss_jax)",
-    )
-    p.add_argument("--tokenizer", help="path to o200k_base.tiktoken (or its folder)")
-    p.add_argument(
-        "--impl",
-        choices=["pallas", "reference"],
-        default=None,
-        help="kernels or the pure-JAX reference path (default: kernels on GPU, reference elsewhere)",
-    )
-    p.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024, help="largest accepted request body")
-    p.add_argument(
+    g.add_argument("--allowed-methods", type=_origins, default=["*"], help="CORS: allowed methods")
+    g.add_argument("--allowed-headers", type=_origins, default=["*"], help="CORS: allowed request headers")
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    g.add_argument("--enable-log-requests", action="store_true", help="log every request: method, path, status, time")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true", help="no uvicorn access log lines")
+    g.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024, help="largest accepted request body")
+    g.add_argument(
         "--default-max-tokens",
         type=int,
         default=None,
         help="cap on max_tokens when a request gives none (default: the rest of the context)",
     )
-    p.add_argument(
+    g.add_argument(
         "--conversation-start-date",
         default=None,
-        help="render 'Current date: YYYY-MM-DD' in the system message (off by default: stable prefixes)",
+        help="render 'Current date: YYYY-MM-DD' in the system message (default: off, so prefixes stay stable)",
     )
-    p.add_argument("--model-identity", default=None, help="replace the system message's identity line")
-    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up requests before /health is 200")
-    p.add_argument(
+    g.add_argument("--model-identity", default=None, help="replace the system message's identity line")
+    g.add_argument("--no-warmup", action="store_true", help="skip the warm-up requests before /health is 200")
+    g.add_argument(
+        "--log-level", "--uvicorn-log-level", dest="log_level", default="info", help="debug, info, warning, error"
+    )
+    g.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
-        help="on SIGTERM/SIGINT, seconds running requests may take to finish before each is ended with an error "
-        "(default 30)",
+        help="on SIGTERM/SIGINT, seconds running requests may take to finish before each is ended with an error",
     )
-    p.add_argument("--log-level", default="info")
     # Test-only: load an engine from FILE.py:FACTORY instead of gptoss_jax.engine (scripted outputs).
     p.add_argument("--test-engine", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -84,10 +86,54 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--shutdown-timeout must be >= 0")
     if args.conversation_start_date and not re.fullmatch(r"\d{4}-\d{2}-\d{2}", args.conversation_start_date):
         p.error("--conversation-start-date must be YYYY-MM-DD")
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        p.error("--ssl-keyfile and --ssl-certfile go together")
     return args
 
 
-def _engine_factory(args, model_path: Path):
+def _origins(text: str) -> list[str]:
+    """A JSON list (vLLM's form) or comma-separated values."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return value
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+class _RequestLog:
+    """ASGI middleware: one log line per HTTP request (method, path, status, milliseconds)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0, status = time.perf_counter(), []
+
+        async def send_and_note(message):
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            log.info(
+                "request %s %s -> %s in %.1f ms",
+                scope["method"],
+                scope["path"],
+                status[0] if status else "-",
+                1e3 * (time.perf_counter() - t0),
+            )
+
+
+def _engine_factory(args, model_path: Path, engine_config):
     if args.test_engine:
         file, _, name = args.test_engine.rpartition(":")
         spec = importlib.util.spec_from_file_location("gptoss_test_engine", file)
@@ -100,13 +146,11 @@ def _engine_factory(args, model_path: Path):
         from gptoss_jax.engine import Engine
 
         kw = {"dtype": args.dtype, "impl": args.impl, "compile_cache_dir": args.compile_cache_dir}
-        if args.config:
-            kw["config"] = args.config
         if args.tokenizer:
             kw["tokenizer"] = args.tokenizer
-        if args.kv_cache_dtype:
-            kw["kv_cache_dtype"] = args.kv_cache_dtype
-        return Engine(str(model_path), progress=False, on_progress=on_progress, **kw)
+        if args.seed is not None:
+            kw["seed"] = args.seed
+        return Engine(str(model_path), config=engine_config, progress=False, on_progress=on_progress, **kw)
 
     return build
 
@@ -124,26 +168,32 @@ def _warmup_requests(st):
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    runtime.prepare(args.compile_cache_dir)
+    runtime.prepare(args.compile_cache_dir, args.gpu_memory_utilization)
     distributed.initialize()  # joins a multi-host job when GPTOSS_COORDINATOR etc. are set; else a no-op
     import uvicorn
 
-    from gptoss_jax import demo, harmony
+    from gptoss_jax import harmony
     from gptoss_jax import tokenizer as tokenizer_lib
     from gptoss_jax.async_engine import AsyncEngine
     from gptoss_jax.server.app import ServerConfig, State, build_app
     from gptoss_jax.server.http import DrainingServer, HeaderTimeoutProtocol
 
-    model_path = Path(args.model) if args.model else demo.checkpoint_path()
-    name = args.served_model_name or (model_path.name if args.model else "gpt-oss-demo")
-    # The vocabulary is needed twice (harmony rendering, our parser): load both now and fail loudly.
+    # Everything a user can get wrong fails here, in one line, before the server starts listening: the model (a
+    # repo id is downloaded now), the profile and flags, and the vocabulary (needed twice: harmony rendering and
+    # our parser, both from the one file the lookup finds).
     try:
-        harmony.load_encoding()
-        tok = tokenizer_lib.load(args.tokenizer, model_path)
-    except Exception as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    engine = AsyncEngine(_engine_factory(args, model_path))
+        model_path, ec = cli.resolve(args)
+        rank_file = tokenizer_lib.rank_file(args.tokenizer, model_path)
+        harmony.load_encoding(rank_file)
+        tok = tokenizer_lib.load(rank_file)
+    except (ValueError, OSError, RuntimeError) as e:
+        return cli.fail(e)
+    name = args.served_model_name or (
+        (args.model if not Path(args.model).expanduser().is_dir() else model_path.name)
+        if args.model
+        else "gpt-oss-demo"
+    )
+    engine = AsyncEngine(_engine_factory(args, model_path, ec))
     st = State(
         engine,
         tok,
@@ -168,6 +218,10 @@ def main(argv=None) -> int:
                 log.info("warm-up request done in %.1fs", dt)
             st.ready = True
             log.info("ready: serving %s on http://%s:%d", name, args.host, args.port)
+        except (ValueError, OSError, RuntimeError) as e:  # a user's error (a tensor, a size): one line
+            log.error("start-up failed: %s", e)
+            server_box["failed"] = True
+            server_box["server"].should_exit = True
         except Exception:
             log.exception("start-up failed")
             server_box["failed"] = True
@@ -184,14 +238,28 @@ def main(argv=None) -> int:
             await asyncio.to_thread(engine.shutdown)
 
     app = build_app(st, lifespan=lifespan)
+    if args.allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=args.allowed_origins,
+            allow_methods=args.allowed_methods,
+            allow_headers=args.allowed_headers,
+            allow_credentials=args.allow_credentials,
+        )
     config = uvicorn.Config(
-        app,
+        _RequestLog(app) if args.enable_log_requests else app,
         host=args.host,
         port=args.port,
         log_level=args.log_level.lower(),
         http=HeaderTimeoutProtocol,
         # The drain (`DrainingServer`) ends requests at --shutdown-timeout; uvicorn cancels what is left a bit later.
         timeout_graceful_shutdown=args.shutdown_timeout + DrainingServer.grace_s,
+        root_path=args.root_path,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        access_log=not args.disable_uvicorn_access_log,
     )
     server = DrainingServer(config, st, args.shutdown_timeout)
     server_box["server"] = server

@@ -1,5 +1,6 @@
 import json
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -162,3 +163,39 @@ def test_orbax_cache_skips_conversion(small_checkpoint, tmp_path, monkeypatch):
     assert cfg2 == cfg
     _leaves_equal(first, second)
     assert second.layers.experts.gate_up_blocks.dtype == jnp.uint8
+
+
+def _fake_hub_cache(cache, repo: str, source: Path, revision: str = "main") -> Path:
+    """A Hugging Face hub cache on disk, laid out as huggingface_hub writes it (blobs, refs, snapshots)."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo_dir = cache / ("models--" + repo.replace("/", "--"))
+    snapshot = repo_dir / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo_dir / "blobs").mkdir()
+    for f in source.iterdir():
+        blob = repo_dir / "blobs" / f"blob-{f.name}"
+        shutil.copy(f, blob)
+        (snapshot / f.name).symlink_to(Path("../../blobs") / blob.name)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / revision).write_text(commit)
+    return snapshot
+
+
+def test_resolve_model_local_folder_and_hub_cache_offline(small_checkpoint, tmp_path, monkeypatch):
+    """`--model` is a local folder or a Hugging Face repo id; offline the id resolves from the hub cache alone."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # what HF_HUB_OFFLINE=1 sets at import
+    assert checkpoint.resolve_model(small_checkpoint) == small_checkpoint
+    snapshot = _fake_hub_cache(tmp_path / "hub", "acme/tiny-oss", small_checkpoint)
+    got = checkpoint.resolve_model("acme/tiny-oss", download_dir=tmp_path / "hub")
+    assert got == snapshot and checkpoint.load_config(got) == checkpoint.load_config(small_checkpoint)
+    _fake_hub_cache(tmp_path / "hub2", "acme/tiny-oss", small_checkpoint, revision="v1")
+    assert checkpoint.resolve_model("acme/tiny-oss", revision="v1", download_dir=tmp_path / "hub2").is_dir()
+    # neither reading works: one error naming both, the cache and the offline mode
+    with pytest.raises(CheckpointError, match=r"acme/missing: no such local folder, and as a Hugging Face repo id "):
+        checkpoint.resolve_model("acme/missing", download_dir=tmp_path / "hub")
+    with pytest.raises(CheckpointError, match=r"revision v2.*HF_HUB_OFFLINE=1"):
+        checkpoint.resolve_model("acme/tiny-oss", revision="v2", download_dir=tmp_path / "hub")
+    with pytest.raises(CheckpointError, match="checkpoint folder not found"):
+        checkpoint.resolve_model(tmp_path / "no" / "such" / "dir")

@@ -110,3 +110,12 @@ def test_lower_layers_load_no_engine(package):
     assert not [m for m in loaded if m.startswith("gptoss_jax.")], loaded
     if package.startswith("pallas_kernels"):
         assert not [m for m in loaded if m.startswith("sharding")], loaded
+
+
+def test_null_eos_and_pad_token_ids_load():
+    """Hugging Face allows `"eos_token_id": null` (and a null pad id): the harmony stops remain, nothing crashes."""
+    c = from_hf_dict(_hf() | {"eos_token_id": None, "pad_token_id": None})
+    assert c.eos_token_ids == (200002, 200012) and c.pad_token_id == 199999
+    assert from_hf_dict(_hf() | {"eos_token_id": [200002, None]}).eos_token_ids == (200002, 200012)
+    with pytest.raises(ConfigError, match=r"config.json: eos_token_id='x'"):
+        from_hf_dict(_hf() | {"eos_token_id": "x"})

@@ -264,8 +264,36 @@ def test_batch_job_resumes(engine, tmp_path):
     out = [json.loads(line) for line in dst.read_text().splitlines()]
     assert [o["id"] for o in out] == ["a", "2"] and len(out[1]["logprobs"]) == 3
     assert out[0]["token_ids"] == alone(engine, [5, 6, 7], greedy(4))[0]
-    src.write_text('{"prompt_token_ids": [1], "max_tokenz": 3}\n')
-    with pytest.raises(ValueError, match=r"in.jsonl:1: unknown field\(s\) \['max_tokenz'\]"):
+
+
+def test_batch_job_bad_lines_order_and_duplicates(engine, tmp_path):
+    """A bad line is an error record and the job goes on; `ordered` writes in input order; duplicate ids are
+    named (with their lines) before anything runs."""
+    import json
+
+    from gptoss_jax import batch
+
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [
+        json.dumps({"id": "long", "prompt_token_ids": [5, 6, 7], "max_tokens": 9}),
+        '{"prompt_token_ids": [1], "max_tokenz": 3}',
+        "not json",
+        json.dumps({"id": "big", "prompt_token_ids": [1] * (engine.max_model_len + 1)}),
+        json.dumps({"id": "short", "prompt_token_ids": [8, 9], "max_tokens": 1}),
+    ]
+    src.write_text("\n".join(lines) + "\n")
+    summary = batch.run(engine, src, dst, dict(temperature=0, stop_token_ids=[]), progress=False, ordered=True)
+    out = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [o["id"] for o in out] == ["long", "2", "3", "big", "short"]  # input order, though "short" ends first
+    assert out[1]["error"] == f"{src}:2: unknown field(s) ['max_tokenz']"
+    assert out[2]["error"].startswith(f"{src}:3: invalid JSON")
+    assert out[3]["error"].startswith(f"{src}:4: request big: prompt has") and len(out[4]["token_ids"]) == 1
+    assert (summary["requests"], summary["errors"]) == (2, 3)
+    dst.unlink()
+    batch.run(engine, src, dst, dict(temperature=0, stop_token_ids=[]), progress=False)
+    assert [json.loads(line)["id"] for line in dst.read_text().splitlines()][-2:] == ["short", "long"]  # as finished
+    src.write_text('{"id": "a", "prompt_token_ids": [1]}\n{"id": "b", "prompt_token_ids": [1]}\n' * 2)
+    with pytest.raises(ValueError, match=r"2 duplicate request id\(s\): 'a' \(lines 1, 3\), 'b' \(lines 2, 4\)"):
         batch.run(engine, src, dst, {}, progress=False)
 
 

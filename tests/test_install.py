@@ -62,3 +62,29 @@ def _profile(name: str, key: str) -> int:
     import yaml
 
     return yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text())[key]
+
+
+def _requirement_names(reqs: list[str]) -> set[str]:
+    import re
+
+    return {re.split(r"[<>=!\[ ;]", r, maxsplit=1)[0].lower().replace("_", "-") for r in reqs}
+
+
+def test_bench_serving_runs_on_the_serve_extra():
+    """`pip install gptoss-jax[serve]` is enough for tools/bench_serving.py: every third-party module it imports
+    comes from a distribution in the dependencies or the `serve` extra."""
+    import ast
+    import importlib.metadata
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    allowed = _requirement_names(project["dependencies"] + project["optional-dependencies"]["serve"])
+    tree = ast.parse((REPO / "tools" / "bench_serving.py").read_text())
+    modules = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    modules |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0}
+    third_party = sorted(m for m in modules if m not in sys.stdlib_module_names and m not in ("gptoss_jax", "tools"))
+    assert "httpx" in third_party
+    dists = importlib.metadata.packages_distributions()
+    for m in third_party:
+        names = {d.lower().replace("_", "-") for d in dists[m]}
+        assert names & allowed, f"tools/bench_serving.py imports {m} ({names}), not in the serve extra"

@@ -61,10 +61,18 @@ def test_profiles_load_and_bad_keys_are_named(tmp_path):
         assert cfg.warmup and cfg.max_num_seqs >= 1
     bad = tmp_path / "bad.yaml"
     bad.write_text("max_num_seqs: 4\nmax_num_seq: 8\n")
-    with pytest.raises(ConfigError, match=r"bad.yaml: unknown engine setting 'max_num_seq'"):
+    with pytest.raises(
+        ConfigError, match=r"bad.yaml: unknown engine setting 'max_num_seq' \(did you mean 'max_num_seqs'"
+    ):
         engine_config.load(bad)
-    bad.write_text("kv_cache_memory_fraction: 1.5\n")
-    with pytest.raises(ConfigError, match=r"bad.yaml: .*kv_cache_memory_fraction=1.5"):
+    bad.write_text("gpu_memory_utilization: 1.5\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: .*gpu_memory_utilization=1.5"):
+        engine_config.load(bad)
+    bad.write_text("kv_cache_memory_fraction: 0.9\n")  # renamed, and its meaning changed: the error says so
+    with pytest.raises(ConfigError, match=r"bad.yaml: 'kv_cache_memory_fraction' is now 'gpu_memory_utilization'"):
+        engine_config.load(bad)
+    bad.write_text("zzz: 1\n")
+    with pytest.raises(ConfigError, match=r"unknown engine setting 'zzz' \(known: "):
         engine_config.load(bad)
     with pytest.raises(ConfigError, match="profiles"):
         engine_config.load("no_such_profile")
@@ -78,3 +86,36 @@ def test_buckets():
     assert cfg.decode_buckets() == (1, 2, 4, 8, 16, 32, 48)
     assert cfg.prefill_token_buckets() == (16, 32, 64, 128, 256, 512)
     assert cfg.context_buckets(4096) == (64, 128, 256)
+
+
+def test_gpu_memory_utilization_is_a_fraction_of_the_whole_device(monkeypatch):
+    """vLLM's meaning: the engine holds `gpu_memory_utilization` of the whole device (weights + KV cache +
+    activations), so the cache gets that less what is in use and the activation reserve; clamped to JAX's pool."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import jax.numpy as jnp
+
+    from gptoss_jax import config, kv_cache
+    from gptoss_jax.runner import ModelRunner
+
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR", raising=False)
+    GiB = 2**30
+    total, weights = 140 * GiB, 13 * GiB
+    stats = {"bytes_limit": int(0.92 * total), "bytes_in_use": weights}
+    mc, ec = config.preset("gpt-oss-20b"), engine_config.load("max_throughput")
+    reserve = kv_cache.activation_bytes(mc, ec, 2)
+    assert 2 * GiB < reserve < 30 * GiB  # the 16,384-token prefill steps of this profile
+
+    def budget(**kw):
+        runner = SimpleNamespace(model_config=mc, config=dataclasses.replace(ec, **kw), dtype=jnp.bfloat16)
+        return ModelRunner._kv_budget(runner, stats)
+
+    assert abs(budget() - (0.9 * total - weights - reserve)) < 1024
+    assert abs(budget() - budget(gpu_memory_utilization=0.5) - 0.4 * total) < 1024  # the whole device's 40%
+    assert abs(budget(gpu_memory_utilization=1.0) - (0.92 * total - weights - reserve)) < 1024  # the pool's limit
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.1 .* leaves nothing for the KV cache"):
+        budget(gpu_memory_utilization=0.1)
+    # the smaller steps of low_latency reserve less
+    assert kv_cache.activation_bytes(mc, engine_config.load("low_latency"), 2) < reserve

@@ -171,9 +171,8 @@ def test_sliding_layer_zero_ignores_tokens_outside_window(tmp_path):
         assert not np.allclose(a, llm.logits(changed)[-1], atol=1e-6)
 
 
-def test_demo_checkpoint_text_round_trip(tmp_path, monkeypatch):
-    monkeypatch.setenv("GPTOSS_JAX_HOME", str(tmp_path))
-    llm = LLM(dtype="float32", progress=False)
+def test_demo_checkpoint_text_round_trip(demo_llm):
+    llm = demo_llm
     assert llm.config.vocab_size == 201088 and llm.tokenizer is not None
     out = llm.generate(
         "The capital of France is", SamplingParams(temperature=0, max_tokens=4, stop_token_ids=[]), use_tqdm=False
@@ -208,3 +207,99 @@ def test_cli_json_and_errors(small_checkpoint):
         cmd[:3] + ["--prompt-ids", "1", "--model", "/nonexistent"], capture_output=True, text=True, timeout=300
     )
     assert bad.returncode == 1 and "checkpoint folder not found" in bad.stderr
+
+
+def test_close_context_manager_and_gc_free_device_memory(small_checkpoint):
+    """Several LLMs in one process: `close()`, leaving a `with` block, and dropping the last reference each give
+    every device buffer back (issue: four LLMs in one process ran out of GPU memory)."""
+    import gc
+
+    import jax
+
+    def live():
+        gc.collect()
+        return {id(a) for a in jax.live_arrays()}
+
+    sp = SamplingParams(temperature=0, max_tokens=3, stop_token_ids=[])
+    baseline = live()
+    for _ in range(2):
+        llm = LLM(small_checkpoint, dtype="float32", progress=False)
+        llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=sp, use_tqdm=False)
+        assert len(live() - baseline) > 5  # parameters and cache are on the device
+        llm.close()
+        llm.close()  # twice is harmless
+        assert live() - baseline == set()
+    with LLM(small_checkpoint, dtype="float32", progress=False) as llm:
+        llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=sp, use_tqdm=False)
+    assert live() - baseline == set()
+    llm = LLM(small_checkpoint, dtype="float32", progress=False)
+    llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=sp, use_tqdm=False)
+    del llm
+    assert live() - baseline == set()
+
+
+def test_n_completions_per_prompt(llm):
+    p = _prompts(1, seed=6)
+    sp = SamplingParams(temperature=1.0, seed=7, max_tokens=6, stop_token_ids=[], n=2)
+    (out,) = llm.generate(prompt_token_ids=p, sampling_params=sp, use_tqdm=False)
+    assert [c.index for c in out.outputs] == [0, 1] and out.outputs[0].token_ids != out.outputs[1].token_ids
+    # completion j is the request seeded seed + j
+    alone = SamplingParams(temperature=1.0, seed=8, max_tokens=6, stop_token_ids=[])
+    again = llm.generate(prompt_token_ids=p, sampling_params=alone, use_tqdm=False)
+    assert out.outputs[1].token_ids == again[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match=r"SamplingParams.n=0"):
+        SamplingParams(n=0)
+
+
+@pytest.fixture(scope="module")
+def demo_llm(tmp_path_factory):
+    import os
+
+    home = tmp_path_factory.mktemp("home")
+    old = os.environ.get("GPTOSS_JAX_HOME")
+    os.environ["GPTOSS_JAX_HOME"] = str(home)
+    try:
+        with LLM(dtype="float32", progress=False) as llm:
+            yield llm
+    finally:
+        if old is None:
+            os.environ.pop("GPTOSS_JAX_HOME")
+        else:
+            os.environ["GPTOSS_JAX_HOME"] = old
+
+
+def test_chat_renders_and_splits_as_the_server(demo_llm):
+    pytest.importorskip("openai_harmony")
+    from gptoss_jax import harmony
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    out = demo_llm.chat([messages, messages[1:]], sp, reasoning_effort="low", use_tqdm=False)
+    assert [o.prompt_token_ids for o in out] == [
+        harmony.Renderer().render_chat(m, [], "low") for m in (messages, messages[1:])
+    ]
+    parser = harmony.OutputParser(demo_llm.tokenizer)  # the reply's fields are the server parser's, token by token
+    deltas = [d for t in out[0].outputs[0].token_ids for d in parser.process(t)] + parser.finish()
+    assert out[0].outputs[0].text == "".join(d.text for d in deltas if d.kind == "content")
+    # the split of a scripted harmony reply: analysis -> reasoning_content, final -> text, functions.* -> tool_calls
+    enc = demo_llm.tokenizer
+    reply = enc.encode(
+        "<|channel|>analysis<|message|>Add them.<|end|><|start|>assistant<|channel|>final<|message|>4",
+        allowed_special="all",
+    )
+    from gptoss_jax.llm import CompletionOutput
+
+    c = CompletionOutput(0, None, reply, "stop", 200002)
+    demo_llm._split_reply(c, harmony.OutputParser(enc))
+    assert (c.text, c.reasoning_content, c.tool_calls, c.finish_reason) == ("4", "Add them.", None, "stop")
+    call = enc.encode(
+        '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}',
+        allowed_special="all",
+    )
+    c = CompletionOutput(0, None, call, "stop", 200012)
+    demo_llm._split_reply(c, harmony.OutputParser(enc, ["get_weather"]))
+    assert (
+        c.tool_calls == [{"name": "get_weather", "arguments": '{"city": "Paris"}'}] and c.finish_reason == "tool_calls"
+    )
+    with pytest.raises(harmony.RenderError, match="reasoning_effort"):
+        demo_llm.chat(messages, reasoning_effort="extreme", use_tqdm=False)

@@ -195,7 +195,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny model and job, for a CPU check of the script")
     ap.add_argument("--num-requests", type=int, default=256, help="requests of a job that names no count")
     ap.add_argument(
-        "--jobs", default="1024/1024x256,8192/1024x64,32768/1024x16", help="comma-separated INPUT/OUTPUT[xREQUESTS] throughput jobs"
+        "--jobs",
+        default="1024/1024x256,8192/1024x64,32768/1024x16",
+        help="comma-separated INPUT/OUTPUT[xREQUESTS] throughput jobs",
     )
     ap.add_argument("--latency-input-len", type=int, default=1024)
     ap.add_argument("--latency-output-len", type=int, default=256)
