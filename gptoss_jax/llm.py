@@ -29,13 +29,14 @@ class CompletionOutput:
     index: int
     text: str | None
     token_ids: list[int]
-    finish_reason: str  # "stop" (a stop token or string) or "length"
+    finish_reason: str  # "stop" (a stop token or string), "length", or "error" (the engine failed it: see `error`)
     stop_reason: int | str | None  # the stop token id (not in `token_ids`) or the stop string (not in `text`)
     logprobs: list | None = None  # per token: (logprob, [(token_id, logprob), ...])
     # `LLM.chat` only, as the server splits a harmony reply: `text` is the final answer (the `content`), the
     # analysis channel is `reasoning_content`, and `functions.*` calls are `tool_calls` ({"name", "arguments"}).
     reasoning_content: str | None = None
     tool_calls: list[dict] | None = None
+    error: str | None = None  # why the engine failed this request (finish_reason "error"); the others are unaffected
 
 
 @dataclasses.dataclass
@@ -266,7 +267,12 @@ class LLM:
                         tokens[out.request_id] += out.new_token_ids
                         logprobs[out.request_id] += out.logprobs or []
                         if out.finished:
-                            done[out.request_id] = (out.finish_reason, out.stop_reason, out.num_cached_prompt_tokens)
+                            done[out.request_id] = (
+                                out.finish_reason,
+                                out.stop_reason,
+                                out.num_cached_prompt_tokens,
+                                out.error,
+                            )
                             bar.update(1)
         finally:
             for r in rids:
@@ -276,14 +282,20 @@ class LLM:
                 self.engine.step()
         outs = []
         for r, x, p in zip(rids, ids, params):
-            reason, stop_reason, cached = done[r]
+            reason, stop_reason, cached, error = done[r]
             text = self._decode_text(tokens[r])
             if isinstance(stop_reason, str) and text is not None:
                 text = text[: find_stop_string(text, (stop_reason,))[0]]
             outs.append(
                 (
                     CompletionOutput(
-                        0, text, tokens[r], reason, stop_reason, logprobs[r] if p.logprobs is not None else None
+                        0,
+                        text,
+                        tokens[r],
+                        reason,
+                        stop_reason,
+                        logprobs[r] if p.logprobs is not None else None,
+                        error=error,
                     ),
                     cached,
                 )

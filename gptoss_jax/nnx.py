@@ -160,17 +160,20 @@ class GptOss(nnx.Module):
         mode: str = "low_latency",
         impl: str | None = None,
         cache_dir: str | os.PathLike | None = None,
+        revision: str | None = None,
+        download_dir: str | os.PathLike | None = None,
         progress: bool = True,
     ) -> GptOss:
-        """Load a checkpoint folder (Hugging Face or `original/` layout) exactly as the engine does
-        (`checkpoint.load_placed`). `mesh`: a `(replica, model)` mesh (`sharding.rules.make_mesh`) to shard over by
-        the engine's logical-axis rules in parallelism `mode`; `impl`: the kernels ("reference", "pallas"; default
-        the engine's choice for the device); `cache_dir`: the engine's orbax cache of converted parameters."""
+        """Load a checkpoint folder (Hugging Face or `original/` layout) or a Hugging Face repo id (`revision`,
+        `download_dir`: `checkpoint.resolve_model`) exactly as the engine does (`checkpoint.load_placed`). `mesh`: a
+        `(replica, model)` mesh (`sharding.rules.make_mesh`) to shard over by the engine's logical-axis rules in
+        parallelism `mode`; `impl`: the kernels ("reference", "pallas"; default the engine's choice for the device);
+        `cache_dir`: the engine's orbax cache of converted parameters."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
         kernels = (KernelConfig() if impl is None else KernelConfig(impl=impl)).for_device()
         layout = Layout(mesh, mode) if mesh is not None else None
-        path = Path(path)  # a local folder (Hugging Face ids: resolve them to a folder here, as the engine does)
+        path = checkpoint.resolve_model(path, revision=revision, download_dir=download_dir)
         config, params = checkpoint.load_placed(
             path, DTYPES[dtype], kernels, layout, cache_dir=cache_dir, progress=progress
         )
