@@ -90,7 +90,7 @@ def _kernel(
         p = jnp.where(vis, jnp.exp(s - m_new[:, None]), 0.0)
         l = l * alpha + jnp.sum(p, axis=1)
         if quantized:
-            w, top = kv_quant.value_weights(p, v_scale)
+            w, top = kv_quant.value_weights(p, v_scale, v.dtype)
             pv = jnp.dot(w, v, preferred_element_type=jnp.float32) * top
         else:
             pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)

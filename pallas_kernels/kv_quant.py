@@ -49,12 +49,14 @@ def dequantize(q_H: jax.Array, scale: jax.Array | None, dtype=jnp.float32) -> ja
 
 
 def dot_dtype(quantized: bool, dtype):
-    """The operand dtype of the attention dots: f16 over an FP8 pool, else the model's."""
-    return jnp.float16 if quantized else dtype
+    """The operand dtype of the attention dots: f16 over an FP8 pool in a half-precision model, else the model's (an
+    fp32 model keeps fp32 dots: it is there for exactness, not speed)."""
+    return jnp.float16 if quantized and jnp.dtype(dtype) != jnp.dtype(jnp.float32) else dtype
 
 
-def value_weights(p, v_scale):
-    """Probabilities `p` `[rows, keys]` times each key's value scale, as f16 dot operands: normalized by the block's
-    largest scale (returned, to multiply the dot's f32 result by) so that small scales cannot underflow f16."""
+def value_weights(p, v_scale, dtype=jnp.float16):
+    """Probabilities `p` `[rows, keys]` times each key's value scale, as dot operands of `dtype` (`dot_dtype`):
+    normalized by the block's largest scale (returned, to multiply the dot's f32 result by) so that small scales
+    cannot underflow f16."""
     top = jnp.maximum(jnp.max(v_scale), 1e-30)
-    return (p * (v_scale / top)[None, :]).astype(jnp.float16), top
+    return (p * (v_scale / top)[None, :]).astype(dtype), top

@@ -96,7 +96,7 @@ def _attend(
         if scale_refs is None:
             pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         else:
-            w, top = kv_quant.value_weights(p, v_scale)
+            w, top = kv_quant.value_weights(p, v_scale, v.dtype)
             pv = jnp.dot(w, v, preferred_element_type=jnp.float32) * top
         acc = acc * alpha[:, None] + pv
         return m_new, l, acc

@@ -14,12 +14,18 @@ def test_todays_table_matches_the_results_files():
     text = (REPO / "docs" / "BENCHMARKS.md").read_text()
     assert text.startswith("# Benchmarks\n\n## Today's figures\n")
     table = text.split("## History")[0]
-    rows = {line.split(" | ")[-1].strip(" |`"): line for line in table.splitlines() if line.startswith("| gpt-oss")}
+    rows = [line for line in table.splitlines() if line.startswith("| gpt-oss")]
     for r in plot_benchmarks.current(RESULTS):
-        row = rows[r["file"]]
         ceiling = plot_benchmarks.ceiling(r["model"], r["job"], r["copy_TBps"])
-        assert f"**{r['tok_s']:,.0f}**" in row and f"`{r['commit']}`" in row, row
-        assert f"{ceiling:,.0f}" in row and f"{r['copy_TBps']:.2f} TB/s" in row and f"{r['tpot_ms']:.2f} ms" in row, row
+        want = (
+            f"**{r['tok_s']:,.0f}**",
+            f"`{r['commit']}`",
+            f"{ceiling:,.0f}",
+            f"{r['copy_TBps']:.2f} TB/s",
+            f"{r['tpot_ms']:.2f} ms",
+        )
+        mine = [row for row in rows if row.split(" | ")[-1].strip(" |`") == r["file"]]  # a file may hold several jobs
+        assert any(all(w in row for w in want) for row in mine), (r, mine)
 
 
 @pytest.mark.slow  # draws both pictures

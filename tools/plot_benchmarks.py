@@ -26,15 +26,26 @@ ROOT = Path(__file__).resolve().parent.parent
 # (model, job in the file, results file): today's figures, BENCHMARKS.md's first table.
 CURRENT = [
     ("20b", "latency", "engine_20b_b1_startup_h200.json"),
-    ("20b", "throughput 1024/1024", "throughput_20b_startup_h200.json"),
-    ("20b", "throughput 8192/1024", "engine_20b_grouped_repeat_h200.json"),
+    ("20b", "throughput 1024/1024", "engine_20b_1k_merged_h200.json"),
+    ("20b", "throughput 8192/1024", "engine_20b_long_bf16kv_h200.json"),
+    ("20b", "throughput 32768/1024", "engine_20b_long_bf16kv_h200.json"),
     ("120b", "latency", "engine_120b_b1_back_h200.json"),
     ("120b", "throughput 1024/1024", "engine_120b_linear_mosaic_h200.json"),
-    ("120b", "throughput 8192/1024", "engine_120b_8k_prefill16_h200.json"),
+    ("120b", "throughput 8192/1024", "engine_120b_8k_merged_h200.json"),
 ]
 # job -> (batch, mean context over the decode phase): where its point sits on the roofline
-JOB_SHAPE = {"latency": (1, 1024 + 128), "throughput 1024/1024": (256, 1024 + 512), "throughput 8192/1024": (64, 8704)}
-JOB_NAME = {"latency": "batch 1, 1k/256", "throughput 1024/1024": "256 x 1k/1k", "throughput 8192/1024": "64 x 8k/1k"}
+JOB_SHAPE = {
+    "latency": (1, 1024 + 128),
+    "throughput 1024/1024": (256, 1024 + 512),
+    "throughput 8192/1024": (64, 8704),
+    "throughput 32768/1024": (16, 33280),
+}
+JOB_NAME = {
+    "latency": "batch 1, 1k/256",
+    "throughput 1024/1024": "256 x 1k/1k",
+    "throughput 8192/1024": "64 x 8k/1k",
+    "throughput 32768/1024": "16 x 32k/1k",
+}
 # Published figures (not measured here): (model, label, device, output tok/s per GPU, tok/s per user or None, source)
 ANCHORS = [
     ("20b", "vLLM c=1 (TPOT 3.58 ms)", "H200?", 275.9, 279.0, "vllm-project/vllm PR #37683"),
