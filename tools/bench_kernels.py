@@ -450,6 +450,11 @@ def bench_linear_mosaic(bw, mm, Ts, splits_opts, L=8):
         del ws, seps
 
 
+def _reference(window: int):
+    """The jitted paged reference attention: `(q, k, v, tables, positions, sinks, scales)`."""
+    return jax.jit(lambda *a: attention_reference.attention(*a[:6], window, **a[6]))
+
+
 def bench_paged(bw, cases, split_opts, kv_dtypes=("auto",)):
     for (B, ctx, window, S), kv_dtype in itertools.product(cases, kv_dtypes):
         q, kp, vp, bt, pos, sinks = kc.paged(jax.random.PRNGKey(B + ctx), B, 64, 8, 64, S, [ctx] * B)
@@ -474,17 +479,7 @@ def bench_paged(bw, cases, split_opts, kv_dtypes=("auto",)):
                 )
                 if best is None or t < best[0]:
                     best = (t, ns, bkv)
-        t_ref = timeit(
-            jax.jit(lambda *a: attention_reference.attention(*a[:6], window, **a[6])),
-            q,
-            kp,
-            vp,
-            bt,
-            pos,
-            sinks,
-            scales,
-            n=5,
-        )
+        t_ref = timeit(_reference(window), q, kp, vp, bt, pos, sinks, scales, n=5)
         # jax.nn.dot_product_attention on a contiguous [B, ctx, K, H] cache (no sinks, no paging).
         kc_ = jax.random.normal(jax.random.PRNGKey(9), (B, ctx, 8, 64), jnp.float32).astype(jnp.bfloat16)
         res = {}
@@ -531,18 +526,7 @@ def bench_flash(mm, cases, cfgs, kv_dtypes=("auto",)):
             if best is None or t < best[0]:
                 best = (t, cfg)
         try:
-            t_ref = timeit(
-                jax.jit(lambda *a: attention_reference.attention(*a[:6], window, **a[6])),
-                q,
-                kp,
-                vp,
-                bt,
-                pos,
-                sinks,
-                scales,
-                n=2,
-                reps=2,
-            )
+            t_ref = timeit(_reference(window), q, kp, vp, bt, pos, sinks, scales, n=2, reps=2)
         except Exception as e:  # noqa: BLE001
             t_ref = float("nan")
             log(f"  reference failed: {type(e).__name__}: {str(e)[:150]}")
