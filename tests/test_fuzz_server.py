@@ -8,6 +8,7 @@ engine of tests/scripted_engine.py); the load test, the timeouts and the drain g
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import random
 import socket
@@ -263,7 +264,7 @@ def _base(rng: random.Random, path: str) -> dict:
                 {"role": "tool", "tool_call_id": "c1", "content": f"ok {marker}"},
             ]
         return (
-            {"messages": msgs, "max_tokens": 8, "tools": [TOOL]}
+            {"messages": msgs, "max_tokens": 8, "tools": [copy.deepcopy(TOOL)]}  # mutated below: never the shared one
             if rng.random() < 0.3
             else {"messages": msgs, "max_tokens": 8}
         )
