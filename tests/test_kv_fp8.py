@@ -87,3 +87,21 @@ def test_forward_writes_and_reads_an_fp8_cache():
                 assert np.abs(np.asarray(pools.k[:, 1:4], np.float32)).max() == kv_quant.FP8_MAX
     a, b = (np.asarray(hidden[n], np.float64) for n in ("fp8", "fp32"))
     assert 0 < np.linalg.norm(a - b) / np.linalg.norm(b) < 0.1
+
+
+@pytest.mark.slow  # engines on simulated 2-device meshes
+@pytest.mark.parametrize("mode", ["low_latency", "max_throughput"])
+def test_fp8_cache_sharded_like_its_pools(small_checkpoint, mode):
+    """On a mesh the scales are split as their pools (KV heads over `model` in low latency, pages over the ranks in
+    max throughput), and the logits are one device's."""
+    from gptoss_jax import LLM
+
+    ids = list(range(3, 40))
+    one = LLM(small_checkpoint, dtype="float32", kv_cache_dtype="fp8", progress=False).logits(ids)
+    llm = LLM(
+        small_checkpoint, dtype="float32", kv_cache_dtype="fp8", progress=False, model_parallel=2, parallel_mode=mode
+    )
+    cache = llm.engine.runner.cache
+    assert cache.k_full_scale.sharding.spec[:4] == cache.k_full.sharding.spec[:4]
+    got = llm.logits(ids)
+    assert np.linalg.norm(got - one) / np.linalg.norm(one) < 1e-5
