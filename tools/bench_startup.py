@@ -26,12 +26,21 @@ import httpx
 _LLM = """
 import json, sys, time
 t0 = time.time()
+from jax import monitoring
+from jax._src import dispatch
+compiled, hits = [], []  # XLA's compile event fires for a program loaded from its persistent cache too
+monitoring.register_event_duration_secs_listener(
+    lambda event, seconds, **kw: compiled.append(kw.get("fun_name")) if event == dispatch.BACKEND_COMPILE_EVENT
+    else None)
+monitoring.register_event_listener(
+    lambda event, **kw: hits.append(event) if event == "/jax/compilation_cache/cache_hits" else None)
 from gptoss_jax import LLM, SamplingParams
 llm = LLM(sys.argv[1] or None, engine_config=sys.argv[2], compile_cache_dir=sys.argv[3], progress=False)
 t1 = time.time()
 llm.generate(prompt_token_ids=[[200006, 1428, 200008]], sampling_params=SamplingParams(temperature=0, max_tokens=1),
              use_tqdm=False)
-print(json.dumps(dict(imported=t0, ready=t1, first_token=time.time())))
+print(json.dumps(dict(imported=t0, ready=t1, first_token=time.time(), compiled=len(compiled) - len(hits),
+                      steps_compiled=sum(f in ("jit(decode)", "jit(prefill)") for f in compiled))))
 """
 
 
@@ -47,7 +56,13 @@ def start_llm(model: str, profile: str, cache: Path) -> dict:
     if out.returncode:
         raise RuntimeError(f"LLM start failed: {out.stderr[-3000:]}")
     t = json.loads(out.stdout.strip().splitlines()[-1])
-    return dict(ready_s=t["ready"] - t0, first_token_s=t["first_token"] - t0, imports_s=t["imported"] - t0)
+    return dict(
+        ready_s=t["ready"] - t0,
+        first_token_s=t["first_token"] - t0,
+        imports_s=t["imported"] - t0,
+        xla_compilations=t["compiled"],  # not counting programs loaded from XLA's cache
+        steps_compiled=t["steps_compiled"],
+    )
 
 
 def start_server(model: str, profile: str, cache: Path, tokenizer: str | None, log: Path) -> dict:
@@ -129,6 +144,7 @@ def main(argv=None) -> None:
                 rows.append(row)
                 print(
                     f"[{entry} {profile} {mode}] ready {row['ready_s']:.1f}s, first token {row['first_token_s']:.1f}s"
+                    + (f", {row['xla_compilations']} XLA compilations" if "xla_compilations" in row else "")
                     + (f"; {row['warmup'].split(': ', 1)[-1]}" if row.get("warmup") else ""),
                     flush=True,
                 )
