@@ -28,7 +28,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 log = logging.getLogger(__name__)
-MAX_WORKERS = 8  # each holds a CUDA context (~0.5 GB) and XLA's scratch beside the engine's memory pool
+MAX_WORKERS = 8
+# Device memory a worker may take: its CUDA context and XLA's autotuning, which runs a program's largest operands
+# (the 1.1 GiB unembedding of gpt-oss among them), beside the engine's weights (its KV cache waits for the workers).
+WORKER_BYTES = 6 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +54,14 @@ class Plan:
     threads: int
 
 
-def default_workers(platform: str, programs: int) -> int:
-    """Half the cores (the other half compiles inside them), at most `MAX_WORKERS`, on a GPU; none on a CPU, where
-    XLA's compilation already takes the cores and the programs lower quickly."""
+def default_workers(platform: str, programs: int, free_bytes: int | None) -> int:
+    """Half the cores (the other half compiles inside them), at most `MAX_WORKERS` and as many as `free_bytes` of
+    device memory hold, on a GPU; none on a CPU, where XLA's compilation already takes the cores and the programs
+    lower quickly."""
     if platform != "gpu":
         return 0
-    return max(0, min(MAX_WORKERS, (os.cpu_count() or 1) // 2, programs))
+    room = MAX_WORKERS if free_bytes is None else free_bytes // WORKER_BYTES
+    return max(0, min(MAX_WORKERS, (os.cpu_count() or 1) // 2, programs, room))
 
 
 def abstract(tree: Any) -> Any:

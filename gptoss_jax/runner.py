@@ -84,10 +84,14 @@ class ModelRunner:
         # cache would make warm-up compile programs that real calls then compile again.
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         zeros = functools.partial(model.PagedKVCache.zeros, mc, R * n_sliding, R * n_full, ec.page_size, self.kv_dtype)
-        self.cache = jax.jit(
+        self._zeros = jax.jit(
             zeros,
             out_shardings=one if layout is None else layout.cache_shardings(jax.eval_shape(zeros), mc.num_kv_heads),
-        )()
+        )
+        # The cache's shapes and placements: what the programs are keyed, lowered and compiled for. The cache itself
+        # is allocated at its first use, after warm-up, so that compile workers have the device's memory meanwhile.
+        self.cache_spec = jax.eval_shape(self._zeros)
+        self._cache: model.PagedKVCache | None = None
         # Last sampled token per sequence slot; the extra slot takes padding rows' writes.
         self._spare_slot = ec.max_num_seqs
         last = np.zeros(ec.max_num_seqs + 1, np.int32)
@@ -100,6 +104,17 @@ class ModelRunner:
             ec.page_size,
             self.max_model_len,
         )
+
+    @property
+    def cache(self) -> model.PagedKVCache:
+        """The paged KV cache (allocated here at the first use; donated to every step, which returns the new one)."""
+        if self._cache is None:
+            self._cache = self._zeros()
+        return self._cache
+
+    @cache.setter
+    def cache(self, cache: model.PagedKVCache) -> None:
+        self._cache = cache
 
     @property
     def kernels(self) -> KernelConfig:
@@ -170,7 +185,7 @@ class ModelRunner:
     def close(self, params: bool = False) -> None:
         """Free the KV cache's device memory now, and the parameters' with `params` (a new engine in the same
         process sizes its cache from the device's memory, so it must not wait for garbage collection)."""
-        for buf in jax.tree.leaves((self.cache, self._last_tokens) + ((self.params,) if params else ())):
+        for buf in jax.tree.leaves((self._cache, self._last_tokens) + ((self.params,) if params else ())):
             if not buf.is_deleted():
                 buf.delete()
         self._programs.clear()
@@ -237,10 +252,10 @@ class ModelRunner:
         in memory and in the store)."""
         program = self._programs.get(key)
         if program is None:
-            stored = self.store.key(key[0], self.st, (self.params, self.cache, batch))
+            stored = self.store.key(key[0], self.st, (self.params, self.cache_spec, batch))
             program = self.store.load(stored, self._devices)
             if program is None:
-                program = self.store.compile(step.lower(self.params, self.cache, batch, st=self.st), stored)
+                program = self.store.compile(step.lower(self.params, self.cache_spec, batch, st=self.st), stored)
             self._programs[key] = program
         return program
 
@@ -277,7 +292,7 @@ class ModelRunner:
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             work = {key: self._padding(key) for key in self.buckets() if key not in self._programs}
             stored = {
-                key: self.store.key(key[0], self.st, (self.params, self.cache, b)) for key, (_, b) in work.items()
+                key: self.store.key(key[0], self.st, (self.params, self.cache_spec, b)) for key, (_, b) in work.items()
             }
             self._load_stored(pool, stored, finished)
             todo = [key for key in work if key not in self._programs]
@@ -288,7 +303,7 @@ class ModelRunner:
             compiles = {}
             for i, key in enumerate(todo, 1):
                 step, batch = work[key]
-                lowered = step.lower(self.params, self.cache, batch, st=self.st)
+                lowered = step.lower(self.params, self.cache_spec, batch, st=self.st)
                 report("tracing", i, len(todo), self._label(key))
                 compiles[key] = pool.submit(self.store.compile, lowered, stored[key])
                 compiles[key].add_done_callback(functools.partial(finished, "compiling", key))
@@ -320,7 +335,9 @@ class ModelRunner:
             return 0
         workers = self.config.compile_workers
         if workers is None:
-            workers = compile_workers.default_workers(self.kernels.device.platform, programs)
+            stats = jax.devices()[0].memory_stats() or {}
+            free = runtime.device_memory_bytes(stats) - stats["bytes_in_use"] if "bytes_limit" in stats else None
+            workers = compile_workers.default_workers(self.kernels.device.platform, programs, free)
         return min(workers, programs)
 
     def _compile_in_workers(self, pool, todo, work, stored, workers: int, finished) -> None:
@@ -330,13 +347,13 @@ class ModelRunner:
         if store.folder is None:
             temp = tempfile.TemporaryDirectory(prefix="gptoss-programs-")
             store = ProgramStore(Path(temp.name))
-            stored = {key: store.key(key[0], self.st, (self.params, self.cache, work[key][1])) for key in todo}
+            stored = {key: store.key(key[0], self.st, (self.params, self.cache_spec, work[key][1])) for key in todo}
         try:
             jobs = [
                 compile_workers.Job(
                     stored[key],
                     key[0],
-                    compile_workers.abstract((self.params, self.cache, work[key][1])),
+                    compile_workers.abstract((self.params, self.cache_spec, work[key][1])),
                     self._label(key),
                 )
                 for key in todo

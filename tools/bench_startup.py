@@ -65,7 +65,7 @@ def start_llm(model: str, profile: str, cache: Path) -> dict:
     )
 
 
-def start_server(model: str, profile: str, cache: Path, tokenizer: str | None, log: Path) -> dict:
+def start_server(model: str, profile: str, cache: Path, tokenizer: str | None, log: Path, extra: list[str]) -> dict:
     port = free_port()
     cmd = [
         sys.executable,
@@ -80,7 +80,7 @@ def start_server(model: str, profile: str, cache: Path, tokenizer: str | None, l
         "--log-level",
         "info",
     ] + (["--model", model] if model else [])
-    cmd += ["--tokenizer", tokenizer] if tokenizer else []
+    cmd += (["--tokenizer", tokenizer] if tokenizer else []) + extra
     url, stages = f"http://127.0.0.1:{port}", {}
     t0 = time.time()
     with open(log, "w") as f:
@@ -117,6 +117,7 @@ def main(argv=None) -> None:
     ap.add_argument("--entries", default="serve,llm", help="serve, llm or both")
     ap.add_argument("--tokenizer", help="o200k_base.tiktoken (or its folder), for serve")
     ap.add_argument("--smoke", action="store_true", help="the demo checkpoint, low_latency only")
+    ap.add_argument("--serve-args", default="", help="more flags for serve, e.g. '--compile-workers 4'")
     ap.add_argument("--out", default="startup.json")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -136,7 +137,7 @@ def main(argv=None) -> None:
             for mode in ("cold", "warm"):
                 log = work / f"{entry}-{profile}-{mode}.log"
                 run = (
-                    start_server(args.model, profile, cache, args.tokenizer, log)
+                    start_server(args.model, profile, cache, args.tokenizer, log, args.serve_args.split())
                     if entry == "serve"
                     else start_llm(args.model, profile, cache)
                 )
