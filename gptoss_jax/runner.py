@@ -161,6 +161,10 @@ class ModelRunner:
             )
             allowed = stats["bytes_limit"]
         in_use = stats.get("bytes_in_use", 0)
+        if stats.get("pool_bytes", 0) < stats["bytes_limit"]:
+            # A pool that grows on demand (`runtime`) keeps the slack of the regions it grew for the weights, and
+            # each cache pool needs a region of its own past them: count the regions, not only what is in use.
+            in_use = max(in_use, stats.get("pool_bytes", 0))
         reserve = kv_cache.activation_bytes(mc, ec, jnp.dtype(self.dtype).itemsize)
         kv = int(allowed - in_use - reserve)
         log.info(
@@ -309,6 +313,7 @@ class ModelRunner:
                 compiles[key].add_done_callback(functools.partial(finished, "compiling", key))
             for key, future in compiles.items():
                 self._programs[key] = future.result()
+        jax.block_until_ready(self.cache)  # allocated before the first runs grow the pool for their activations
         if self.kernels.device.platform != "gpu":
             return self._warm_helpers()  # nothing compiles at a first run here, where each costs real time
         for i, key in enumerate(self.buckets(), 1):
