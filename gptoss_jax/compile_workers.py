@@ -3,9 +3,10 @@
 Tracing and lowering a step holds the interpreter: 1-3 s per program for gpt-oss on an H200, most of it the Mosaic
 GPU kernels lowered in Python, so one process lowers the ~56 programs of a 131,072-token max_throughput grid one after
 another (112 s) however many threads compile them (docs/BENCHMARKS.md §11). Worker processes each lower and compile
-a share of the programs from their argument shapes alone (no weights: nothing but XLA's scratch on the device) and
-leave the executables in the program store, from which the engine loads them. A worker that fails costs only time:
-whatever it did not store, the engine compiles itself.
+a share of the programs from their argument shapes alone (no weights: on the device only XLA's autotuning scratch,
+in the room the engine's memory pool has not grown into yet) and leave the executables in the program store, from
+which the engine loads them. A worker that fails costs only time: whatever it did not store, the engine compiles
+itself.
 
 Run as `python -m gptoss_jax.compile_workers PLAN` by `compile_all`, never by hand. Single-device engines only (a
 mesh's placements would have to be rebuilt in the worker).
@@ -30,8 +31,9 @@ from typing import Any, Callable
 log = logging.getLogger(__name__)
 MAX_WORKERS = 8
 # Device memory a worker may take: its CUDA context and XLA's autotuning, which runs a program's largest operands
-# (the 1.1 GiB unembedding of gpt-oss among them), beside the engine's weights (its KV cache waits for the workers).
-WORKER_BYTES = 6 << 30
+# (the 1.1 GiB unembedding of gpt-oss among them), beside the engine's weights and KV cache, before its
+# activations have grown its memory pool to `gpu_memory_utilization`.
+WORKER_BYTES = 3 << 30
 
 
 @dataclasses.dataclass(frozen=True)

@@ -88,10 +88,11 @@ class ModelRunner:
             zeros,
             out_shardings=one if layout is None else layout.cache_shardings(jax.eval_shape(zeros), mc.num_kv_heads),
         )
-        # The cache's shapes and placements: what the programs are keyed, lowered and compiled for. The cache itself
-        # is allocated at its first use, after warm-up, so that compile workers have the device's memory meanwhile.
+        # The cache's shapes and placements: what the programs are keyed, lowered and compiled for (compile workers
+        # have no cache). The cache itself is allocated now, right after the weights: in a pool that grows on demand
+        # (`runtime`) each of its pools takes a region of its own, which later activations must not have fragmented.
         self.cache_spec = jax.eval_shape(self._zeros)
-        self._cache: model.PagedKVCache | None = None
+        self.cache = self._zeros()
         # Last sampled token per sequence slot; the extra slot takes padding rows' writes.
         self._spare_slot = ec.max_num_seqs
         last = np.zeros(ec.max_num_seqs + 1, np.int32)
@@ -104,17 +105,6 @@ class ModelRunner:
             ec.page_size,
             self.max_model_len,
         )
-
-    @property
-    def cache(self) -> model.PagedKVCache:
-        """The paged KV cache (allocated here at the first use; donated to every step, which returns the new one)."""
-        if self._cache is None:
-            self._cache = self._zeros()
-        return self._cache
-
-    @cache.setter
-    def cache(self, cache: model.PagedKVCache) -> None:
-        self._cache = cache
 
     @property
     def kernels(self) -> KernelConfig:
@@ -189,7 +179,7 @@ class ModelRunner:
     def close(self, params: bool = False) -> None:
         """Free the KV cache's device memory now, and the parameters' with `params` (a new engine in the same
         process sizes its cache from the device's memory, so it must not wait for garbage collection)."""
-        for buf in jax.tree.leaves((self._cache, self._last_tokens) + ((self.params,) if params else ())):
+        for buf in jax.tree.leaves((self.cache, self._last_tokens) + ((self.params,) if params else ())):
             if not buf.is_deleted():
                 buf.delete()
         self._programs.clear()
@@ -313,7 +303,6 @@ class ModelRunner:
                 compiles[key].add_done_callback(functools.partial(finished, "compiling", key))
             for key, future in compiles.items():
                 self._programs[key] = future.result()
-        jax.block_until_ready(self.cache)  # allocated before the first runs grow the pool for their activations
         if self.kernels.device.platform != "gpu":
             return self._warm_helpers()  # nothing compiles at a first run here, where each costs real time
         for i, key in enumerate(self.buckets(), 1):
@@ -341,7 +330,8 @@ class ModelRunner:
         workers = self.config.compile_workers
         if workers is None:
             stats = jax.devices()[0].memory_stats() or {}
-            free = runtime.device_memory_bytes(stats) - stats["bytes_in_use"] if "bytes_limit" in stats else None
+            held = max(stats.get("bytes_in_use", 0), stats.get("pool_bytes", 0))  # the pool's regions, grown or not
+            free = runtime.device_memory_bytes(stats) - held if "bytes_limit" in stats else None
             workers = compile_workers.default_workers(self.kernels.device.platform, programs, free)
         return min(workers, programs)
 

@@ -4,7 +4,7 @@
 - GPU memory: JAX's pool raised from 75% to `GPU_MEMORY_FRACTION` of the device (or to the engine's
   `gpu_memory_utilization` where that is higher; the engine itself keeps to `gpu_memory_utilization`), and grown as
   the engine allocates instead of taken whole at the start, so that a cold start's compile workers
-  (`compile_workers`) have room on the device while the engine holds only its weights.
+  (`compile_workers`) have room on the device before the engine's activations have taken it.
 - JAX's persistent compilation cache, on by default in `home()/compile-cache`, so a restart loads the compiled
   steps (the Pallas kernels inside them included) instead of compiling them again. It is per user (the folder is
   made private: a compilation cache is trusted code), bounded (`COMPILE_CACHE_BYTES`, least recently used entries
