@@ -22,7 +22,6 @@ ENGINE_FLAGS = {
     "data_parallel_size": "replicas",
     "enable_prefix_caching": "enable_prefix_caching",
     "kv_cache_dtype": "kv_cache_dtype",
-    "compile_workers": "compile_workers",
 }
 
 
@@ -98,12 +97,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--compile-cache-dir",
         help="where compiled steps persist across restarts ('off' for none; default $GPTOSS_JAX_COMPILE_CACHE, "
         "else $GPTOSS_JAX_HOME/compile-cache, $GPTOSS_JAX_HOME defaulting to ~/.cache/gptoss_jax)",
-    )
-    g.add_argument(
-        "--compile-workers",
-        type=int,
-        help="processes that compile a cold start's programs side by side (compile_workers; 0: in this process; "
-        "default: half the CPU cores, at most 8, on one GPU, as the device's free memory allows)",
     )
     g.add_argument(
         "--impl",

@@ -42,9 +42,6 @@ class EngineConfig:
     min_context_bucket: int = 1024  # smallest padded block-table width, in tokens
     max_logprobs: int = 20  # largest `SamplingParams.logprobs` accepted
     warmup: bool = False  # compile every bucket at start-up
-    # Processes that compile a cold start's programs side by side (gptoss_jax/compile_workers.py); None: half the
-    # cores, at most 8, on a GPU, and none (in this process) on a CPU or a mesh; 0: always in this process.
-    compile_workers: int | None = None
     # Devices (docs/SCALING.md): a (replicas x model_parallel) mesh. `parallel_mode` 'low_latency'
     # splits attention heads over model_parallel, 'max_throughput' gives every device its own sequences;
     # experts are split over model_parallel in both. KV page counts above are per attention rank.
@@ -83,11 +80,6 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 2):
                 raise ConfigError(f"EngineConfig.{name}={v!r}: must be an integer >= 2 or null")
-        w = self.compile_workers
-        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 0):
-            raise ConfigError(
-                f"EngineConfig.compile_workers={w!r}: an integer >= 0 (0: compile in this process) or null"
-            )
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ConfigError(f"EngineConfig.max_logprobs={self.max_logprobs!r}: must be an integer >= 0")
         f = self.gpu_memory_utilization

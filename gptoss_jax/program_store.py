@@ -122,10 +122,9 @@ class ProgramStore:
             self.save(key, compiled)
         return compiled
 
-    def save(self, key: str | None, compiled) -> bool:
-        """Keep `compiled` under `key`; whether it was kept."""
+    def save(self, key: str | None, compiled) -> None:
         if key is None:
-            return False
+            return
         try:
             data = pickle.dumps(serialize_executable.serialize(compiled))
             self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -138,10 +137,8 @@ class ProgramStore:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
             self._evict()
-            return True
         except Exception as e:  # a full disk, say: the step still runs, the next start compiles it again
             log.warning("compiled step not stored in %s (%s: %s)", self.folder, type(e).__name__, e)
-            return False
 
     def _evict(self) -> None:
         """Remove the least recently used entries past `STORE_BYTES` (another process may remove one first)."""

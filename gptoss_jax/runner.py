@@ -16,10 +16,8 @@ import functools
 import logging
 import math
 import os
-import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import jax
@@ -27,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from gptoss_jax import compile_workers, kv_cache, model, runtime, steps
+from gptoss_jax import kv_cache, model, runtime, steps
 from gptoss_jax.config import ModelConfig
 from gptoss_jax.engine_config import EngineConfig, bucket
 from gptoss_jax.program_store import ProgramStore
@@ -84,15 +82,10 @@ class ModelRunner:
         # cache would make warm-up compile programs that real calls then compile again.
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         zeros = functools.partial(model.PagedKVCache.zeros, mc, R * n_sliding, R * n_full, ec.page_size, self.kv_dtype)
-        self._zeros = jax.jit(
+        self.cache = jax.jit(
             zeros,
             out_shardings=one if layout is None else layout.cache_shardings(jax.eval_shape(zeros), mc.num_kv_heads),
-        )
-        # The cache's shapes and placements: what the programs are keyed, lowered and compiled for (compile workers
-        # have no cache). The cache itself is allocated now, right after the weights: in a pool that grows on demand
-        # (`runtime`) each of its pools takes a region of its own, which later activations must not have fragmented.
-        self.cache_spec = jax.eval_shape(self._zeros)
-        self.cache = self._zeros()
+        )()
         # Last sampled token per sequence slot; the extra slot takes padding rows' writes.
         self._spare_slot = ec.max_num_seqs
         last = np.zeros(ec.max_num_seqs + 1, np.int32)
@@ -151,10 +144,6 @@ class ModelRunner:
             )
             allowed = stats["bytes_limit"]
         in_use = stats.get("bytes_in_use", 0)
-        if stats.get("pool_bytes", 0) < stats["bytes_limit"]:
-            # A pool that grows on demand (`runtime`) keeps the slack of the regions it grew for the weights, and
-            # each cache pool needs a region of its own past them: count the regions, not only what is in use.
-            in_use = max(in_use, stats.get("pool_bytes", 0))
         reserve = kv_cache.activation_bytes(mc, ec, jnp.dtype(self.dtype).itemsize)
         kv = int(allowed - in_use - reserve)
         log.info(
@@ -246,10 +235,10 @@ class ModelRunner:
         in memory and in the store)."""
         program = self._programs.get(key)
         if program is None:
-            stored = self.store.key(key[0], self.st, (self.params, self.cache_spec, batch))
+            stored = self.store.key(key[0], self.st, (self.params, self.cache, batch))
             program = self.store.load(stored, self._devices)
             if program is None:
-                program = self.store.compile(step.lower(self.params, self.cache_spec, batch, st=self.st), stored)
+                program = self.store.compile(step.lower(self.params, self.cache, batch, st=self.st), stored)
             self._programs[key] = program
         return program
 
@@ -267,38 +256,38 @@ class ModelRunner:
         return decode + prefill
 
     def warmup(self, on_progress: Callable[[str, int, int, str], None] | None = None) -> None:
-        """Make every bucket's program ready now: loaded from the program store where it is there (on threads); else
-        compiled by worker processes side by side (`compile_workers`, on one GPU) and loaded from the store they fill;
-        else, for whatever is left, compiled here: the steps are traced and lowered one after another (that holds the
-        interpreter) while XLA compiles the earlier ones on other threads, one per core. Then, on a GPU, each runs
-        once on an all-padding batch through the same dispatch code as serving, so that no kernel loads at a first
-        request. Reports `on_progress(stage, done, total, detail)` as programs are loaded, traced, compiled and run
-        (stages "loading programs", "tracing", "compiling", "first run")."""
+        """Make every bucket's program ready now: loaded from the program store where it is there (on threads),
+        else compiled in parallel: the steps are traced and lowered one after another (that holds the interpreter)
+        while XLA compiles the earlier ones on other threads, one per core. Then, on a GPU, each runs once on an
+        all-padding batch through the same dispatch code as serving, so that no kernel loads at a first request.
+        Reports `on_progress(stage, done, total, detail)` as programs are loaded, traced, compiled and run (stages
+        "loading programs", "tracing", "compiling", "first run")."""
         report = on_progress or (lambda *a: None)
-        t0, n = time.perf_counter(), len(self.buckets())
+        todo = [k for k in self.buckets() if k not in self._programs]
+        t0, n = time.perf_counter(), len(todo)
         lock, done = threading.Lock(), collections.Counter()
 
-        def finished(stage, key, future=None):
+        def finished(stage, key, future):
             with lock:
                 done[stage] += 1
                 report(stage, done[stage], n, f"{self._label(key)} {time.perf_counter() - t0:.1f}s")
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            work = {key: self._padding(key) for key in self.buckets() if key not in self._programs}
+            work = {key: self._padding(key) for key in todo}
             stored = {
-                key: self.store.key(key[0], self.st, (self.params, self.cache_spec, b)) for key, (_, b) in work.items()
+                key: self.store.key(key[0], self.st, (self.params, self.cache, b)) for key, (_, b) in work.items()
             }
-            self._load_stored(pool, stored, finished)
-            todo = [key for key in work if key not in self._programs]
-            workers = self._compile_workers(len(todo))
-            if workers > 1:
-                self._compile_in_workers(pool, todo, work, stored, workers, finished)
-                todo = [key for key in todo if key not in self._programs]
+            loads = {key: pool.submit(self.store.load, stored[key], self._devices) for key in todo}
             compiles = {}
             for i, key in enumerate(todo, 1):
+                program = loads[key].result()
+                if program is not None:
+                    self._programs[key] = program
+                    finished("loading programs", key, None)
+                    continue
                 step, batch = work[key]
-                lowered = step.lower(self.params, self.cache_spec, batch, st=self.st)
-                report("tracing", i, len(todo), self._label(key))
+                lowered = step.lower(self.params, self.cache, batch, st=self.st)
+                report("tracing", i, n, self._label(key))
                 compiles[key] = pool.submit(self.store.compile, lowered, stored[key])
                 compiles[key].add_done_callback(functools.partial(finished, "compiling", key))
             for key, future in compiles.items():
@@ -312,60 +301,6 @@ class ModelRunner:
                 self._prefill([], key[1], [], key[2], key[3])
             report("first run", i, len(self.buckets()), self._label(key))
         jax.block_until_ready((self.cache, self._last_tokens))
-
-    def _load_stored(self, pool, stored: dict[tuple, str | None], finished) -> None:
-        """The programs of `stored` ({bucket: store key}) that the store has, loaded on `pool`'s threads."""
-        loads = {key: pool.submit(self.store.load, k, self._devices) for key, k in stored.items()}
-        for key, future in loads.items():
-            program = future.result()
-            if program is not None:
-                self._programs[key] = program
-                finished("loading programs", key)
-
-    def _compile_workers(self, programs: int) -> int:
-        """How many worker processes compile `programs` programs: the config's count, else the default for the
-        device (`compile_workers.default_workers`); none under a layout, whose placements a worker cannot rebuild."""
-        if self.layout is not None or programs < 2:
-            return 0
-        workers = self.config.compile_workers
-        if workers is None:
-            stats = jax.devices()[0].memory_stats() or {}
-            held = max(stats.get("bytes_in_use", 0), stats.get("pool_bytes", 0))  # the pool's regions, grown or not
-            free = runtime.device_memory_bytes(stats) - held if "bytes_limit" in stats else None
-            workers = compile_workers.default_workers(self.kernels.device.platform, programs, free)
-        return min(workers, programs)
-
-    def _compile_in_workers(self, pool, todo, work, stored, workers: int, finished) -> None:
-        """Compile `todo` in `workers` processes into the program store (a temporary one when the cache is off)
-        and load them from it."""
-        store, temp = self.store, None
-        if store.folder is None:
-            temp = tempfile.TemporaryDirectory(prefix="gptoss-programs-")
-            store = ProgramStore(Path(temp.name))
-            stored = {key: store.key(key[0], self.st, (self.params, self.cache_spec, work[key][1])) for key in todo}
-        try:
-            jobs = [
-                compile_workers.Job(
-                    stored[key],
-                    key[0],
-                    compile_workers.abstract((self.params, self.cache_spec, work[key][1])),
-                    self._label(key),
-                )
-                for key in todo
-            ]
-            log.info("compiling %d programs in %d worker processes", len(jobs), workers)
-            by_key = {stored[key]: key for key in todo}
-            compile_workers.compile_all(
-                self.st, store.folder.parent, jobs, workers, lambda k: finished("compiling", by_key[k])
-            )
-            loads = {key: pool.submit(store.load, stored[key], self._devices) for key in by_key.values()}
-            for key, future in loads.items():
-                program = future.result()
-                if program is not None:
-                    self._programs[key] = program
-        finally:
-            if temp is not None:
-                temp.cleanup()
 
     def _warm_helpers(self) -> None:
         """Compile the small programs that carry each call's sampled tokens to the next (`steps.load_tokens`,

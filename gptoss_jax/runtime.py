@@ -2,9 +2,7 @@
 `prepare`); importing the package changes none of them.
 
 - GPU memory: JAX's pool raised from 75% to `GPU_MEMORY_FRACTION` of the device (or to the engine's
-  `gpu_memory_utilization` where that is higher; the engine itself keeps to `gpu_memory_utilization`), and grown as
-  the engine allocates instead of taken whole at the start, so that a cold start's compile workers
-  (`compile_workers`) have room on the device before the engine's activations have taken it.
+  `gpu_memory_utilization` where that is higher; the engine itself keeps to `gpu_memory_utilization`).
 - JAX's persistent compilation cache, on by default in `home()/compile-cache`, so a restart loads the compiled
   steps (the Pallas kernels inside them included) instead of compiling them again. It is per user (the folder is
   made private: a compilation cache is trusted code), bounded (`COMPILE_CACHE_BYTES`, least recently used entries
@@ -74,16 +72,16 @@ def device_memory_bytes(stats: dict) -> int:
 def _memory_fraction(fraction: float) -> None:
     """JAX reads the variable when its GPU backend starts, so a process that used a device before keeps what it
     had (logged)."""
-    if xla_bridge.backends_are_initialized():
-        if "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ:
-            log.info(
-                "JAX's backends started before gptoss_jax.runtime.prepare(): the GPU memory pool keeps JAX's default "
-                "size; set XLA_PYTHON_CLIENT_MEM_FRACTION=%s before the first JAX call for the engine's",
-                f"{fraction:g}",
-            )
+    if "XLA_PYTHON_CLIENT_MEM_FRACTION" in os.environ:
         return
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{fraction:g}")
+    if xla_bridge.backends_are_initialized():
+        log.info(
+            "JAX's backends started before gptoss_jax.runtime.prepare(): the GPU memory pool keeps JAX's default "
+            "size; set XLA_PYTHON_CLIENT_MEM_FRACTION=%s before the first JAX call for the engine's",
+            f"{fraction:g}",
+        )
+        return
+    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{fraction:g}"
 
 
 def _compile_cache(path: Path | None) -> Path | None:

@@ -8,7 +8,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import jax.numpy as jnp
 import pytest
 
 from gptoss_jax import Engine, runtime
@@ -69,10 +68,10 @@ _START = textwrap.dedent("""
 """)
 
 
-def _start(checkpoint, cache, settings=FEW, **env) -> dict:
+def _start(checkpoint, cache, **env) -> dict:
     """A fresh process that builds an `LLM` (warm-up on) with `cache` and generates: the XLA compilations it made."""
     out = subprocess.run(
-        [sys.executable, "-c", _START, str(checkpoint), str(cache), json.dumps(settings)],
+        [sys.executable, "-c", _START, str(checkpoint), str(cache), json.dumps(FEW)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -111,28 +110,6 @@ def test_warm_restart_compiles_nothing(small_checkpoint, tmp_path):
     results = [p.communicate(timeout=600) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [r[1][-2000:] for r in results]
     assert [json.loads(r[0].strip().splitlines()[-1])["tokens"] for r in results] == [cold["tokens"]] * 2
-    # Compiled by two worker processes instead: this process traces and compiles none of the steps, loads them all
-    # from the store the workers filled, and generates the same tokens.
-    farm = _start(small_checkpoint, tmp_path / "farm", dict(FEW, compile_workers=2))
-    assert not {"jit(decode)", "jit(prefill)"} & set(farm["compiled"]), farm["compiled"]
-    assert farm["tokens"] == cold["tokens"]
-    assert len(list((tmp_path / "farm" / "programs").glob("*.pkl"))) == 4
-
-
-def test_a_failed_compile_worker_is_reported(tmp_path):
-    """What a worker could not compile comes back with the reason (the engine then compiles it itself), and the
-    programs it could compile are stored."""
-    import jax
-
-    from gptoss_jax import compile_workers
-
-    good = compile_workers.Job("good", "store_tokens", compile_workers.abstract((jnp.zeros(4, jnp.int32),) * 3), "a")
-    bad = compile_workers.Job("bad", "no_such_step", (), "b")
-    reported = []
-    failed = compile_workers.compile_all(None, tmp_path, [good, bad], 1, reported.append)
-    assert reported == ["good"] and list(failed) == ["bad"] and "no_such_step" in failed["bad"]
-    assert (tmp_path / "programs" / "good.pkl").exists()
-    assert jax.devices()  # the engine's process is untouched by its workers
 
 
 def test_a_failing_cache_never_fails_a_start(small_checkpoint, tmp_path, caplog):
