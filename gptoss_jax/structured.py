@@ -1,0 +1,253 @@
+"""Structured outputs: a request's constraint (JSON schema, JSON object, regex, choice, grammar, a tool call) compiled
+with llguidance into a token matcher, and the per-sequence state that decides, token by token, what the sampler may
+draw next.
+
+On gpt-oss the constraint shapes the answer, never the reasoning. A constrained reply is
+    <|channel|>analysis<|message|> FREE TEXT <|end|><|start|>assistant  (the reasoning, optional)
+    ANSWER                                                                (under the grammar)
+where ANSWER is `<|channel|>final<|message|>CONTENT<|return|>` or, for tool calls,
+`<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGUMENTS<|call|>`: the grammar covers the
+answer's harmony header and its stop token, so the output always parses. The reasoning runs free (unmasked,
+multi-step on device, asynchronous); the host watches it and cuts it when it leaves the analysis message or
+exceeds the reasoning budget (`thinking_token_budget`), force-feeding the tokens that close it. From then on the
+sequence is "gated": one token per engine call, drawn under the bitmask the matcher computed from the tokens before
+it (`Constraint.mask`), while the other rows of the batch keep their multi-step calls.
+
+Why llguidance (docs/BENCHMARKS.md §11): it reads tiktoken encodings directly, ships abi3 wheels without torch,
+computes masks lazily over the 201k vocabulary in tens of microseconds and compiles schemas in milliseconds
+(xgrammar needs torch; outlines-core builds a full index per schema, seconds for non-trivial ones).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from typing import Any
+
+import numpy as np
+
+from gptoss_jax.tokenizer import CALL, CHANNEL, END, MESSAGE, RETURN, START
+
+FIRST_SPECIAL = 199998  # o200k_harmony: every id from here on is a special token
+ANALYSIS, ASSISTANT = 35644, 173781  # "analysis", "assistant" (single tokens of o200k)
+CLOSE_REASONING = (END, START, ASSISTANT)  # ends the analysis message and opens the next assistant message
+
+
+@dataclasses.dataclass
+class StructuredOutputsParams:
+    """vLLM's `StructuredOutputsParams`: exactly one of `json` (a JSON schema, dict or string), `regex`, `choice`
+    (a list of strings), `grammar` (Lark, or GBNF/EBNF) or `json_object=True`; and, gpt-oss's own, `tools`:
+    `(name, parameters schema or None)` pairs whose calls are allowed answers (alone: the answer must be one of
+    these calls, as `tool_choice` "required" or a named function asks; with a content constraint: the answer is that
+    content or one of these calls). `strict=False` ignores JSON-schema keywords the engine does not implement
+    (`strict=True`, the default, rejects them)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    tools: tuple[tuple[str, dict | None], ...] | list | None = None
+    strict: bool = True
+
+    def __post_init__(self):
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k)]
+        if len(kinds) > 1:
+            raise ValueError(f"StructuredOutputsParams: give one of json, regex, choice, grammar, json_object; got {kinds}")
+        if not kinds and not self.tools:
+            raise ValueError("StructuredOutputsParams: no constraint given (json, regex, choice, grammar, json_object)")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"StructuredOutputsParams.json is not valid JSON: {e}") from None
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ValueError("StructuredOutputsParams.json must be a JSON schema (an object)")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError("StructuredOutputsParams.regex must be a string")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ValueError("StructuredOutputsParams.grammar must be a string")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise ValueError("StructuredOutputsParams.choice must be a non-empty list of strings")
+            if any(not isinstance(c, str) for c in self.choice):
+                raise ValueError("StructuredOutputsParams.choice must hold strings only")
+            self.choice = tuple(self.choice)
+        tools = []
+        for t in self.tools or ():
+            name, params = t if isinstance(t, (list, tuple)) else (t, None)
+            if not isinstance(name, str) or not name or (params is not None and not isinstance(params, dict)):
+                raise ValueError(f"StructuredOutputsParams.tools: {t!r} is not a (name, parameters schema) pair")
+            tools.append((name, params))
+        self.tools = tuple(tools) or None
+
+    def lark(self) -> str:
+        """The llguidance grammar (JSON form) of the answer message, harmony header and stop token included."""
+        answers, subs = [], []
+        if self.json is not None or self.json_object:
+            schema = self.json if self.json is not None else {"type": "object"}
+            answers.append(f"<|channel|> {_lit('final')} <|message|> %json {_schema(schema, self.strict)} <|return|>")
+        elif self.regex is not None:
+            subs.append({"name": "content", "lark_grammar": f"start: /{_regex_to_lark(self.regex)}/"})
+        elif self.choice is not None:
+            subs.append({"name": "content", "lark_grammar": "start: " + " | ".join(_lit(c) for c in self.choice)})
+        elif self.grammar is not None:
+            subs.append({"name": "content", "lark_grammar": _to_lark(self.grammar)})
+        if subs:
+            answers.append(f"<|channel|> {_lit('final')} <|message|> @content <|return|>")
+        for name, params in self.tools or ():
+            header = _lit(f"commentary to=functions.{name} ")
+            args = _schema(params if params is not None else {"type": "object"}, self.strict)
+            answers.append(f"<|channel|> {header} <|constrain|> {_lit('json')} <|message|> %json {args} <|call|>")
+        main = "start: " + " | ".join(f"({a})" for a in answers)
+        return json.dumps({"grammars": [{"lark_grammar": main}, *subs]})
+
+
+def _lit(text: str) -> str:
+    """A Lark string literal (JSON's escapes are Lark's)."""
+    return json.dumps(text)
+
+
+def _schema(schema: Any, strict: bool) -> str:
+    """The schema for `%json`: compact JSON (no free whitespace between tokens: a model cannot pad forever) and,
+    unless strict, unknown keywords ignored."""
+    if isinstance(schema, bool):
+        schema = {} if schema else {"not": {}}
+    options = {"whitespace_flexible": False, "lenient": not strict}
+    return json.dumps({**schema, "x-guidance": {**options, **schema.get("x-guidance", {})}})
+
+
+def _regex_to_lark(regex: str) -> str:
+    import llguidance
+
+    return llguidance.regex_to_lark(regex, "")
+
+
+def _to_lark(grammar: str) -> str:
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        return any_to_lark(grammar)
+    except Exception as e:  # noqa: BLE001 - the library raises plain exceptions for bad grammars
+        raise ValueError(f"cannot read the grammar (Lark or GBNF): {e}") from None
+
+
+@functools.cache
+def ll_tokenizer(encoding):
+    """The llguidance tokenizer of a tiktoken encoding (~1 s to build: once per encoding)."""
+    import llguidance
+    import llguidance.tiktoken
+
+    return llguidance.tiktoken.lltokenizer_from_encoding(encoding, eos_token=RETURN)
+
+
+def compile_grammar(params: StructuredOutputsParams, encoding) -> str:
+    """The grammar of `params`, checked: a `ValueError` names what is wrong (a schema keyword, a regex error)."""
+    import llguidance
+
+    try:
+        grammar = params.lark()
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - llguidance's converters raise their own types
+        raise ValueError(str(e)) from None
+    error = llguidance.LLMatcher.validate_grammar(grammar, ll_tokenizer(encoding))
+    if error:
+        raise ValueError(_first_line(error))
+    return grammar
+
+
+def _first_line(error: str) -> str:
+    """llguidance's message without the position in our generated grammar (`at 1(8): ...`) and its source excerpt."""
+    line = error.strip().splitlines()[0]
+    head, sep, rest = line.partition("): ")
+    return rest if sep and head.startswith("at ") else line
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words of a packed token bitmask: bit `t % 32` of word `t // 32` allows token t."""
+    return -(-vocab_size // 32)
+
+
+class Constraint:
+    """One sequence's structured-output state. `accept(tokens)` reads the tokens a call sampled for it and says how
+    many to keep and which to force-feed after them; `gated` sequences take one token per call, drawn under
+    `mask` (a packed bitmask of the model's vocabulary, refreshed by `accept`).
+
+    `grammar=None` with a budget only limits the reasoning (the answer is then free)."""
+
+    def __init__(self, grammar: str | None, encoding, budget: int, vocab_size: int):
+        import llguidance
+
+        tok = ll_tokenizer(encoding)
+        self.matcher = llguidance.LLMatcher(tok, grammar) if grammar is not None else None
+        if self.matcher is not None and self.matcher.is_error():
+            raise ValueError(_first_line(self.matcher.get_error()))
+        self.budget = budget
+        self.phase = "header"  # header (of the analysis message) | reasoning | answer | done
+        self.num_header = 0  # analysis-header tokens seen
+        self.num_reasoning = 0  # analysis body tokens kept
+        self.words = mask_words(vocab_size)
+        self._buffer = np.zeros(max(self.words, mask_words(tok.vocab_size)), np.int32)
+        self.mask = self._buffer[: self.words]
+
+    @property
+    def gated(self) -> bool:
+        """Whether the next token needs this sequence's mask (the host in the loop)."""
+        return self.phase == "answer" and self.matcher is not None
+
+    def accept(self, tokens: list[int]) -> tuple[int, list[int]]:
+        """Feed sampled `tokens` in order: `(how many to keep, tokens to force after them)`. The tokens after the kept
+        ones are dropped: sampled past the point where the reasoning had to end, or past the one token a gated call
+        is good for."""
+        for i, t in enumerate(tokens):
+            if self.gated:
+                if not self.matcher.consume_token(t):
+                    raise RuntimeError(f"token {t} broke the grammar: {self.matcher.get_error()}")
+                return i + 1, self._fast_forward()
+            if self.phase in ("answer", "done"):  # a free answer (budget only), or past the grammar's end
+                return len(tokens), []
+            step = self._reasoning(t)
+            if step is not None:
+                keep, forced = step
+                return i + keep, forced
+        return len(tokens), []
+
+    def _reasoning(self, t: int) -> tuple[bool, list[int]] | None:
+        """One token of the analysis message: None to go on, else (keep the token, tokens to force)."""
+        if self.phase == "header":
+            expected = (CHANNEL, ANALYSIS, MESSAGE)[self.num_header]
+            if t == expected:
+                self.num_header += 1
+                if self.num_header == 3:
+                    self.phase = "reasoning"
+                return None
+            if self.num_header == 0:  # no reasoning: the answer starts here, under the grammar
+                return False, self._enter_answer(())
+            self.phase = "reasoning"  # a malformed header: complete it, the reasoning goes on
+            return False, list((CHANNEL, ANALYSIS, MESSAGE)[self.num_header :])
+        if t == END:
+            return True, self._enter_answer(CLOSE_REASONING[1:])
+        if t >= FIRST_SPECIAL or self.num_reasoning >= self.budget:
+            return False, self._enter_answer(CLOSE_REASONING)
+        self.num_reasoning += 1
+        return None
+
+    def _enter_answer(self, forced: tuple[int, ...]) -> list[int]:
+        self.phase = "answer"
+        return list(forced) + (self._fast_forward() if self.matcher is not None else [])
+
+    def _fast_forward(self) -> list[int]:
+        """Tokens the grammar forces from here (a header, a key), consumed; stop tokens are left to the sampler, so
+        that the engine's stop logic sees them. Then the mask of the token after."""
+        m = self.matcher
+        forced = m.compute_ff_tokens()
+        forced = forced[: next((i for i, t in enumerate(forced) if t in (RETURN, CALL)), len(forced))]
+        if forced and not m.consume_tokens(forced):
+            raise RuntimeError(f"the grammar's forced tokens broke it: {m.get_error()}")
+        if m.is_stopped():
+            self.phase = "done"
+        else:
+            m.unsafe_compute_mask_ptr(self._buffer.ctypes.data, self._buffer.nbytes)
+        return forced
