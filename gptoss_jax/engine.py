@@ -212,16 +212,17 @@ class Engine:
                 f"SamplingParams.stop={list(sp.stop)!r}: stop strings need a tokenizer, and this "
                 "model has none (use stop_token_ids)"
             )
-        constraint = self._constraint(request_id, sp)
         seed = sp.seed if sp.seed is not None else int(self._rng.integers(2**31))
         key = ((seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF)
         seq = Sequence(request_id, ids, len(ids), sp, key, min(len(ids) + sp.max_tokens, self.max_model_len))
-        seq.constraint = constraint
+        seq.constraint = self._constraint(request_id, sp, ids, seq.max_len)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
         self._prompt_tokens += len(ids)
 
-    def _constraint(self, request_id: str, sp: SamplingParams) -> structured.Constraint | None:
+    def _constraint(
+        self, request_id: str, sp: SamplingParams, prompt: list[int], max_len: int
+    ) -> structured.Constraint | None:
         """The structured-output state of a request with `structured_outputs` or a `thinking_token_budget`."""
         if sp.structured_outputs is None and sp.thinking_token_budget is None:
             return None
@@ -230,7 +231,7 @@ class Engine:
         so = sp.structured_outputs
         grammar = structured.compile_grammar(so, self.tokenizer) if so is not None else None
         budget = sp.thinking_token_budget if sp.thinking_token_budget is not None else sp.max_tokens // 2
-        return structured.Constraint(grammar, self.tokenizer, budget, self.model_config.vocab_size)
+        return structured.Constraint(grammar, self.tokenizer, budget, self.model_config.vocab_size, prompt, max_len)
 
     def abort_request(self, request_id: str) -> None:
         seq = self._requests.pop(request_id, None)

@@ -391,7 +391,9 @@ class ModelRunner:
             keys[i], want[i] = s.key, p.logprobs is not None
             if s.constraint is not None and s.constraint.gated:
                 gated.append((i, s.constraint.mask))
-        return SamplingBatch(*(self._put(a) for a in (temperature, top_k, top_p, min_p, keys, want)), *self._masks(rows, gated))
+        return SamplingBatch(
+            *(self._put(a) for a in (temperature, top_k, top_p, min_p, keys, want)), *self._masks(rows, gated)
+        )
 
     def _masks(self, rows: int, gated: list[tuple[int, np.ndarray]]) -> tuple[jax.Array, jax.Array]:
         """`SamplingBatch.masked_B` and `.mask_BW`: the gated rows' structured-output masks. A call without any

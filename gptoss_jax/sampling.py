@@ -1,6 +1,6 @@
 """Sampling parameters and the batched on-device sampler (per-row temperature, top-k, top-p, min-p,
-seed, a structured-output token mask) with optional log-probabilities. A new sampling field touches `SamplingParams`, `SamplingBatch` and the
-sampler here, and the model runner's packing (`ModelRunner._sampling`)."""
+seed, a structured-output token mask) with optional log-probabilities. A new sampling field touches
+`SamplingParams`, `SamplingBatch` and the sampler here, and the model runner's packing (`ModelRunner._sampling`)."""
 
 from __future__ import annotations
 

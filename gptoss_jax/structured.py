@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 from typing import Any
 
 import numpy as np
@@ -54,7 +55,9 @@ class StructuredOutputsParams:
     def __post_init__(self):
         kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k)]
         if len(kinds) > 1:
-            raise ValueError(f"StructuredOutputsParams: give one of json, regex, choice, grammar, json_object; got {kinds}")
+            raise ValueError(
+                f"StructuredOutputsParams: give one of json, regex, choice, grammar, json_object; got {kinds}"
+            )
         if not kinds and not self.tools:
             raise ValueError("StructuredOutputsParams: no constraint given (json, regex, choice, grammar, json_object)")
         if isinstance(self.json, str):
@@ -159,10 +162,36 @@ def compile_grammar(params: StructuredOutputsParams, encoding) -> str:
 
 
 def _first_line(error: str) -> str:
-    """llguidance's message without the position in our generated grammar (`at 1(8): ...`) and its source excerpt."""
-    line = error.strip().splitlines()[0]
-    head, sep, rest = line.partition("): ")
-    return rest if sep and head.startswith("at ") else line
+    """llguidance's message without the position in our generated grammar (`at 1(8): `) and its excerpt of it."""
+    lines = []
+    for line in error.strip().splitlines():
+        if re.match(r"\s*\d+ \| ", line):
+            break
+        if line.strip() and line.strip() != "^":
+            lines.append(line.strip())
+    text = " ".join(lines)
+    return re.sub(r"^at \d+\(\d+\): ", "", text)
+
+
+# Within this many tokens of its length limit a constrained answer is steered to its end (`Constraint._steer_to_end`):
+# room for the closing brackets of a JSON value nested some levels deep and the stop token.
+CLOSING_RESERVE = 24
+# What ends a value soonest, in order of preference, inside a JSON string and outside: after the stop tokens, closing
+# quotes and brackets, then the shortest values (a string opened here is closed by the quote at the next step; "1"
+# before "0": a bounded decimal may not end in 0).
+CLOSERS_IN_STRING = ('"}', '"]', '",', '"')
+CLOSERS = ("}", "]", ",", "1", "0", "true", "null", '"', "{", "[")
+
+
+@functools.cache
+def _closers(encoding) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """`CLOSERS` and `CLOSERS_IN_STRING` (those that are one token of `encoding`, all of them in o200k) as token ids,
+    the stop tokens first: (outside a string, inside one)."""
+
+    def ids(texts):
+        return (RETURN, CALL, *(t[0] for t in map(encoding.encode_ordinary, texts) if len(t) == 1))
+
+    return ids(CLOSERS), ids(CLOSERS_IN_STRING)
 
 
 def mask_words(vocab_size: int) -> int:
@@ -175,9 +204,11 @@ class Constraint:
     many to keep and which to force-feed after them; `gated` sequences take one token per call, drawn under
     `mask` (a packed bitmask of the model's vocabulary, refreshed by `accept`).
 
-    `grammar=None` with a budget only limits the reasoning (the answer is then free)."""
+    `grammar=None` with a budget only limits the reasoning (the answer is then free). A `prompt` that ends in the
+    analysis header (an assistant message the caller opened) starts in the reasoning. `max_len`: the sequence's
+    length limit (prompt included); within `CLOSING_RESERVE` tokens of it the answer is steered to its end."""
 
-    def __init__(self, grammar: str | None, encoding, budget: int, vocab_size: int):
+    def __init__(self, grammar: str | None, encoding, budget: int, vocab_size: int, prompt: list[int], max_len: int):
         import llguidance
 
         tok = ll_tokenizer(encoding)
@@ -188,6 +219,12 @@ class Constraint:
         self.phase = "header"  # header (of the analysis message) | reasoning | answer | done
         self.num_header = 0  # analysis-header tokens seen
         self.num_reasoning = 0  # analysis body tokens kept
+        self.length, self.max_len = len(prompt), max_len
+        self.closers = _closers(encoding)
+        self.encoding = encoding
+        self.in_string = self.escaped = False  # where the answer's text is, as JSON (for `_steer_to_end`)
+        if tuple(prompt[-3:]) == (CHANNEL, ANALYSIS, MESSAGE):
+            self.phase, self.num_header = "reasoning", 3
         self.words = mask_words(vocab_size)
         self._buffer = np.zeros(max(self.words, mask_words(tok.vocab_size)), np.int32)
         self.mask = self._buffer[: self.words]
@@ -205,13 +242,17 @@ class Constraint:
             if self.gated:
                 if not self.matcher.consume_token(t):
                     raise RuntimeError(f"token {t} broke the grammar: {self.matcher.get_error()}")
+                self.length += 1
+                self._track(t)
                 return i + 1, self._fast_forward()
             if self.phase in ("answer", "done"):  # a free answer (budget only), or past the grammar's end
                 return len(tokens), []
             step = self._reasoning(t)
             if step is not None:
                 keep, forced = step
+                self.length += keep
                 return i + keep, forced
+            self.length += 1
         return len(tokens), []
 
     def _reasoning(self, t: int) -> tuple[bool, list[int]] | None:
@@ -236,6 +277,7 @@ class Constraint:
 
     def _enter_answer(self, forced: tuple[int, ...]) -> list[int]:
         self.phase = "answer"
+        self.length += len(forced)
         return list(forced) + (self._fast_forward() if self.matcher is not None else [])
 
     def _fast_forward(self) -> list[int]:
@@ -246,8 +288,35 @@ class Constraint:
         forced = forced[: next((i for i, t in enumerate(forced) if t in (RETURN, CALL)), len(forced))]
         if forced and not m.consume_tokens(forced):
             raise RuntimeError(f"the grammar's forced tokens broke it: {m.get_error()}")
+        self.length += len(forced)
+        for t in forced:
+            self._track(t)
         if m.is_stopped():
             self.phase = "done"
-        else:
-            m.unsafe_compute_mask_ptr(self._buffer.ctypes.data, self._buffer.nbytes)
+            return forced
+        m.unsafe_compute_mask_ptr(self._buffer.ctypes.data, self._buffer.nbytes)
+        if self.max_len - self.length <= CLOSING_RESERVE:
+            self._steer_to_end()
         return forced
+
+    def _track(self, t: int) -> None:
+        """Follow JSON string boundaries through the answer's bytes (a new message starts outside any string)."""
+        if t >= FIRST_SPECIAL:
+            self.in_string = self.escaped = False
+            return
+        for b in self.encoding.decode_single_token_bytes(t):
+            if self.escaped:
+                self.escaped = False
+            elif self.in_string and b == 0x5C:  # backslash
+                self.escaped = True
+            elif b == 0x22:  # quote
+                self.in_string = not self.in_string
+
+    def _steer_to_end(self) -> None:
+        """Near the length limit: allow only the first of the closers the grammar allows, if any. A free model can
+        write a string or a number without end; this closes them (and the objects and arrays around them) instead."""
+        for t in self.closers[self.in_string]:
+            if self.mask[t // 32] >> (t % 32) & 1:
+                self._buffer[:] = 0
+                self._buffer[t // 32] = np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+                return

@@ -299,7 +299,11 @@ def prefill_step(
     tokens_BT = np.random.default_rng(tokens).integers(0, cfg.vocab_size, (B, tokens), dtype=np.int32)
     positions_BT = np.tile(np.arange(start, start + tokens, dtype=np.int32), (B, 1))
     inputs = steps.PrefillBatch(
-        put(tokens_BT), put(positions_BT), tables, put(np.full(B, tokens - 1, np.int32)), _sampling(put, B, cfg.vocab_size)
+        put(tokens_BT),
+        put(positions_BT),
+        tables,
+        put(np.full(B, tokens - 1, np.int32)),
+        _sampling(put, B, cfg.vocab_size),
     )
     return Step(steps.prefill, params, cache, inputs, steps.StepConfig(cfg, resolved(kernels), layout, num_top), pages)
 
