@@ -53,7 +53,9 @@ class StructuredOutputsParams:
     strict: bool = True
 
     def __post_init__(self):
-        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k)]
+        kinds = [
+            k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)
+        ]
         if len(kinds) > 1:
             raise ValueError(
                 f"StructuredOutputsParams: give one of json, regex, choice, grammar, json_object; got {kinds}"
