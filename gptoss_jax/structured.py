@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from gptoss_jax.tokenizer import CALL, CHANNEL, END, MESSAGE, RETURN, START
+from gptoss_jax.tokenizer import CALL, CHANNEL, END, ENDOFTEXT, MESSAGE, RETURN, START
 
 FIRST_SPECIAL = 199998  # o200k_harmony: every id from here on is a special token
 ANALYSIS, ASSISTANT = 35644, 173781  # "analysis", "assistant" (single tokens of o200k)
@@ -140,11 +140,13 @@ def _to_lark(grammar: str) -> str:
 
 @functools.cache
 def ll_tokenizer(encoding):
-    """The llguidance tokenizer of a tiktoken encoding (~1 s to build: once per encoding)."""
+    """The llguidance tokenizer of a tiktoken encoding (~1 s to build: once per encoding). Its end-of-sequence token
+    is `<|endoftext|>`, which no grammar here uses: the answers' own stop tokens are ordinary grammar tokens, which
+    `try_consume_tokens` checks like any other (it never consumes the end-of-sequence token)."""
     import llguidance
     import llguidance.tiktoken
 
-    return llguidance.tiktoken.lltokenizer_from_encoding(encoding, eos_token=RETURN)
+    return llguidance.tiktoken.lltokenizer_from_encoding(encoding, eos_token=ENDOFTEXT)
 
 
 def compile_grammar(params: StructuredOutputsParams, encoding) -> str:
@@ -221,6 +223,7 @@ class Constraint:
         self.phase = "header"  # header (of the analysis message) | reasoning | answer | done
         self.num_header = 0  # analysis-header tokens seen
         self.num_reasoning = 0  # analysis body tokens kept
+        self.need_mask = True  # in the answer: the next token must be drawn under `mask`
         self.length, self.max_len = len(prompt), max_len
         self.closers = _closers(encoding)
         self.encoding = encoding
@@ -233,20 +236,16 @@ class Constraint:
 
     @property
     def gated(self) -> bool:
-        """Whether the next token needs this sequence's mask (the host in the loop)."""
-        return self.phase == "answer" and self.matcher is not None
+        """Whether the next token must be drawn under `mask` (the host in the loop: one masked token per call)."""
+        return self.phase == "answer" and self.matcher is not None and self.need_mask
 
     def accept(self, tokens: list[int]) -> tuple[int, list[int]]:
         """Feed sampled `tokens` in order: `(how many to keep, tokens to force after them)`. The tokens after the kept
-        ones are dropped: sampled past the point where the reasoning had to end, or past the one token a gated call
-        is good for."""
+        ones are dropped: sampled past the point where the reasoning had to end, or the first answer token the
+        grammar rejects and those after it."""
         for i, t in enumerate(tokens):
-            if self.gated:
-                if not self.matcher.consume_token(t):
-                    raise RuntimeError(f"token {t} broke the grammar: {self.matcher.get_error()}")
-                self.length += 1
-                self._track(t)
-                return i + 1, self._fast_forward()
+            if self.phase == "answer" and self.matcher is not None:
+                return self._answer(tokens, i)
             if self.phase in ("answer", "done"):  # a free answer (budget only), or past the grammar's end
                 return len(tokens), []
             step = self._reasoning(t)
@@ -256,6 +255,27 @@ class Constraint:
                 return i + keep, forced
             self.length += 1
         return len(tokens), []
+
+    def _answer(self, tokens: list[int], start: int) -> tuple[int, list[int]]:
+        """Answer tokens: the first was drawn under the mask when the call was gated, the others without one (the
+        call's later steps, or calls dispatched before this row needed a mask). Each is kept while the grammar accepts
+        it: a token drawn freely and kept is a draw from the masked distribution (rejection sampling, exact for
+        temperature alone; with top-k/top-p the filters then act before the mask rather than after). At the first
+        rejected token the row is gated again: the rest is dropped, and the next token is drawn under the mask of
+        the state after the kept ones (and the tokens the grammar forces there)."""
+        m = self.matcher
+        n = m.try_consume_tokens(tokens[start:])
+        for t in tokens[start : start + n]:
+            self._track(t)
+        self.length += n
+        if m.is_stopped():
+            self.phase = "done"
+            return start + n, []
+        if n < len(tokens) - start or self.max_len - self.length <= CLOSING_RESERVE:
+            self.need_mask = True
+            return start + n, self._fast_forward()
+        self.need_mask = False
+        return start + n, []
 
     def _reasoning(self, t: int) -> tuple[bool, list[int]] | None:
         """One token of the analysis message: None to go on, else (keep the token, tokens to force)."""
