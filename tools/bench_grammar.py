@@ -1,8 +1,9 @@
 """Grammar engines on the o200k_harmony vocabulary (201k tokens): schema compile time and the host's time per
 constrained token, for the JSON schemas of the structured-output tests.
 
-llguidance is timed as the engine runs it (`structured.Constraint.accept`: consume the token, fast-forward what the
-grammar forces, compute the packed mask of the next token). outlines-core, when it is
+llguidance is timed as the engine runs it (`structured.Constraint.accept`: consume the token; for a gated row also
+fast-forward what the grammar forces and compute the packed mask of the next token) and its mask computation alone.
+outlines-core, when it is
 installed, is timed on the same token sequences (its index is built per schema; then a mask per token is a lookup).
 xgrammar is not timed: it needs torch (`pip install xgrammar` pulls it, and its import fails without it).
 
@@ -70,7 +71,8 @@ SCHEMAS = {"person": PERSON, "nested": NESTED, "arrays": ARRAYS, "json_object": 
 
 def llguidance_walk(enc, schema: dict, tokens: int, seed: int) -> dict:
     """A random walk through the answer under `schema` (steered to its end as the engine does near its limit), timing
-    each `accept`: the engine's host work per gated token, the next token's mask included."""
+    each `accept` (the engine's host work per answer token: consume it, and where the row stays gated, fast-forward
+    and compute the next mask) and each mask computed on its own where `accept` kept the token without one."""
     t0 = time.perf_counter()
     so = SO(json=schema)
     grammar = structured.compile_grammar(so, enc)
@@ -78,15 +80,21 @@ def llguidance_walk(enc, schema: dict, tokens: int, seed: int) -> dict:
     compile_ms = (time.perf_counter() - t0) * 1e3
     rng = np.random.default_rng(seed)
     _, out = c.accept([10])  # no reasoning: the answer starts
-    accept_us = []
+    accept_us, mask_us = [], []
+    scratch = np.zeros(structured.mask_words(tokenizer_lib.VOCAB_SIZE) + 1, np.int32)
     while c.phase == "answer":
-        allowed = np.nonzero(np.unpackbits(c.mask.view(np.uint8), bitorder="little"))[0]
-        t = int(rng.choice(allowed))
+        mask = c.mask
+        if not c.gated:  # the last tokens were kept without a mask: compute this state's, as a rejection would
+            t1 = time.perf_counter()
+            c.matcher.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
+            mask_us.append((time.perf_counter() - t1) * 1e6)
+            mask = scratch[: c.words]
+        t = int(rng.choice(np.nonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))[0]))
         t1 = time.perf_counter()
         _, forced = c.accept([t])
         accept_us.append((time.perf_counter() - t1) * 1e6)
         out += [t] + forced
-    return {"compile_ms": compile_ms, "accept_us": accept_us, "tokens": out}
+    return {"compile_ms": compile_ms, "accept_us": accept_us, "mask_us": mask_us, "tokens": out}
 
 
 def outlines_walk(enc, schema: dict, answer_tokens: list[int], vocab) -> dict | None:
@@ -147,6 +155,7 @@ def main() -> None:
         row = {
             "llguidance_compile_ms": _stats([w["compile_ms"] for w in walks]),
             "llguidance_accept_us": _stats([x for w in walks for x in w["accept_us"]]),
+            "llguidance_mask_us": _stats([x for w in walks for x in w["mask_us"]]),
         }
         if vocab is not None and name != "json_object":
             header = len(enc.encode("<|channel|>final<|message|>", allowed_special="all"))

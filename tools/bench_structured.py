@@ -118,6 +118,7 @@ def run_job(engine: StructuredEngine, prompts: list[list[int]], output_len: int,
         "decode_phase_s": elapsed - (max(first.values()) - t0) if first else None,
         "host_s": dict(engine.timers),
         "host_accept_us_per_token": 1e6 * engine.accept_s / max(engine.accepts, 1),
+        "constrained_tokens_per_accept": tokens["json"] / max(engine.accepts, 1),
         "host_accept_s": engine.accept_s,
         "num_compiles": engine.stats().num_compiles,
     }
@@ -230,7 +231,8 @@ def main() -> None:
             f"{n}/{args.num_requests} constrained: {row['output_tok_s']:.0f} output tok/s "
             f"(free rows {row['free_output_tok_s']:.0f}), {row['seconds']:.1f}s, tokens {row['output_tokens']}, "
             f"valid JSON {row['constrained_valid_json']}/{n}, host accept {row['host_accept_us_per_token']:.0f} us "
-            f"per call ({row['host_accept_s']:.2f}s), compiles {row['num_compiles']}",
+            f"per call ({row['host_accept_s']:.2f}s, {row['constrained_tokens_per_accept']:.2f} tokens kept per call), "
+            f"compiles {row['num_compiles']}",
             flush=True,
         )
     base = result["jobs"][0]["output_tok_s"]
