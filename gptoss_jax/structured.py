@@ -9,9 +9,10 @@ where ANSWER is `<|channel|>final<|message|>CONTENT<|return|>` or, for tool call
 `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGUMENTS<|call|>`: the grammar covers the
 answer's harmony header and its stop token, so the output always parses. The reasoning runs free (unmasked,
 multi-step on device, asynchronous); the host watches it and cuts it when it leaves the analysis message or
-exceeds the reasoning budget (`thinking_token_budget`), force-feeding the tokens that close it. From then on the
-sequence is "gated": one token per engine call, drawn under the bitmask the matcher computed from the tokens before
-it (`Constraint.mask`), while the other rows of the batch keep their multi-step calls.
+exceeds the reasoning budget (`thinking_token_budget`), force-feeding the tokens that close it. In the answer a
+"gated" sequence draws the first token of its next engine call under the bitmask the matcher computed from the
+tokens before it (`Constraint.mask`); the call's later steps draw freely, and the host keeps them while the grammar
+accepts them (`Constraint._answer`). The other rows of the batch keep their multi-step, asynchronous calls.
 
 Why llguidance (docs/BENCHMARKS.md §11): it reads tiktoken encodings directly, ships abi3 wheels without torch,
 computes masks lazily over the 201k vocabulary in tens of microseconds and compiles schemas in milliseconds
@@ -289,7 +290,9 @@ class Constraint:
             if self.num_header == 0:  # no reasoning: the answer starts here, under the grammar
                 return False, self._enter_answer(())
             self.phase = "reasoning"  # a malformed header: complete it, the reasoning goes on
-            return False, list((CHANNEL, ANALYSIS, MESSAGE)[self.num_header :])
+            forced = list((CHANNEL, ANALYSIS, MESSAGE)[self.num_header :])
+            self.length += len(forced)
+            return False, forced
         if t == END:
             return True, self._enter_answer(CLOSE_REASONING[1:])
         if t >= FIRST_SPECIAL or self.num_reasoning >= self.budget:
