@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gptoss_jax import config, runtime, sampling, structured
+from gptoss_jax import config, engine_config, runtime, sampling, structured
 from gptoss_jax import tokenizer as tokenizer_lib
 from gptoss_jax.random_weights import DEMO_CONFIG
 from gptoss_jax.sampling import SamplingParams
@@ -165,6 +165,12 @@ def main() -> None:
     ap.add_argument("--fractions", default="0,0.5", help="comma-separated fractions of constrained requests")
     ap.add_argument("--config", default="max_throughput", help="engine profile")
     ap.add_argument("--tokenizer", default=None, help="o200k_base.tiktoken or its folder")
+    ap.add_argument(
+        "--min-prefill-bucket",
+        type=int,
+        default=128,
+        help="smallest prefill bucket: the tokens a grammar forces (a header, a key) are prefilled in small chunks",
+    )
     ap.add_argument("--out", default="structured.json")
     args = ap.parse_args()
     repo = Path(__file__).resolve().parents[1]
@@ -215,7 +221,9 @@ def main() -> None:
             "max_model_len": max_len,
             "min_context_bucket": max_len,
             "warmup": True,
-            "min_prefill_bucket": min(args.input_len, overrides.get("prefill_chunk_size", args.input_len)),
+            "min_prefill_bucket": min(
+                args.min_prefill_bucket, engine_config.load(args.config, **overrides).prefill_chunk_size
+            ),
         },
     )
     print(f"engine ready in {time.perf_counter() - t0:.1f}s ({engine.stats().num_compiles} programs)", flush=True)
