@@ -216,8 +216,8 @@ class Scheduler:
 
     def _advance(self, seq: Sequence, num_computed: int) -> None:
         seq.num_computed = num_computed
-        # A structured-output sequence may drop up to two calls' tokens when its reasoning is cut (the engine rolls
-        # `num_computed` back): its sliding pages stay that much longer.
+        # A structured-output sequence may drop up to two calls' tokens (its reasoning cut, an answer token the grammar
+        # rejects: the engine rolls `num_computed` back): its sliding pages stay that much longer.
         margin = 2 * self.config.decode_steps_per_call if seq.constraint is not None else 0
         self.kv.slide(seq.pages, num_computed - margin)
         self.kv.register(seq.pages, seq.token_ids, num_computed)
