@@ -184,9 +184,16 @@ CHECKS = [  # (extra body, full-match pattern of the content)
 ]
 
 
+def fresh(client):
+    """A client of its own: the shared one's pooled connections may have idled past the server's keep-alive, and a
+    request sent on one the server is closing fails (the client does not retry)."""
+    return openai.OpenAI(base_url=str(client.base_url), api_key="unused", max_retries=0, timeout=120)
+
+
 def test_structured_outputs_always_validate(client):
     """One concurrent batch of constrained requests (schemas x temperatures, json_object, regex, choice, grammar,
     tool_choice "required" and named, the Responses text.format): every answer parses and validates."""
+    client = fresh(client)
     chat = dict(model="gpt-oss-demo", messages=DESCRIBE, max_tokens=48)
     jobs = {}
     for name, schema in SCHEMAS.items():
@@ -233,6 +240,7 @@ def test_structured_outputs_always_validate(client):
 def test_structured_streaming_and_unconstrained_neighbours(client):
     """Streaming delivers the non-streamed constrained answer; a greedy unconstrained request beside constrained
     ones gets exactly its tokens alone."""
+    client = fresh(client)
     plain = dict(model="gpt-oss-demo", messages=[{"role": "user", "content": "Say something."}], max_tokens=24)
     alone = client.chat.completions.create(**plain, temperature=0).choices[0].message.content
     guided = dict(model="gpt-oss-demo", messages=DESCRIBE, max_tokens=40, temperature=1.0, seed=3)
