@@ -27,7 +27,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 import pallas_kernels
-from gptoss_jax import checkpoint, demo, engine_config, kv_cache, runtime, steps
+from gptoss_jax import checkpoint, demo, engine_config, kv_cache, runtime, steps, structured
 from gptoss_jax import tokenizer as tokenizer_lib
 from gptoss_jax.config import ModelConfig
 from gptoss_jax.engine_config import EngineConfig
@@ -215,9 +215,23 @@ class Engine:
         seed = sp.seed if sp.seed is not None else int(self._rng.integers(2**31))
         key = ((seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF)
         seq = Sequence(request_id, ids, len(ids), sp, key, min(len(ids) + sp.max_tokens, self.max_model_len))
+        seq.constraint = self._constraint(request_id, sp, ids, seq.max_len)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
         self._prompt_tokens += len(ids)
+
+    def _constraint(
+        self, request_id: str, sp: SamplingParams, prompt: list[int], max_len: int
+    ) -> structured.Constraint | None:
+        """The structured-output state of a request with `structured_outputs` or a `thinking_token_budget`."""
+        if sp.structured_outputs is None and sp.thinking_token_budget is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError(f"request {request_id}: structured outputs need a tokenizer, and this model has none")
+        so = sp.structured_outputs
+        grammar = structured.compile_grammar(so, self.tokenizer) if so is not None else None
+        budget = sp.thinking_token_budget if sp.thinking_token_budget is not None else sp.max_tokens // 2
+        return structured.Constraint(grammar, self.tokenizer, budget, self.model_config.vocab_size, prompt, max_len)
 
     def abort_request(self, request_id: str) -> None:
         seq = self._requests.pop(request_id, None)
@@ -348,9 +362,17 @@ class Engine:
             return self._fail([seq], e)
 
     def _append(self, seq: Sequence, picks: list[tuple[int, float, list[tuple[int, float]]]]) -> StepOutput:
-        """Add sampled tokens (fed one after another on device) until a stop or length limit."""
+        """Add sampled tokens (fed one after another on device) until a stop or length limit. A structured-output
+        sequence keeps those its constraint accepts, then the tokens it forces; the dropped ones void the KV cache
+        positions after the kept tokens (`num_computed` rolls back) and any call still in flight for it (`epoch`)."""
         sp = seq.params
         new, lps, reason, stop_reason = [], [], None, None
+        rollback = None
+        if seq.constraint is not None:
+            keep, forced = seq.constraint.accept([p[0] for p in picks])
+            if keep < len(picks) or forced:
+                rollback = len(seq.token_ids) + keep - 1  # the last kept token's position: computed again
+            picks = picks[:keep] + [(t, 0.0, []) for t in forced]
         for tok, lp, top in picks:
             if tok in sp.stop_token_ids:
                 reason, stop_reason = "stop", tok
@@ -367,6 +389,9 @@ class Engine:
                 reason = "length"
                 break
         self._generation_tokens += len(new)
+        if reason is None and rollback is not None:
+            seq.num_computed, seq.num_pending = min(seq.num_computed, rollback), 0
+            seq.epoch += 1
         if reason is None:
             self.kv.register(seq.pages, seq.token_ids, seq.num_computed)  # pages its new tokens completed
         else:

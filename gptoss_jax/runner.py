@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from gptoss_jax import kv_cache, model, runtime, steps
+from gptoss_jax import kv_cache, model, runtime, steps, structured
 from gptoss_jax.config import ModelConfig
 from gptoss_jax.engine_config import EngineConfig, bucket
 from gptoss_jax.program_store import ProgramStore
@@ -74,6 +74,8 @@ class ModelRunner:
         # (rows, tokens) serves every context. The reference attention gathers the whole table: it keeps the widths.
         self._prefill_widths = self._ctx_buckets[-1:] if kernels.impl == "pallas" else self._ctx_buckets
         self._programs: dict[tuple, Any] = {}  # bucket -> its compiled step (`_program`)
+        # Per row count, the all-zero token mask of calls without a structured-output row: on the device once.
+        self._no_mask: dict[int, tuple[jax.Array, jax.Array]] = {}
         self.store = store or ProgramStore(None)
         self._devices = [jax.devices()[0]] if layout is None else list(layout.mesh.devices.flat)
         R, n_full, n_sliding = self.num_ranks, self.num_pages_full, self.num_pages_sliding
@@ -172,6 +174,7 @@ class ModelRunner:
             if not buf.is_deleted():
                 buf.delete()
         self._programs.clear()
+        self._no_mask.clear()
 
     # ---- the steps ---------------------------------------------------------------------------------------------
     def prefill(self, chunks: list[PrefillChunk]) -> tuple[Sampled, list[int]]:
@@ -381,11 +384,29 @@ class ModelRunner:
         temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
         top_k, min_p = np.zeros(rows, np.int32), np.zeros(rows, np.float32)
         keys, want = np.zeros((rows, 2), np.uint32), np.zeros(rows, bool)
+        gated = []
         for i, s in zip(row_of, seqs):
             p = s.params
             temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
             keys[i], want[i] = s.key, p.logprobs is not None
-        return SamplingBatch(*(self._put(a) for a in (temperature, top_k, top_p, min_p, keys, want)))
+            if s.constraint is not None and s.constraint.gated:
+                gated.append((i, s.constraint.mask))
+        return SamplingBatch(
+            *(self._put(a) for a in (temperature, top_k, top_p, min_p, keys, want)), *self._masks(rows, gated)
+        )
+
+    def _masks(self, rows: int, gated: list[tuple[int, np.ndarray]]) -> tuple[jax.Array, jax.Array]:
+        """`SamplingBatch.masked_B` and `.mask_BW`: the gated rows' structured-output masks. A call without any
+        reuses one all-zero pair per row count, already on the device (no per-call upload of `[B, V/32]`)."""
+        words = structured.mask_words(self.model_config.vocab_size)
+        if not gated:
+            if rows not in self._no_mask:
+                self._no_mask[rows] = (self._put(np.zeros(rows, bool)), self._put(np.zeros((rows, words), np.int32)))
+            return self._no_mask[rows]
+        masked, mask = np.zeros(rows, bool), np.zeros((rows, words), np.int32)
+        for i, m in gated:
+            masked[i], mask[i] = True, m
+        return self._put(masked), self._put(mask)
 
     def _slots(self, seqs: list[Sequence], rows: int, row_of: list[int]) -> jax.Array:
         slots = np.full((rows,), self._spare_slot, np.int32)

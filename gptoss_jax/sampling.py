@@ -1,6 +1,6 @@
 """Sampling parameters and the batched on-device sampler (per-row temperature, top-k, top-p, min-p,
-seed) with optional log-probabilities. A new sampling field touches `SamplingParams`, `SamplingBatch` and the
-sampler here, and the model runner's packing (`ModelRunner._sampling`)."""
+seed, a structured-output token mask) with optional log-probabilities. A new sampling field touches
+`SamplingParams`, `SamplingBatch` and the sampler here, and the model runner's packing (`ModelRunner._sampling`)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from gptoss_jax.structured import StructuredOutputsParams
 from gptoss_jax.tokenizer import ASSISTANT_STOPS
 
 # Bounds every entry point enforces (`SamplingParams` offline, the server at its edge): what the engine's int32 and
@@ -30,7 +31,10 @@ class SamplingParams:
     disable those filters; `seed=None` draws from the engine's generator. `stop` strings end the
     output (the text excludes them; needs a tokenizer); `logprobs=n` returns each new token's
     log-probability and the `n` most likely alternatives (0 = the sampled token's only). `n` completions per prompt
-    (`LLM.generate`; with a `seed`, completion `i` uses `seed + i`, as the server does)."""
+    (`LLM.generate`; with a `seed`, completion `i` uses `seed + i`, as the server does).
+    `structured_outputs` constrains the answer (`structured.StructuredOutputsParams`, vLLM's; needs a tokenizer);
+    `thinking_token_budget` caps the reasoning (the analysis message's tokens) before the answer is forced open:
+    default, with structured outputs, half of `max_tokens`."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -42,6 +46,9 @@ class SamplingParams:
     stop: tuple[str, ...] | list[str] | str | None = None
     logprobs: int | None = None
     n: int = 1
+    # Structured outputs (gptoss_jax/structured.py).
+    structured_outputs: StructuredOutputsParams | None = None
+    thinking_token_budget: int | None = None
 
     def __post_init__(self):
         def bad(field, why):
@@ -84,6 +91,14 @@ class SamplingParams:
             bad("logprobs", "must be an integer >= 0 or None")
         if not is_int(self.n) or not 1 <= self.n <= INT32_MAX:
             bad("n", "must be an integer >= 1")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "must be a StructuredOutputsParams (or a dict of its fields) or None")
+        if self.thinking_token_budget is not None and (
+            not is_int(self.thinking_token_budget) or not 0 <= self.thinking_token_budget <= INT32_MAX
+        ):
+            bad("thinking_token_budget", "must be None or an integer >= 0")
         self.temperature, self.top_p, self.min_p = float(self.temperature), float(self.top_p), float(self.min_p)
         self.top_k, self.max_tokens, self.n = int(self.top_k), int(self.max_tokens), int(self.n)
         self.seed = None if self.seed is None else int(self.seed)
@@ -106,6 +121,8 @@ class SamplingBatch:
     min_p_B: jax.Array  # f32
     keys_B2: jax.Array  # u32 [B, 2] raw PRNG key data
     want_logprobs_B: jax.Array  # bool
+    masked_B: jax.Array  # bool: the row draws under `mask_BW` (structured outputs)
+    mask_BW: jax.Array  # i32 [B, ceil(V / 32)] packed allowed-token bits (`structured.mask_words`)
 
 
 @struct.dataclass
@@ -121,11 +138,24 @@ def sample_batch(logits_BV: jax.Array, pos_B: jax.Array, sb: SamplingBatch, num_
     request's draws depend neither on its batch neighbours, nor on chunking, nor on preemption), `sample`, and the
     log-probabilities when any row asks for them."""
     keys = jax.vmap(jax.random.fold_in)(sb.keys_B2, pos_B)
-    tokens = sample(logits_BV, keys, sb.temperature_B, sb.top_k_B, sb.top_p_B, sb.min_p_B)
+    # Batches without a structured-output row skip the mask's pass over `[B, V]`.
+    allowed = jax.lax.cond(
+        jnp.any(sb.masked_B), lambda: apply_mask(logits_BV, sb.masked_B, sb.mask_BW), lambda: logits_BV
+    )
+    tokens = sample(allowed, keys, sb.temperature_B, sb.top_k_B, sb.top_p_B, sb.min_p_B)
     B = tokens.shape[0]
     empty = (jnp.zeros(B, jnp.float32), jnp.zeros((B, num_top), jnp.int32), jnp.zeros((B, num_top), jnp.float32))
     lp = jax.lax.cond(jnp.any(sb.want_logprobs_B), lambda: logprobs(logits_BV, tokens, num_top), lambda: empty)
     return Sampled(tokens, *lp)
+
+
+def apply_mask(logits_BV: jax.Array, masked_B: jax.Array, mask_BW: jax.Array) -> jax.Array:
+    """-inf where a masked row's bit is clear: token t is allowed by bit `t % 32` of word `t // 32`."""
+    with jax.named_scope("token_mask"):
+        B, V = logits_BV.shape
+        bits = (mask_BW[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+        allowed = bits.reshape(B, -1)[:, :V] != 0
+        return jnp.where(masked_B[:, None] & ~allowed, jnp.asarray(-jnp.inf, logits_BV.dtype), logits_BV)
 
 
 def sample(

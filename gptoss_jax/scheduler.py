@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import Any
 
 from gptoss_jax.engine_config import EngineConfig
 from gptoss_jax.kv_cache import KVCacheManager, SequencePages
@@ -42,6 +43,7 @@ class Sequence:
     full_cached: int = 0  # positions below come from prefix-cached full-layer pages
     num_cached_prompt_tokens: int = 0  # prompt tokens skipped thanks to the prefix cache
     text_bytes: bytearray = dataclasses.field(default_factory=bytearray)  # for stop strings
+    constraint: Any = None  # `structured.Constraint` of a structured-output request
 
     @property
     def num_uncomputed(self) -> int:
@@ -111,6 +113,8 @@ class Scheduler:
         for seq in list(self.running):
             if seq not in self.running:
                 continue
+            if seq.num_pending and seq.constraint is not None and seq.constraint.gated:
+                continue  # its next mask waits for the token in flight
             first, end = seq.decode_span(cfg.decode_steps_per_call)
             if seq.num_pending and end <= first:  # its last tokens are in flight: it ends by length
                 scheduled.add(id(seq))  # when they land, so no reservation may preempt it
@@ -212,5 +216,8 @@ class Scheduler:
 
     def _advance(self, seq: Sequence, num_computed: int) -> None:
         seq.num_computed = num_computed
-        self.kv.slide(seq.pages, num_computed)
+        # A structured-output sequence may drop up to two calls' tokens (its reasoning cut, an answer token the grammar
+        # rejects: the engine rolls `num_computed` back): its sliding pages stay that much longer.
+        margin = 2 * self.config.decode_steps_per_call if seq.constraint is not None else 0
+        self.kv.slide(seq.pages, num_computed - margin)
         self.kv.register(seq.pages, seq.token_ids, num_computed)

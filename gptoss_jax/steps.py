@@ -107,16 +107,19 @@ def decode(
     """`st.num_steps` decode steps on device, each feeding back the token it sampled (outputs `[steps, B]`)."""
     TRACES["decode"] += 1
 
-    def one(carry, _):
+    def one(carry, k):
         cache, tok_B, pos_B = carry
         x, cache, _ = model.forward(
             params, cache, tok_B[:, None], pos_B[:, None], batch.tables, st.cfg, st.kernels, layout=st.layout
         )
         with jax.named_scope("sample"):
-            out = _sampler(st)(model.unembed(params, x[:, 0]), pos_B, batch.sampling)
+            # A structured-output mask holds for the call's first token only (it depends on the tokens before);
+            # later steps draw freely and the host keeps what the grammar accepts.
+            sb = batch.sampling.replace(masked_B=batch.sampling.masked_B & (k == 0))
+            out = _sampler(st)(model.unembed(params, x[:, 0]), pos_B, sb)
         return (cache, out.tokens, jnp.where(pos_B >= 0, pos_B + 1, -1)), out
 
-    (cache, _, _), outs = jax.lax.scan(one, (cache, batch.tokens_B, batch.positions_B), None, length=st.num_steps)
+    (cache, _, _), outs = jax.lax.scan(one, (cache, batch.tokens_B, batch.positions_B), jnp.arange(st.num_steps))
     return outs, cache
 
 

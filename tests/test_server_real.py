@@ -6,6 +6,8 @@ streams, seeds, completions, logprobs, the context limit and KV pages freed on d
 """
 
 import concurrent.futures
+import json
+import re
 import time
 
 import httpx
@@ -16,6 +18,7 @@ pytest.importorskip("openai_harmony")
 pytest.importorskip("starlette")
 
 from server_utils import Server, collect_chat_stream  # noqa: E402
+from test_structured import NESTED, PERSON, SCHEMAS, WEATHER, jsonschema  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a real server process over HTTP
 
@@ -168,3 +171,92 @@ def test_32_concurrent_streams_match_nonstreamed(server, client):
     assert streamed == full
     assert len({s["content"] for s in streamed}) > 1
     idle(server)
+
+
+# ---- structured outputs (gptoss_jax/structured.py): the demo model's noise, constrained, always parses ----------
+
+DESCRIBE = [{"role": "user", "content": "Describe someone."}]
+NOOP = {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}}
+CHECKS = [  # (extra body, full-match pattern of the content)
+    ({"structured_outputs": {"regex": r"[A-Z][a-z]{2,5} [0-9]{2}"}}, r"[A-Z][a-z]{2,5} [0-9]{2}"),
+    ({"guided_choice": ["alpha", "beta", "gamma"]}, r"alpha|beta|gamma"),
+    ({"structured_outputs": {"grammar": 'root ::= "(" [a-c]+ ")"'}}, r"\([a-c]+\)"),
+]
+
+
+def fresh(client):
+    """A client of its own: the shared one's pooled connections may have idled past the server's keep-alive, and a
+    request sent on one the server is closing fails (the client does not retry)."""
+    return openai.OpenAI(base_url=str(client.base_url), api_key="unused", max_retries=0, timeout=120)
+
+
+def test_structured_outputs_always_validate(client):
+    """One concurrent batch of constrained requests (schemas x temperatures, json_object, regex, choice, grammar,
+    tool_choice "required" and named, the Responses text.format): every answer parses and validates."""
+    client = fresh(client)
+    chat = dict(model="gpt-oss-demo", messages=DESCRIBE, max_tokens=48)
+    jobs = {}
+    for name, schema in SCHEMAS.items():
+        for temperature, seed in ((0.0, None), (1.0, 1)):
+            fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+            jobs[name, temperature] = dict(chat, temperature=temperature, seed=seed, response_format=fmt)
+    jobs["json_object"] = dict(chat, temperature=1.0, seed=5, response_format={"type": "json_object"})
+    for i, (extra, _) in enumerate(CHECKS):
+        jobs["pattern", i] = dict(chat, temperature=1.0, seed=7, extra_body=extra)
+    weather = [{"role": "user", "content": "Weather in Paris?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        for seed in (1, 2):
+            jobs["tool", str(choice), seed] = dict(
+                chat, messages=weather, tools=[WEATHER, NOOP], tool_choice=choice, temperature=1.0, seed=seed
+            )
+
+    def run(key):
+        return key, client.chat.completions.create(**jobs[key]).choices[0]
+
+    def responses():
+        fmt = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
+        return client.responses.create(model="gpt-oss-demo", input="Who?", max_output_tokens=48, text={"format": fmt})
+
+    with concurrent.futures.ThreadPoolExecutor(len(jobs) + 1) as pool:
+        resp = pool.submit(responses)
+        for key, c in pool.map(run, jobs):
+            if key[0] == "pattern":
+                assert re.fullmatch(CHECKS[key[1]][1], c.message.content), (key, c.message.content)
+            elif key[0] == "tool":
+                assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, (key, c)
+                call = c.message.tool_calls[0].function
+                assert call.name in ({"get_weather", "noop"} if key[1] == "required" else {"get_weather"})
+                tool = WEATHER if call.name == "get_weather" else NOOP
+                jsonschema.validate(json.loads(call.arguments), tool["function"]["parameters"])
+            else:
+                assert c.finish_reason == "stop", (key, c)
+                value = json.loads(c.message.content)
+                jsonschema.validate(value, SCHEMAS[key[0]] if key != "json_object" else {"type": "object"})
+        r = resp.result()
+        jsonschema.validate(json.loads(r.output_text), PERSON)
+        assert r.text.format.type == "json_schema"
+
+
+def test_structured_streaming_and_unconstrained_neighbours(client):
+    """Streaming delivers the non-streamed constrained answer; a greedy unconstrained request beside constrained
+    ones gets exactly its tokens alone."""
+    client = fresh(client)
+    plain = dict(model="gpt-oss-demo", messages=[{"role": "user", "content": "Say something."}], max_tokens=24)
+    alone = client.chat.completions.create(**plain, temperature=0).choices[0].message.content
+    guided = dict(model="gpt-oss-demo", messages=DESCRIBE, max_tokens=40, temperature=1.0, seed=3)
+
+    def whole(extra):
+        return client.chat.completions.create(**guided, extra_body=extra).choices[0].message.content
+
+    def streamed(extra):
+        chunks = client.chat.completions.create(**guided, extra_body=extra, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in chunks)
+
+    extras = [{"guided_json": NESTED}, CHECKS[0][0]]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        full = [pool.submit(whole, e) for e in extras]
+        streams = [pool.submit(streamed, e) for e in extras]
+        together = [pool.submit(lambda: client.chat.completions.create(**plain, temperature=0)) for _ in range(2)]
+        assert [f.result().choices[0].message.content for f in together] == [alone, alone]
+        assert [f.result() for f in streams] == [f.result() for f in full]
+    jsonschema.validate(json.loads(full[0].result()), NESTED)

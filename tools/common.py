@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gptoss_jax import checkpoint, config, kv_cache, model, random_weights, steps
+from gptoss_jax import checkpoint, config, kv_cache, model, random_weights, steps, structured
 from gptoss_jax.engine_config import EngineConfig
 from gptoss_jax.sampling import SamplingBatch
 from pallas_kernels import KernelConfig, kv_quant
@@ -281,7 +281,7 @@ def decode_step(
         raise ValueError(f"{B} rows need distinct tokens; the vocabulary has {cfg.vocab_size}")
     tokens_B = np.random.default_rng(B).choice(cfg.vocab_size, B, replace=False).astype(np.int32)
     inputs = steps.DecodeBatch(
-        put(tokens_B), put(np.full(B, context, np.int32)), tables, _sampling(put, B, temperature, top_p)
+        put(tokens_B), put(np.full(B, context, np.int32)), tables, _sampling(put, B, cfg.vocab_size, temperature, top_p)
     )
     st = steps.StepConfig(cfg, resolved(kernels), layout, num_top=num_top, num_steps=num_steps)
     return Step(steps.decode, params, cache, inputs, st, pages)
@@ -299,7 +299,11 @@ def prefill_step(
     tokens_BT = np.random.default_rng(tokens).integers(0, cfg.vocab_size, (B, tokens), dtype=np.int32)
     positions_BT = np.tile(np.arange(start, start + tokens, dtype=np.int32), (B, 1))
     inputs = steps.PrefillBatch(
-        put(tokens_BT), put(positions_BT), tables, put(np.full(B, tokens - 1, np.int32)), _sampling(put, B)
+        put(tokens_BT),
+        put(positions_BT),
+        tables,
+        put(np.full(B, tokens - 1, np.int32)),
+        _sampling(put, B, cfg.vocab_size),
     )
     return Step(steps.prefill, params, cache, inputs, steps.StepConfig(cfg, resolved(kernels), layout, num_top), pages)
 
@@ -360,7 +364,7 @@ def _paged_state(cfg, rows: int, start: int, tokens: int, dtype, put: _Placer):
     return cache, tables, (n_full, n_sliding)
 
 
-def _sampling(put, B: int, temperature: float = 0.0, top_p: float = 1.0) -> SamplingBatch:
+def _sampling(put, B: int, vocab: int, temperature: float = 0.0, top_p: float = 1.0) -> SamplingBatch:
     f32 = np.float32
     return SamplingBatch(
         put(np.full(B, temperature, f32)),
@@ -369,6 +373,8 @@ def _sampling(put, B: int, temperature: float = 0.0, top_p: float = 1.0) -> Samp
         put(np.zeros(B, f32)),
         put(np.zeros((B, 2), np.uint32)),
         put(np.zeros(B, bool)),
+        put(np.zeros(B, bool)),
+        put(np.zeros((B, structured.mask_words(vocab)), np.int32)),
     )
 
 

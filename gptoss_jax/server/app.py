@@ -24,7 +24,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from gptoss_jax import harmony, sampling
+from gptoss_jax import harmony, sampling, structured
 from gptoss_jax.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, stats_dict
 from gptoss_jax.sampling import SamplingParams
 from gptoss_jax.server import protocol as P
@@ -239,7 +239,17 @@ _SP_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 def _sampling_params(
-    *, temperature, top_p, top_k, min_p, seed, max_tokens, logprobs, vocab_size: int | None = None
+    *,
+    temperature,
+    top_p,
+    top_k,
+    min_p,
+    seed,
+    max_tokens,
+    logprobs,
+    vocab_size: int | None = None,
+    structured_outputs: structured.StructuredOutputsParams | None = None,
+    thinking_token_budget: int | None = None,
 ) -> SamplingParams:
     """The engine's `SamplingParams` for one choice; a value out of bounds is a 400 naming the parameter."""
     if vocab_size is not None and top_k is not None and top_k > vocab_size:
@@ -254,6 +264,8 @@ def _sampling_params(
         seed=seed,
         max_tokens=int(max_tokens),
         stop_token_ids=harmony.STOP_TOKENS,
+        structured_outputs=structured_outputs,
+        thinking_token_budget=thinking_token_budget,
     )
     if logprobs is not None:
         if "logprobs" not in _SP_FIELDS:
@@ -317,6 +329,87 @@ def _unsupported_penalties(req) -> None:
             raise APIError(400, f"'{name}' is not supported by this server (use 0).", param=name)
     if req.repetition_penalty not in (None, 1.0):
         raise APIError(400, "'repetition_penalty' is not supported by this server (use 1).", param="repetition_penalty")
+
+
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _format_constraint(fmt: Any, param: str, nested: bool) -> tuple[str, dict] | None:
+    """`(param, StructuredOutputsParams fields)` of a `response_format` (chat: the schema under `json_schema`) or a
+    Responses `text.format` (`nested=False`: name, schema and strict beside `type`); None for plain text."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise APIError(400, f"'{param}' must be an object such as {{'type': 'json_object'}}.", param=param)
+    kind = fmt.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return param, {"json_object": True}
+    if kind != "json_schema":
+        raise APIError(
+            400, f"{param}.type is {kind!r}; supported: 'text', 'json_object', 'json_schema'.", param=f"{param}.type"
+        )
+    spec, where = (fmt.get("json_schema"), f"{param}.json_schema") if nested else (fmt, param)
+    if not isinstance(spec, dict):
+        raise APIError(400, f"'{where}' must be an object with 'name' and 'schema'.", param=where)
+    schema, strict = spec.get("schema"), spec.get("strict")
+    if not isinstance(schema, dict):
+        raise APIError(400, f"'{where}.schema' must be a JSON schema object.", param=f"{where}.schema")
+    if strict is not None and not isinstance(strict, bool):
+        raise APIError(400, f"'{where}.strict' must be a boolean.", param=f"{where}.strict")
+    return f"{where}.schema", {"json": schema, "strict": bool(strict)}
+
+
+async def _structured(
+    st: State, req, tools: list[harmony.Tool], fmt: tuple[str, dict] | None
+) -> structured.StructuredOutputsParams | None:
+    """The request's structured-output constraint, compiled once here so that a bad schema, regex or grammar is a
+    400 naming it: a response format (`fmt`), vLLM's `structured_outputs` or `guided_*` extras, and `tool_choice`
+    "required" or a named function (the answer must then be a call with arguments valid for its schema)."""
+    sources = [fmt] if fmt else []
+    so = getattr(req, "structured_outputs", None)
+    if so is not None:
+        unknown = sorted(set(so) - set(STRUCTURED_KEYS))
+        if unknown:
+            raise APIError(
+                400,
+                f"structured_outputs.{unknown[0]} is not supported; give one of {', '.join(STRUCTURED_KEYS)}.",
+                param=f"structured_outputs.{unknown[0]}",
+            )
+        given = [k for k in STRUCTURED_KEYS if so.get(k) not in (None, False)]
+        if len(given) != 1:
+            raise APIError(
+                400,
+                f"structured_outputs needs exactly one of {', '.join(STRUCTURED_KEYS)}.",
+                param="structured_outputs",
+            )
+        sources.append((f"structured_outputs.{given[0]}", {given[0]: so[given[0]]}))
+    sources += [
+        (name, {key: getattr(req, name)}) for name, key in GUIDED.items() if getattr(req, name, None) is not None
+    ]
+    if len(sources) > 1:
+        raise APIError(
+            400,
+            f"Give one structured-output constraint; this request has {len(sources)}: "
+            + ", ".join(p for p, _ in sources),
+            param=sources[1][0],
+        )
+    choice = req.tool_choice
+    forced_call = choice == "required" or isinstance(choice, dict)
+    if choice == "required" and not tools:
+        raise APIError(400, "tool_choice 'required' needs at least one tool in 'tools'.", param="tool_choice")
+    call_tools = [(t.name, t.parameters) for t in tools] if tools and (forced_call or sources) else None
+    if not sources and not forced_call:
+        return None
+    param, fields = sources[0] if sources else ("tools", {})
+    try:
+        params = structured.StructuredOutputsParams(**fields, tools=call_tools)
+        await asyncio.to_thread(structured.compile_grammar, params, st.tok)
+    except ValueError as e:
+        raise APIError(400, f"Invalid {param}: {e}", param=param) from None
+    return params
 
 
 def _new_id(prefix: str) -> str:
@@ -610,8 +703,7 @@ async def chat_completions(request: Request) -> Response:
     req = _validate(P.ChatCompletionRequest, body)
     _check_model(st, req.model)
     _unsupported_penalties(req)
-    if req.response_format and req.response_format.get("type") not in (None, "text"):
-        raise APIError(400, "response_format other than 'text' is not supported yet.", param="response_format")
+    fmt = _format_constraint(req.response_format, "response_format", nested=True)
     _check_ready(st)
     effort = harmony.parse_reasoning_effort(
         ("reasoning_effort", req.reasoning_effort),
@@ -619,6 +711,7 @@ async def chat_completions(request: Request) -> Response:
         ("chat_template_kwargs.reasoning_effort", (req.chat_template_kwargs or {}).get("reasoning_effort")),
     )
     tools = harmony.parse_chat_tools(req.tools, req.tool_choice)
+    constraint = await _structured(st, req, tools, fmt)
     _check_chars(st, req.messages, "messages")
     prompt = await asyncio.to_thread(st.renderer.render_chat, req.messages, tools, effort)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -637,6 +730,8 @@ async def chat_completions(request: Request) -> Response:
             max_tokens=max_tokens,
             logprobs=top,
             vocab_size=st.tok.n_vocab,
+            structured_outputs=constraint,
+            thinking_token_budget=req.thinking_token_budget,
         )
         for i in range(req.n)
     ]
@@ -801,6 +896,11 @@ async def completions(request: Request) -> Response:
     for name in ("echo", "suffix"):
         if getattr(req, name):
             raise APIError(400, f"'{name}' is not supported by this server.", param=name)
+    for name in ("response_format", "structured_outputs", *GUIDED):
+        if (req.model_extra or {}).get(name) is not None:
+            raise APIError(
+                400, f"'{name}' is served on /v1/chat/completions and /v1/responses (the harmony answer).", param=name
+            )
     if req.best_of not in (None, 1, req.n):
         raise APIError(400, "'best_of' is not supported by this server.", param="best_of")
     _check_ready(st)
@@ -1080,14 +1180,12 @@ async def responses(request: Request) -> Response:
             "'previous_response_id' is not supported (this server stores no responses); send the full input instead.",
             param="previous_response_id",
         )
-    fmt = (req.text or {}).get("format") if isinstance(req.text, dict) else None
-    if fmt is not None and not isinstance(fmt, dict):
-        raise APIError(400, "text.format must be an object such as {'type': 'text'}.", param="text.format")
-    if fmt and fmt.get("type") not in (None, "text"):
-        raise APIError(400, "text.format other than 'text' is not supported yet.", param="text.format")
+    text_format = (req.text or {}).get("format") if isinstance(req.text, dict) else None
+    fmt = _format_constraint(text_format, "text.format", nested=False)
     _check_ready(st)
     effort = harmony.parse_reasoning_effort(("reasoning.effort", req.reasoning.effort if req.reasoning else None))
     tools = harmony.parse_chat_tools(req.tools, req.tool_choice)
+    constraint = await _structured(st, req, tools, fmt)
     _check_chars(st, req.input, "input")
     _check_chars(st, req.instructions, "instructions")
     prompt = await asyncio.to_thread(st.renderer.render_responses, req.input, req.instructions, tools, effort)
@@ -1100,6 +1198,8 @@ async def responses(request: Request) -> Response:
         seed=None,
         max_tokens=max_tokens,
         logprobs=None,
+        structured_outputs=constraint,
+        thinking_token_budget=req.thinking_token_budget,
     )
     resp_id = _new_id("resp_")
     created = int(time.time())
@@ -1126,7 +1226,7 @@ async def responses(request: Request) -> Response:
             "reasoning": {"effort": effort, "summary": None},
             "store": False,
             "temperature": 1.0 if req.temperature is None else req.temperature,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": text_format or {"type": "text"}},
             "tool_choice": req.tool_choice or "auto",
             "tools": req.tools or [],
             "top_p": 1.0 if req.top_p is None else req.top_p,

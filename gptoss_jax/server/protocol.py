@@ -83,6 +83,13 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict | None = None
     include_reasoning: bool = True
     response_format: dict | None = None
+    # Structured outputs (vLLM's extra body; the guided_* names are its older aliases) and the reasoning budget.
+    structured_outputs: dict | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    thinking_token_budget: int | None = Field(None, ge=0, le=INT32_MAX)
 
 
 class CompletionRequest(_Sampling):
@@ -117,6 +124,7 @@ class ResponsesRequest(_Base):
     metadata: dict | None = None
     text: dict | None = None
     user: str | None = None
+    thinking_token_budget: int | None = Field(None, ge=0, le=INT32_MAX)
 
 
 STOP_FINISH = Literal["stop", "length", "tool_calls"]
