@@ -18,6 +18,8 @@ pytest.importorskip("starlette")
 
 from server_utils import REPO, Server, collect_chat_stream  # noqa: E402
 
+from gptoss_jax import tokenizer as tokenizer_lib  # noqa: E402
+
 KEY = "sk-test-123"
 WEATHER = [
     {
@@ -225,6 +227,69 @@ def test_stop_strings_apply_to_content_only(client):
     assert full[0]["content"] == "one two " and full[0]["finish_reason"] == "stop"
     assert full[0]["reasoning"] == "STOP in reasoning is fine"
     assert stream_view(collect_chat_stream(client.chat.completions.create(stream=True, **kw))) == full
+
+
+def _tokens_through(text: str, stop: str) -> int:
+    """How many tokens of `text` (o200k, special tokens allowed) it takes for the prefix's text (special tokens
+    left out) to contain `stop`."""
+    tok = tokenizer_lib.load()
+    ids = tok.encode(text, allowed_special="all")
+    return next(n for n in range(1, len(ids) + 1) if stop in tok.decode([t for t in ids[:n] if t < 199998]))
+
+
+@pytest.mark.parametrize("max_tokens", [None, 12])
+def test_stop_inside_the_held_back_header_reports_stop_and_true_usage(client, max_tokens):
+    # "headerless": plain text that the parser holds back as a possible header (up to 48 tokens); a stop string
+    # in it must end the choice with "stop" and the usage must count the tokens up to the stop, whether the engine
+    # ended by length before the text was released (max_tokens=12) or by its stop token
+    text = "I cannot help with that."
+    kw = dict(model="gpt-oss-demo", messages=ask("headerless"), stop=["help"], max_tokens=max_tokens)
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].message.content == "I cannot " and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == _tokens_through(text, "help")
+    got = collect_chat_stream(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert stream_view(got) == nonstream_view(r) and got["usage"].completion_tokens == r.usage.completion_tokens
+    # a stop token inside the header: "stop" and every token counted once
+    r = client.chat.completions.create(model="gpt-oss-demo", messages=ask("headerless"))
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == text
+    assert r.usage.completion_tokens == len(tokenizer_lib.load().encode(text))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_of_held_back_header_tokens_arrive_in_order(client, stream):
+    text = "I cannot help with that."
+    kw = dict(model="gpt-oss-demo", messages=ask("headerless"), logprobs=True, top_logprobs=1)
+    if stream:
+        got = collect_chat_stream(client.chat.completions.create(stream=True, **kw))["choices"][0]
+        content, lps = got["content"], got["logprobs"]
+    else:
+        ch = client.chat.completions.create(**kw).choices[0]
+        content, lps = ch.message.content, ch.logprobs.content
+    tok = tokenizer_lib.load()
+    assert content == text
+    assert [x.token for x in lps] == [tok.decode([t]) for t in tok.encode(text)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_stop_in_the_first_tokens(client, stream):
+    kw = dict(model="gpt-oss-demo", prompt="Count [[count:6]]", max_tokens=100, stop=[" t1"], logprobs=0)
+    if stream:
+        chunks = [c for c in client.completions.create(stream=True, stream_options={"include_usage": True}, **kw)]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        usage = chunks[-1].usage
+        tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    else:
+        r = client.completions.create(**kw)
+        text, finish, usage, tokens = (
+            r.choices[0].text,
+            [r.choices[0].finish_reason],
+            r.usage,
+            r.choices[0].logprobs.tokens,
+        )
+    assert text == "final t0" and finish == ["stop"]
+    assert usage.completion_tokens == _tokens_through("<|channel|>final<|message|> t0 t1", " t1")
+    assert "".join(tokens).startswith(text)
 
 
 def test_logprobs(client):

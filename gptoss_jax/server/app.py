@@ -357,6 +357,7 @@ class ChoiceRun:
         self.num_tokens = 0
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
+        self._held: dict[int, dict | None] = {}  # logprob entries of the tokens of a header not yet parsed
 
     @property
     def num_reasoning_tokens(self) -> int:
@@ -383,7 +384,13 @@ class ChoiceRun:
 
     def _apply(self, events: list, deltas: list[harmony.Delta]) -> None:
         for d in deltas:
-            if d.kind == "content":
+            if self.stops.hit:
+                return
+            if d.kind == "content" and d.token is not None:  # held back in a header: its own logprob
+                self._content(events, d.text, self._held.pop(d.token, None))
+                if self.stops.hit:
+                    self.num_tokens = d.token + 1  # the stop string ended at that token
+            elif d.kind == "content":
                 self._content(events, d.text)
             elif d.kind == "reasoning":
                 if events and events[-1][0] == "reasoning":
@@ -416,20 +423,24 @@ class ChoiceRun:
                     entry = None
                 self._content(events, text, entry)
             else:
-                deltas = self.parser.process(t)
-                self._apply(events, deltas)
+                i = self.parser.num_tokens
+                self._held[i] = entry if t < harmony.FIRST_SPECIAL else None
+                self._apply(events, self.parser.process(t))
+                entry = self._held.pop(i, None) if self.parser.last_token_kind != "header" else None
                 if entry is not None and self.parser.last_token_kind == "content":
                     self._content(events, "", entry)
-        if self.stops.hit:
-            self.finish_reason, self.stop_reason = "stop", "stop_string"
-        elif out.finished:
+                first_held = self.parser.num_tokens - len(self.parser.header)
+                self._held = {j: e for j, e in self._held.items() if j >= first_held}
+        if not self.stops.hit and out.finished:
             tail = self.detok.finish() if self.mode == "text" else None
             if tail is not None:
                 self._content(events, tail)
             else:
                 self._apply(events, self.parser.finish())
-            if not self.stops.hit:
-                self._content(events, self.stops.flush())
+        if self.stops.hit:
+            self.finish_reason, self.stop_reason = "stop", "stop_string"
+        elif out.finished:
+            self._content(events, self.stops.flush())
             reason = out.finish_reason
             self.stop_reason = out.stop_reason
             if reason == "stop" and self.call_ids:
