@@ -678,9 +678,13 @@ class StopStrings:
         self.buf = ""
         self.hit = False
 
-    def push(self, text: str) -> str:
+    def push(self, text: str, match: bool = True) -> str:
+        """The text that can be released; `match=False` (before min_tokens) releases it all unmatched."""
         if not self.stops or self.hit:
             return "" if self.hit else text
+        if not match:
+            out, self.buf = self.buf + text, ""
+            return out
         self.buf += text
         found = [(self.buf.find(s), s) for s in self.stops if s in self.buf]
         if found:

@@ -596,3 +596,152 @@ def test_health_reports_loading_progress(tmp_path):
     assert all(body["detail"].startswith("decode rows=") for body in compiling)
     assert sorted(body["progress"] for body in compiling) == [body["progress"] for body in compiling]
     assert seen[-1] == (200, {"status": "ok"})
+
+
+# ---- sampling parameters (the engine's processors are tested in test_engine/test_sampling) ------------------------
+
+
+def echo(client, **kw):
+    r = client.chat.completions.create(
+        model="gpt-oss-demo", messages=[{"role": "user", "content": "[[echo:params]]"}], max_tokens=200, **kw
+    )
+    return json.loads(r.choices[0].message.content)
+
+
+def test_sampling_parameters_reach_the_engine(client):
+    got = echo(
+        client,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        logit_bias={"1000": 100, " 17": -5.5},
+        extra_body={
+            "repetition_penalty": 1.2,
+            "min_tokens": 3,
+            "ignore_eos": True,
+            "bad_words": ["foo", "bar baz"],
+            "allowed_token_ids": [5, 6, 7],
+            "stop_token_ids": [42],
+        },
+    )
+    assert got == {
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.25,
+        "repetition_penalty": 1.2,
+        "min_tokens": 3,
+        "ignore_eos": True,
+        "bad_words": ["foo", "bar baz"],
+        "allowed_token_ids": [5, 6, 7],
+        "stop_token_ids": [200002, 200012, 199999, 42],
+        "n": 1,
+        "logit_bias": {"1000": 100.0, "17": -5.5},
+    }
+    r = client.completions.create(
+        model="gpt-oss-demo", prompt="[[echo:params]]", max_tokens=300, presence_penalty=1, extra_body={"min_tokens": 2}
+    )
+    assert json.loads(r.choices[0].text.removeprefix("final"))["presence_penalty"] == 1.0
+
+
+def test_min_tokens_holds_off_stop_strings(client):
+    kw = dict(model="gpt-oss-demo", prompt="Count [[count:6]]", max_tokens=100, stop=[" t1"])
+    assert client.completions.create(**kw).choices[0].text == "final t0"
+    r = client.completions.create(**kw, extra_body={"min_tokens": 40})
+    assert r.choices[0].text == "final t0 t1 t2 t3 t4 t5" and r.choices[0].finish_reason == "stop"
+    got = collect_chat_stream(
+        client.chat.completions.create(
+            model="gpt-oss-demo", messages=ask("stopword"), stop=["STOP"], stream=True, extra_body={"min_tokens": 200}
+        )
+    )
+    assert got["choices"][0]["content"] == "one two STOP three four"
+
+
+def test_legacy_functions_map_onto_tools(client):
+    functions = [WEATHER[0]["function"]]
+    r = client.chat.completions.create(
+        model="gpt-oss-demo", messages=ask("tool"), functions=functions, function_call="auto"
+    )
+    ch = r.choices[0]
+    assert ch.finish_reason == "function_call" and ch.message.tool_calls is None
+    assert ch.message.function_call.name == "get_weather"
+    assert json.loads(ch.message.function_call.arguments) == {"location": "Paris", "unit": "celsius"}
+    chunks = list(
+        client.chat.completions.create(
+            model="gpt-oss-demo",
+            messages=ask("tool"),
+            functions=functions,
+            function_call={"name": "get_weather"},
+            stream=True,
+        )
+    )
+    calls = [c.choices[0].delta.function_call for c in chunks if c.choices and c.choices[0].delta.function_call]
+    assert (
+        calls[0].name == "get_weather"
+        and "".join(c.arguments or "" for c in calls) == ch.message.function_call.arguments
+    )
+    assert chunks[-1].choices[0].finish_reason == "function_call"
+
+
+def test_best_of_picks_n_choices(client):
+    r = client.completions.create(model="gpt-oss-demo", prompt="x [[count:3]]", max_tokens=50, n=2, best_of=3)
+    assert [c.index for c in r.choices] == [0, 1] and all(c.text == "final t0 t1 t2" for c in r.choices)
+    assert r.choices[0].logprobs is None
+    assert r.usage.completion_tokens == 3 * (r.usage.completion_tokens // 3)  # every candidate counted
+
+
+@pytest.mark.parametrize(
+    "endpoint, body, param, match",
+    [
+        ("chat", {"presence_penalty": 2.5}, "presence_penalty", "presence_penalty"),
+        ("chat", {"frequency_penalty": -3}, "frequency_penalty", "frequency_penalty"),
+        ("chat", {"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty"),
+        ("chat", {"logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
+        ("chat", {"logit_bias": {"201088": 1}}, "logit_bias", "Token id 201088"),
+        ("chat", {"logit_bias": {"5": 101}}, "logit_bias", r"\[-100, 100\]"),
+        ("chat", {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", "at most 300"),
+        ("chat", {"min_tokens": -1}, "min_tokens", "min_tokens"),
+        ("chat", {"min_tokens": 9, "max_tokens": 8}, "min_tokens", "min_tokens"),
+        ("chat", {"ignore_eos": "yes"}, "ignore_eos", "ignore_eos"),
+        ("chat", {"bad_words": "foo"}, "bad_words", "bad_words"),
+        ("chat", {"bad_words": ["w"] * 33}, "bad_words", "at most 32"),
+        ("chat", {"allowed_token_ids": [1, 300000]}, "allowed_token_ids", "Token id 300000"),
+        ("chat", {"allowed_token_ids": list(range(1025))}, "allowed_token_ids", "at most 1024"),
+        ("chat", {"stop_token_ids": [-1]}, "stop_token_ids", "Token id -1"),
+        ("chat", {"n": 3, "best_of": 2}, "best_of", "at least 'n'"),
+        ("chat", {"best_of": 2, "stream": True}, "best_of", "cannot be streamed"),
+        ("completions", {"best_of": 17}, "best_of", "best_of"),
+        ("chat", {"use_beam_search": True}, "use_beam_search", "not supported"),
+        ("chat", {"length_penalty": 0.5}, "length_penalty", "not supported"),
+        ("chat", {"include_stop_str_in_output": True}, "include_stop_str_in_output", "not supported"),
+        ("chat", {"skip_special_tokens": False}, "skip_special_tokens", "not supported"),
+        ("completions", {"prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
+        ("completions", {"truncate_prompt_tokens": 5}, "truncate_prompt_tokens", "not supported"),
+        ("chat", {"prediction": {"type": "content", "content": "x"}}, "prediction", "not supported"),
+        ("chat", {"add_generation_prompt": False}, "add_generation_prompt", "not supported"),
+        ("chat", {"functions": [WEATHER[0]["function"]], "tools": WEATHER}, "functions", "not both"),
+        ("chat", {"function_call": "auto"}, "function_call", "needs 'functions'"),
+        ("responses", {"background": True}, "background", "not supported"),
+        ("responses", {"truncation": "auto"}, "truncation", "not supported"),
+        ("responses", {"top_logprobs": 3}, "top_logprobs", "not supported"),
+    ],
+)
+def test_sampling_parameter_errors(server, endpoint, body, param, match):
+    url, base = {
+        "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        "completions": ("/v1/completions", {"prompt": "hi"}),
+        "responses": ("/v1/responses", {"input": "hi"}),
+    }[endpoint]
+    r = httpx.post(server.url + url, json={**base, **body}, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    import re
+
+    assert re.search(match, err["message"]), err["message"]
+
+
+def test_off_values_of_unsupported_parameters_are_accepted(client):
+    r = client.chat.completions.create(
+        model="gpt-oss-demo",
+        messages=ask("default"),
+        extra_body={"use_beam_search": False, "skip_special_tokens": True, "length_penalty": 1.0, "best_of": 1},
+    )
+    assert r.choices[0].message.content == "Hello from the scripted engine."

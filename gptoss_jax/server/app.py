@@ -239,22 +239,24 @@ _SP_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 def _sampling_params(
-    *, temperature, top_p, top_k, min_p, seed, max_tokens, logprobs, vocab_size: int | None = None
+    *, temperature, top_p, top_k, min_p, seed, max_tokens, logprobs, vocab_size: int | None = None, processors=None
 ) -> SamplingParams:
-    """The engine's `SamplingParams` for one choice; a value out of bounds is a 400 naming the parameter."""
+    """The engine's `SamplingParams` for one choice (`processors`: `_processors`' fields); a value out of bounds is a
+    400 naming the parameter."""
     if vocab_size is not None and top_k is not None and top_k > vocab_size:
         raise APIError(
             400, f"'top_k' is {top_k}; at most the vocabulary size {vocab_size} (-1 or 0 disable it).", param="top_k"
         )
-    kw = dict(
-        temperature=1.0 if temperature is None else float(temperature),
-        top_p=1.0 if top_p is None else float(top_p),
-        top_k=0 if top_k in (None, -1) else int(top_k),
-        min_p=0.0 if min_p is None else float(min_p),
-        seed=seed,
-        max_tokens=int(max_tokens),
-        stop_token_ids=harmony.STOP_TOKENS,
-    )
+    kw = {
+        "temperature": 1.0 if temperature is None else float(temperature),
+        "top_p": 1.0 if top_p is None else float(top_p),
+        "top_k": 0 if top_k in (None, -1) else int(top_k),
+        "min_p": 0.0 if min_p is None else float(min_p),
+        "seed": seed,
+        "max_tokens": int(max_tokens),
+        "stop_token_ids": harmony.STOP_TOKENS,
+        **(processors or {}),
+    }
     if logprobs is not None:
         if "logprobs" not in _SP_FIELDS:
             raise APIError(400, "logprobs are not supported by this engine.", param="logprobs")
@@ -311,12 +313,126 @@ def _check_chars(st: State, items: list, param: str) -> None:
             )
 
 
-def _unsupported_penalties(req) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name, None):
-            raise APIError(400, f"'{name}' is not supported by this server (use 0).", param=name)
-    if req.repetition_penalty not in (None, 1.0):
-        raise APIError(400, "'repetition_penalty' is not supported by this server (use 1).", param="repetition_penalty")
+# Parameters of the OpenAI and vLLM APIs this server does not implement: each is a 400 naming it unless it has the
+# value that means "off" (a request must never have a setting silently ignored).
+UNSUPPORTED = {
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "early_stopping": (None, False),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,),
+    "return_tokens_as_token_ids": (None, False),
+    "min_p_tokens": (None,),
+    "logits_processors": (None,),
+    "prediction": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "web_search_options": (None,),
+    "chat_template": (None,),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "documents": (None,),
+}
+
+
+# The same for the Responses API.
+RESPONSES_UNSUPPORTED = {
+    "top_logprobs": (None, 0),
+    "truncation": (None, "disabled"),
+    "background": (None, False),
+    "include": (None, []),
+    "max_tool_calls": (None,),
+    "prompt": (None,),
+    "conversation": (None,),
+    "top_k": (None,),
+    "presence_penalty": (None,),
+    "frequency_penalty": (None,),
+    "logit_bias": (None,),
+    "seed": (None,),
+    "stop": (None,),
+}
+
+
+def _refuse_unsupported(req, table: dict = UNSUPPORTED) -> None:
+    extra = req.model_extra or {}
+    for name, off in table.items():
+        if name in extra and not any(extra[name] == o and type(extra[name]) is type(o) for o in off):
+            raise APIError(400, f"'{name}' is not supported by this server.", param=name)
+
+
+def _processors(st: State, req) -> dict:
+    """The logits-processor fields of `SamplingParams` from a chat or completions request, token ids checked
+    against the vocabulary (a 400 naming the id)."""
+    vocab = st.tok.n_vocab
+
+    def token_ids(name: str, ids) -> list[int]:
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"Token id {bad[0]} in '{name}' is outside the vocabulary [0, {vocab}).", param=name)
+        return list(ids)
+
+    out: dict[str, Any] = {}
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
+        if getattr(req, name) is not None:
+            out[name] = getattr(req, name)
+    if req.logit_bias:
+        bias = {}
+        for key, value in req.logit_bias.items():
+            if not key.strip().isdigit():
+                raise APIError(400, f"'logit_bias' keys are token ids; got {key[:40]!r}.", param="logit_bias")
+            (t,) = token_ids("logit_bias", [int(key)])
+            bias[t] = value
+        out["logit_bias"] = bias
+    if req.ignore_eos:
+        out["ignore_eos"] = True
+    if req.bad_words:
+        out["bad_words"] = req.bad_words
+    if req.allowed_token_ids is not None:
+        out["allowed_token_ids"] = token_ids("allowed_token_ids", req.allowed_token_ids)
+    if req.stop_token_ids:
+        out["stop_token_ids"] = harmony.STOP_TOKENS + tuple(token_ids("stop_token_ids", req.stop_token_ids))
+    return out
+
+
+def _legacy_functions(req) -> bool:
+    """Map the legacy `functions` / `function_call` onto `tools` / `tool_choice` (in place); True when the reply
+    must come back in the legacy shape (`message.function_call`, finish reason "function_call")."""
+    if req.functions is None:
+        if req.function_call is not None:
+            raise APIError(400, "'function_call' needs 'functions'.", param="function_call")
+        return False
+    if req.tools is not None:
+        raise APIError(400, "Give 'tools' or the legacy 'functions', not both.", param="functions")
+    if not isinstance(req.functions, list) or not all(isinstance(f, dict) for f in req.functions):
+        raise APIError(400, "'functions' must be a list of function objects.", param="functions")
+    req.tools = [{"type": "function", "function": f} for f in req.functions]
+    fc = req.function_call
+    if isinstance(fc, dict):
+        if not isinstance(fc.get("name"), str):
+            raise APIError(400, "'function_call' must be 'none', 'auto' or {'name': ...}.", param="function_call")
+        req.tool_choice = {"type": "function", "function": {"name": fc["name"]}}
+    elif fc is not None:
+        req.tool_choice = fc
+    return True
+
+
+def _best_of(st: State, req, n: int) -> int:
+    """How many choices run: `best_of` (>= n; the n with the highest cumulative log-probability are returned)."""
+    if req.best_of is None or req.best_of == n:
+        return n
+    if req.best_of < n:
+        raise APIError(400, f"'best_of' ({req.best_of}) must be at least 'n' ({n}).", param="best_of")
+    if req.stream:
+        raise APIError(400, "'best_of' greater than 'n' cannot be streamed.", param="best_of")
+    return req.best_of
+
+
+def _best(runs: list, n: int) -> list:
+    """The `n` runs of highest cumulative log-probability, most likely first."""
+    return sorted(runs, key=lambda r: -r.cumulative_logprob)[:n]
 
 
 def _new_id(prefix: str) -> str:
@@ -345,7 +461,17 @@ class ChoiceRun:
     | ("tool_args", i, text). After the run: `finish_reason`, `num_tokens`, `num_reasoning_tokens`.
     """
 
-    def __init__(self, st: State, index: int, *, mode: str, tool_names=(), stops=(), top_logprobs: int | None = None):
+    def __init__(
+        self,
+        st: State,
+        index: int,
+        *,
+        mode: str,
+        tool_names=(),
+        stops=(),
+        top_logprobs: int | None = None,
+        min_tokens: int = 0,
+    ):
         self.st, self.index, self.mode = st, index, mode  # mode: "harmony" | "text"
         self.parser = harmony.OutputParser(st.tok, tool_names) if mode == "harmony" else None
         self.detok = harmony.TextDetokenizer(st.tok) if mode == "text" else None
@@ -358,6 +484,12 @@ class ChoiceRun:
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
         self._held: dict[int, dict | None] = {}  # logprob entries of the tokens of a header not yet parsed
+        self.min_tokens = min_tokens  # stop strings apply from this many tokens on (vLLM)
+        self._logprobs: list[float] = []  # of every token (when the engine sends them): `cumulative_logprob`
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(self._logprobs[: self.num_tokens])
 
     @property
     def num_reasoning_tokens(self) -> int:
@@ -374,8 +506,10 @@ class ChoiceRun:
             entry["top_logprobs"].append({"token": ts, "logprob": float(tlp), "bytes": tb})
         return entry
 
-    def _content(self, events: list, text: str, lp: dict | None = None) -> None:
-        text = self.stops.push(text)
+    def _content(self, events: list, text: str, lp: dict | None = None, token: int | None = None) -> None:
+        """Content `text` (of token index `token`, the last one fed by default) and its logprob entry."""
+        early = (self.num_tokens if token is None else token + 1) < self.min_tokens
+        text = self.stops.push(text, match=not early)
         if events and events[-1][0] == "content":
             _, prev, lps = events[-1]
             events[-1] = ("content", prev + text, lps + ([lp] if lp else []))
@@ -387,7 +521,7 @@ class ChoiceRun:
             if self.stops.hit:
                 return
             if d.kind == "content" and d.token is not None:  # held back in a header: its own logprob
-                self._content(events, d.text, self._held.pop(d.token, None))
+                self._content(events, d.text, self._held.pop(d.token, None), d.token)
                 if self.stops.hit:
                     self.num_tokens = d.token + 1  # the stop string ended at that token
             elif d.kind == "content":
@@ -416,6 +550,8 @@ class ChoiceRun:
             if self.stops.hit:
                 break
             self.num_tokens += 1
+            if lp is not None:
+                self._logprobs.append(float(lp[0]))
             entry = self._lp_entry(t, lp)
             if self.mode == "text":
                 text = self.detok.process(t)
@@ -551,8 +687,9 @@ async def _start_choices(
         raise _ClientGone
     try:
         return add.result()
-    except ValueError as e:
-        raise APIError(400, str(e)) from None
+    except ValueError as e:  # the engine's checks name the field as "SamplingParams.FIELD..."
+        field = str(e).removeprefix("SamplingParams.").partition("=")[0].partition(":")[0]
+        raise APIError(400, str(e), param=field if field in _SP_FIELDS else None) from None
     except ENGINE_ERRORS as e:
         raise _engine_error(st, e) from None
 
@@ -620,7 +757,8 @@ async def chat_completions(request: Request) -> Response:
     body = await _read_json(st, request)
     req = _validate(P.ChatCompletionRequest, body)
     _check_model(st, req.model)
-    _unsupported_penalties(req)
+    _refuse_unsupported(req)
+    legacy = _legacy_functions(req)
     if req.response_format and req.response_format.get("type") not in (None, "text"):
         raise APIError(400, "response_format other than 'text' is not supported yet.", param="response_format")
     _check_ready(st)
@@ -638,6 +776,8 @@ async def chat_completions(request: Request) -> Response:
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
     stops = _stops(req.stop)
+    k = _best_of(st, req, req.n)
+    processors = _processors(st, req)
     params = [
         _sampling_params(
             temperature=req.temperature,
@@ -646,19 +786,28 @@ async def chat_completions(request: Request) -> Response:
             min_p=req.min_p,
             seed=_choice_seed(req.seed, i),
             max_tokens=max_tokens,
-            logprobs=top,
+            logprobs=top if k == req.n or top is not None else 0,
             vocab_size=st.tok.n_vocab,
+            processors=processors,
         )
-        for i in range(req.n)
+        for i in range(k)
     ]
     rid = _new_id("chatcmpl-")
     created = int(time.time())
     runs = [
-        ChoiceRun(st, i, mode="harmony", tool_names=[t.name for t in tools], stops=stops, top_logprobs=top)
-        for i in range(req.n)
+        ChoiceRun(
+            st,
+            i,
+            mode="harmony",
+            tool_names=[t.name for t in tools],
+            stops=stops,
+            top_logprobs=top,
+            min_tokens=req.min_tokens or 0,
+        )
+        for i in range(k)
     ]
     t0 = time.perf_counter()
-    streams = await _start_choices(st, request, rid, [prompt] * req.n, params)
+    streams = await _start_choices(st, request, rid, [prompt] * k, params)
     events = _merge([_run_choice(r, s, st.metrics, t0) for r, s in zip(runs, streams)])
     include_reasoning = req.include_reasoning
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.cfg.model_name}
@@ -680,11 +829,11 @@ async def chat_completions(request: Request) -> Response:
                     yield chunk(r.index, {"role": "assistant", "content": ""})
                 async for index, evs, finish in events:
                     for ev in evs:
-                        delta, lps = _chat_delta(ev, include_reasoning)
+                        delta, lps = _chat_delta(ev, include_reasoning, legacy)
                         if delta is not None:
                             yield chunk(index, delta, logprobs=lps)
                     if finish is not None:
-                        yield chunk(index, {}, finish)
+                        yield chunk(index, {}, "function_call" if legacy and finish == "tool_calls" else finish)
                 if include_usage:
                     yield "data: " + json.dumps(dict(base, choices=[], usage=_usage(runs, len(prompt)))) + "\n\n"
                 outcome = "delivered"
@@ -717,23 +866,27 @@ async def chat_completions(request: Request) -> Response:
 
     await _collect(st, request, runs, events, sink)
     out_choices = []
-    for r in runs:
+    for j, r in enumerate(_best(runs, req.n) if k != req.n else runs):
         acc = choices[r.index]
         content = "".join(acc["content"])
-        tool_calls = [acc["tools"][k] for k in sorted(acc["tools"])]
+        tool_calls = [acc["tools"][t] for t in sorted(acc["tools"])]
         msg: dict[str, Any] = {"role": "assistant", "content": content if (content or not tool_calls) else None}
         reasoning = "".join(acc["reasoning"])
         if include_reasoning:
             msg["reasoning_content"] = reasoning or None
             msg["reasoning"] = reasoning or None
-        if tool_calls:
+        finish = r.finish_reason
+        if tool_calls and legacy:  # one call, as `function_call`
+            msg["function_call"] = tool_calls[0]["function"]
+            finish = "function_call" if finish == "tool_calls" else finish
+        elif tool_calls:
             msg["tool_calls"] = tool_calls
         out_choices.append(
             {
-                "index": r.index,
+                "index": j,
                 "message": msg,
                 "logprobs": {"content": acc["logprobs"]} if top is not None else None,
-                "finish_reason": r.finish_reason,
+                "finish_reason": finish,
             }
         )
     return JSONResponse(
@@ -748,8 +901,16 @@ async def chat_completions(request: Request) -> Response:
     )
 
 
-def _chat_delta(ev, include_reasoning: bool) -> tuple[dict | None, dict | None]:
+def _chat_delta(ev, include_reasoning: bool, legacy: bool = False) -> tuple[dict | None, dict | None]:
+    """A chat event's delta and logprobs; with `legacy` (`functions` in the request) the first tool call as
+    `function_call` (later ones are dropped, as the legacy API has one call)."""
     kind = ev[0]
+    if legacy and kind in ("tool_start", "tool_args"):
+        if ev[1] != 0:
+            return None, None
+        return {
+            "function_call": {"name": ev[3], "arguments": ""} if kind == "tool_start" else {"arguments": ev[2]}
+        }, None
     if kind == "content":
         return {"content": ev[1]}, ({"content": ev[2]} if ev[2] else None)
     if kind == "reasoning":
@@ -808,21 +969,21 @@ async def completions(request: Request) -> Response:
     body = await _read_json(st, request)
     req = _validate(P.CompletionRequest, body)
     _check_model(st, req.model)
-    _unsupported_penalties(req)
+    _refuse_unsupported(req)
     for name in ("echo", "suffix"):
         if getattr(req, name):
             raise APIError(400, f"'{name}' is not supported by this server.", param=name)
-    if req.best_of not in (None, 1, req.n):
-        raise APIError(400, "'best_of' is not supported by this server.", param="best_of")
+    k = _best_of(st, req, req.n)
     _check_ready(st)
-    prompts = await asyncio.to_thread(_completion_prompts, st, req.prompt, req.n)
+    prompts = await asyncio.to_thread(_completion_prompts, st, req.prompt, k)
     max_toks = [_max_tokens(st, len(p), req.max_tokens, "prompt") for p in prompts]
     top = req.logprobs
     stops = _stops(req.stop)
+    processors = _processors(st, req)
     all_prompts, params, runs = [], [], []
     for pi, p in enumerate(prompts):
-        for j in range(req.n):
-            i = pi * req.n + j
+        for j in range(k):
+            i = pi * k + j
             all_prompts.append(p)
             params.append(
                 _sampling_params(
@@ -832,11 +993,12 @@ async def completions(request: Request) -> Response:
                     min_p=req.min_p,
                     seed=_choice_seed(req.seed, i),
                     max_tokens=max_toks[pi],
-                    logprobs=top,
+                    logprobs=top if k == req.n or top is not None else 0,
                     vocab_size=st.tok.n_vocab,
+                    processors=processors,
                 )
             )
-            runs.append(ChoiceRun(st, i, mode="text", stops=stops, top_logprobs=top))
+            runs.append(ChoiceRun(st, i, mode="text", stops=stops, top_logprobs=top, min_tokens=req.min_tokens or 0))
     rid = _new_id("cmpl-")
     created = int(time.time())
     t0 = time.perf_counter()
@@ -901,14 +1063,19 @@ async def completions(request: Request) -> Response:
             entries[index] += ev[2]
 
     await _collect(st, request, runs, events, sink)
+    picked = [(r.index, r) for r in runs]
+    if k != req.n:  # best_of: each prompt's n most likely, numbered as n choices per prompt
+        picked = [(r.index, r) for pi in range(len(prompts)) for r in _best(runs[pi * k : (pi + 1) * k], req.n)]
+        for j, (_, r) in enumerate(picked):
+            r.index = j
     choices = [
         {
             "index": r.index,
-            "text": "".join(texts[r.index]),
-            "logprobs": legacy_lps(r.index, entries[r.index]),
+            "text": "".join(texts[i]),
+            "logprobs": legacy_lps(i, entries[i]),
             "finish_reason": r.finish_reason,
         }
-        for r in runs
+        for i, r in picked
     ]
     return JSONResponse(dict(base, choices=choices, usage=_usage(runs, prompt_tokens)))
 
@@ -1085,6 +1252,7 @@ async def responses(request: Request) -> Response:
     body = await _read_json(st, request)
     req = _validate(P.ResponsesRequest, body)
     _check_model(st, req.model)
+    _refuse_unsupported(req, RESPONSES_UNSUPPORTED)
     if req.previous_response_id:
         raise APIError(
             400,
