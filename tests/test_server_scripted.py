@@ -745,3 +745,87 @@ def test_off_values_of_unsupported_parameters_are_accepted(client):
         extra_body={"use_beam_search": False, "skip_special_tokens": True, "length_penalty": 1.0, "best_of": 1},
     )
     assert r.choices[0].message.content == "Hello from the scripted engine."
+
+
+# ---- tokenize, detokenize, models/{id}, version, stored responses ---------------------------------------------
+
+
+def test_tokenize_and_detokenize(server, client):
+    tok = tokenizer_lib.load()
+    r = post(server, "/tokenize", {"model": "gpt-oss-demo", "prompt": "Hello world<|end|>", "return_token_strs": True})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["tokens"] == tok.encode("Hello world<|end|>", allowed_special="all") and body["count"] == 3
+    assert body["max_model_len"] == 4096 and body["token_strs"] == ["Hello", " world", "<|end|>"]
+    assert post(server, "/detokenize", {"tokens": body["tokens"]}).json() == {"prompt": "Hello world<|end|>"}
+    # messages: the prompt /v1/chat/completions runs (its usage counts it)
+    msgs = [{"role": "user", "content": "Please answer. [[script:default]]"}]
+    chat = post(server, "/tokenize", {"messages": msgs}).json()
+    usage = client.chat.completions.create(model="gpt-oss-demo", messages=msgs).usage
+    assert chat["count"] == usage.prompt_tokens and chat["tokens"][-2:] == [200006, 173781]
+    bare = post(server, "/tokenize", {"messages": msgs, "add_generation_prompt": False}).json()
+    assert bare["tokens"] == chat["tokens"][:-2] and bare["token_strs"] is None
+    for path, body, param in [
+        ("/tokenize", {"prompt": "a", "messages": msgs}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"prompt": "a", "model": "nope"}, "model"),
+        ("/detokenize", {"tokens": [1, 201088]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ]:
+        r = post(server, path, body)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (path, body, r.text)
+
+
+def test_model_by_id_and_version(server, client):
+    m = client.models.retrieve("gpt-oss-demo")
+    assert m.id == "gpt-oss-demo" and m.model_extra["max_model_len"] == 4096
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.body["code"] == "model_not_found"
+    v = httpx.get(server.url + "/version").json()
+    assert set(v) == {"version"} and v["version"]
+
+
+def test_stored_responses_and_previous_response_id(server, client):
+    first = client.responses.create(model="gpt-oss-demo", input="2+2? [[script:reasoning]]")
+    assert first.store is True
+    got = client.responses.retrieve(first.id)
+    assert got.id == first.id and got.output_text == "The answer is 4."
+    # the follow-up renders the earlier input and output before its own input
+    follow = client.responses.create(
+        model="gpt-oss-demo", input="And 3+3? [[script:default]]", previous_response_id=first.id
+    )
+    assert follow.previous_response_id == first.id and follow.output_text == "Hello from the scripted engine."
+    alone = client.responses.create(model="gpt-oss-demo", input="And 3+3? [[script:default]]")
+    assert follow.usage.input_tokens > alone.usage.input_tokens + first.usage.output_tokens // 2
+    # store=false keeps nothing; unknown ids are 404 (GET) and 400 (previous_response_id)
+    unstored = client.responses.create(model="gpt-oss-demo", input="hi", store=False)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="gpt-oss-demo", input="x", previous_response_id=unstored.id)
+    assert e.value.body["code"] == "previous_response_not_found" and e.value.body["param"] == "previous_response_id"
+    # streamed responses are stored too; DELETE removes one
+    events = list(client.responses.create(model="gpt-oss-demo", input="[[script:default]]", stream=True))
+    rid = events[-1].response.id
+    assert client.responses.retrieve(rid).output_text == "Hello from the scripted engine."
+    r = httpx.delete(server.url + f"/v1/responses/{rid}", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.json() == {"id": rid, "object": "response", "deleted": True}
+    assert httpx.get(server.url + f"/v1/responses/{rid}", headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
+
+
+def test_response_store_evicts_the_least_recently_used():
+    from gptoss_jax.server.app import ResponseStore
+
+    store = ResponseStore(2)
+    store.put("a", {"n": 1})
+    store.put("b", {"n": 2})
+    assert store.get("a") == {"n": 1}  # now the most recently used
+    store.put("c", {"n": 3})
+    assert store.get("b") is None and store.get("a") and store.get("c")
+    assert store.delete("a") and not store.delete("a")
+    none = ResponseStore(0)
+    none.put("x", {})
+    assert none.get("x") is None

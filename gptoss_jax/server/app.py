@@ -9,8 +9,10 @@ sends, so the concatenated stream equals the non-streamed response.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import hmac
+import importlib.metadata
 import json
 import logging
 import time
@@ -25,6 +27,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from gptoss_jax import harmony, sampling
+from gptoss_jax import tokenizer as tokenizer_lib
 from gptoss_jax.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, stats_dict
 from gptoss_jax.sampling import SamplingParams
 from gptoss_jax.server import protocol as P
@@ -32,6 +35,11 @@ from gptoss_jax.server.metrics import Metrics
 from gptoss_jax.server.sse import SSEResponse
 
 log = logging.getLogger("gptoss_jax.server")
+try:
+    VERSION = importlib.metadata.version("gptoss-jax")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    VERSION = "unknown"
+GENERATION_PROMPT = [tokenizer_lib.START, 173781]  # <|start|>assistant: what a rendered chat prompt ends with
 APIError = P.APIError
 ENGINE_ERRORS = (EngineDeadError, RequestFailedError)
 MAX_JSON_DEPTH = 64  # nesting of a request body (a tool schema nests a few levels below the top)
@@ -50,6 +58,7 @@ class ServerConfig:
     default_max_tokens: int | None = None
     max_choices: int = 128  # sequences one request may start: prompts x n on /v1/completions, n elsewhere
     body_timeout_s: float = 60.0  # the whole body must arrive within this (slow senders, short bodies)
+    max_stored_responses: int = 1000  # Responses API `store`: the most recently used are kept (LRU)
 
 
 class ServerShuttingDownError(RequestFailedError):
@@ -66,6 +75,7 @@ class State:
         self.ready = False
         self.draining = False
         self.created = int(time.time())
+        self.responses = ResponseStore(cfg.max_stored_responses)
 
     def begin_drain(self) -> None:
         """Shutdown began: new requests get 503, running ones go on."""
@@ -80,6 +90,32 @@ class State:
                 "timeout. Retry it on another replica."
             )
         )
+
+
+class ResponseStore:
+    """Stored Responses API responses (`store`, `previous_response_id`, `GET /v1/responses/{id}`): in memory, at most
+    `capacity` of them; past that the least recently used (stored, read or continued) is evicted."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._items: collections.OrderedDict[str, dict] = collections.OrderedDict()
+
+    def put(self, resp_id: str, entry: dict) -> None:
+        if self.capacity <= 0:
+            return
+        self._items[resp_id] = entry
+        self._items.move_to_end(resp_id)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def get(self, resp_id: str) -> dict | None:
+        entry = self._items.get(resp_id)
+        if entry is not None:
+            self._items.move_to_end(resp_id)
+        return entry
+
+    def delete(self, resp_id: str) -> bool:
+        return self._items.pop(resp_id, None) is not None
 
 
 class _ClientGone(Exception):
@@ -1253,12 +1289,18 @@ async def responses(request: Request) -> Response:
     req = _validate(P.ResponsesRequest, body)
     _check_model(st, req.model)
     _refuse_unsupported(req, RESPONSES_UNSUPPORTED)
-    if req.previous_response_id:
-        raise APIError(
-            400,
-            "'previous_response_id' is not supported (this server stores no responses); send the full input instead.",
-            param="previous_response_id",
-        )
+    items = [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    if req.previous_response_id is not None:  # the earlier turns: their input and output, then this input
+        prev = st.responses.get(req.previous_response_id)
+        if prev is None:
+            raise APIError(
+                400,
+                f"Previous response with id '{req.previous_response_id}' not found (never stored, deleted, or evicted "
+                f"from the server's {st.cfg.max_stored_responses} most recently used responses).",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+        items = prev["input"] + prev["response"]["output"] + items
     fmt = (req.text or {}).get("format") if isinstance(req.text, dict) else None
     if fmt is not None and not isinstance(fmt, dict):
         raise APIError(400, "text.format must be an object such as {'type': 'text'}.", param="text.format")
@@ -1269,7 +1311,8 @@ async def responses(request: Request) -> Response:
     tools = harmony.parse_chat_tools(req.tools, req.tool_choice)
     _check_chars(st, req.input, "input")
     _check_chars(st, req.instructions, "instructions")
-    prompt = await asyncio.to_thread(st.renderer.render_responses, req.input, req.instructions, tools, effort)
+    prompt = await asyncio.to_thread(st.renderer.render_responses, items, req.instructions, tools, effort)
+    store = req.store is not False
     max_tokens = _max_tokens(st, len(prompt), req.max_output_tokens, "input")
     params = _sampling_params(
         temperature=req.temperature,
@@ -1303,7 +1346,8 @@ async def responses(request: Request) -> Response:
             "output": builder.items if status != "in_progress" else [],
             "parallel_tool_calls": bool(req.parallel_tool_calls),
             "reasoning": {"effort": effort, "summary": None},
-            "store": False,
+            "previous_response_id": req.previous_response_id,
+            "store": store,
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "text": {"format": {"type": "text"}},
             "tool_choice": req.tool_choice or "auto",
@@ -1344,6 +1388,8 @@ async def responses(request: Request) -> Response:
                 for e in builder.finish():
                     yield sse(e)
                 final = response_obj("completed")
+                if store:
+                    st.responses.put(resp_id, {"response": final, "input": items})
                 kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
                 outcome = "delivered"
                 yield sse(builder._ev(kind, response=final))
@@ -1364,7 +1410,23 @@ async def responses(request: Request) -> Response:
 
     await _collect(st, request, [run], events, sink)
     builder.finish()
-    return JSONResponse(response_obj("completed"))
+    final = response_obj("completed")
+    if store:
+        st.responses.put(resp_id, {"response": final, "input": items})
+    return JSONResponse(final)
+
+
+async def stored_response(request: Request) -> Response:
+    """GET (the stored response) and DELETE of /v1/responses/{id}."""
+    st: State = request.app.state.st
+    _check_auth(st, request)
+    resp_id = request.path_params["resp_id"]
+    entry = st.responses.get(resp_id) if request.method == "GET" else None
+    if request.method == "DELETE" and st.responses.delete(resp_id):
+        return JSONResponse({"id": resp_id, "object": "response", "deleted": True})
+    if entry is None:
+        raise APIError(404, f"No response found with id '{resp_id}'.", param="response_id", code="not_found")
+    return JSONResponse(entry["response"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1372,23 +1434,78 @@ async def responses(request: Request) -> Response:
 # ------------------------------------------------------------------------------------------------
 
 
+def _model_card(st: State) -> dict:
+    return {
+        "id": st.cfg.model_name,
+        "object": "model",
+        "created": st.created,
+        "owned_by": "gptoss-jax",
+        "max_model_len": st.engine.max_model_len or None,
+    }
+
+
 async def models(request: Request) -> Response:
     st: State = request.app.state.st
     _check_auth(st, request)
+    return JSONResponse({"object": "list", "data": [_model_card(st)]})
+
+
+async def model(request: Request) -> Response:
+    st: State = request.app.state.st
+    _check_auth(st, request)
+    _check_model(st, request.path_params["model_id"])
+    return JSONResponse(_model_card(st))
+
+
+async def tokenize(request: Request) -> Response:
+    """vLLM's /tokenize: a `prompt` (as /v1/completions encodes it) or chat `messages` (rendered as
+    /v1/chat/completions renders them, with `tools` and `reasoning_effort`; `add_generation_prompt: false` leaves out
+    the closing `<|start|>assistant`). o200k has no BOS/EOS to add, so `add_special_tokens` changes nothing."""
+    st: State = request.app.state.st
+    _check_auth(st, request)
+    req = _validate(P.TokenizeRequest, await _read_json(st, request))
+    _check_model(st, req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "Give exactly one of 'prompt' or 'messages'.", param="prompt")
+    if req.prompt is not None:
+        _check_chars(st, req.prompt, "prompt")
+        ids = await asyncio.to_thread(st.tok.encode, req.prompt, allowed_special="all")
+    else:
+        effort = harmony.parse_reasoning_effort(("reasoning_effort", req.reasoning_effort))
+        tools = harmony.parse_chat_tools(req.tools, req.tool_choice)
+        _check_chars(st, req.messages, "messages")
+        ids = await asyncio.to_thread(st.renderer.render_chat, req.messages, tools, effort)
+        if not req.add_generation_prompt:
+            ids = ids[: -len(GENERATION_PROMPT)] if ids[-len(GENERATION_PROMPT) :] == GENERATION_PROMPT else ids
+    strs = [_token_text(st.tok, t) for t in ids] if req.return_token_strs else None
     return JSONResponse(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": st.cfg.model_name,
-                    "object": "model",
-                    "created": st.created,
-                    "owned_by": "gptoss-jax",
-                    "max_model_len": st.engine.max_model_len or None,
-                }
-            ],
-        }
+        {"count": len(ids), "max_model_len": st.engine.max_model_len, "tokens": ids, "token_strs": strs}
     )
+
+
+async def detokenize(request: Request) -> Response:
+    """vLLM's /detokenize: `tokens` -> `prompt`, the text (special tokens written out)."""
+    st: State = request.app.state.st
+    _check_auth(st, request)
+    req = _validate(P.DetokenizeRequest, await _read_json(st, request))
+    _check_model(st, req.model)
+    bad = [t for t in req.tokens if not 0 <= t < st.tok.n_vocab]
+    if bad:
+        raise APIError(
+            400, f"Token id {bad[0]} in 'tokens' is outside the vocabulary [0, {st.tok.n_vocab}).", param="tokens"
+        )
+    return JSONResponse({"prompt": "".join(_token_text(st.tok, t) for t in req.tokens)})
+
+
+def _token_text(tok, t: int) -> str:
+    try:
+        return tok.decode_single_token_bytes(t).decode("utf-8", errors="replace")
+    except KeyError:  # an id o200k leaves unassigned
+        return ""
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": VERSION})
 
 
 async def health(request: Request) -> Response:
@@ -1441,6 +1558,11 @@ def build_app(st: State, lifespan=None) -> Starlette:
         Route("/v1/completions", _wrap(completions), methods=["POST"]),
         Route("/v1/responses", _wrap(responses), methods=["POST"]),
         Route("/v1/models", _wrap(models), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", _wrap(model), methods=["GET"]),
+        Route("/v1/responses/{resp_id}", _wrap(stored_response), methods=["GET", "DELETE"]),
+        Route("/tokenize", _wrap(tokenize), methods=["POST"]),
+        Route("/detokenize", _wrap(detokenize), methods=["POST"]),
+        Route("/version", version, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]

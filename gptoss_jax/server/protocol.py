@@ -128,4 +128,21 @@ class ResponsesRequest(_Base):
     user: str | None = None
 
 
+class TokenizeRequest(_Base):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Any] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+    tools: list[Any] | None = None
+    tool_choice: str | dict | None = None
+    reasoning_effort: str | None = None
+
+
+class DetokenizeRequest(_Base):
+    model: str | None = None
+    tokens: list[int]
+
+
 STOP_FINISH = Literal["stop", "length", "tool_calls"]
