@@ -302,8 +302,9 @@ class LLM:
         for r, x, p in zip(rids, ids, params):
             reason, stop_reason, cached, error = done[r]
             text = self._decode_text(tokens[r])
-            if isinstance(stop_reason, str) and text is not None:
-                text = text[: find_stop_string(text, (stop_reason,))[0]]
+            if isinstance(stop_reason, str) and text is not None:  # it ends in the last token (min_tokens: not before)
+                last = len(self._decode_text(tokens[r][:-1])) if p.min_tokens else 0
+                text = text[: find_stop_string(text, (stop_reason,), last)[0]]
             outs.append(
                 (
                     CompletionOutput(

@@ -333,3 +333,13 @@ def test_ignore_eos_and_bad_words_on_the_real_vocabulary(demo_llm):
     assert paris in {w[0] for w in demo_llm.engine.bad_words_ids(["Paris"])}
     out = demo_llm.generate(prompt, SamplingParams(**forced, bad_words=["Paris"]), use_tqdm=False)[0].outputs[0]
     assert paris not in out.token_ids and len(out.token_ids) == 4
+
+
+def test_min_tokens_keeps_early_stop_strings_in_the_text(demo_llm):
+    (paris,) = demo_llm.tokenizer.encode(" Paris")
+    sp = dict(temperature=0, max_tokens=8, stop_token_ids=[], logit_bias={paris: 100}, stop=[" Paris"])
+    out = demo_llm.generate("The capital of France is", SamplingParams(**sp), use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.text, out.stop_reason) == ([paris], "", " Paris")
+    out = demo_llm.generate("The capital of France is", SamplingParams(**sp, min_tokens=3), use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert (c.token_ids, c.text, c.finish_reason) == ([paris] * 3, " Paris Paris", "stop")
