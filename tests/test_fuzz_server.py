@@ -210,6 +210,13 @@ SAMPLING = [
     "frequency_penalty",
     "repetition_penalty",
     "user",
+    "logit_bias",
+    "min_tokens",
+    "ignore_eos",
+    "bad_words",
+    "allowed_token_ids",
+    "stop_token_ids",
+    "best_of",
 ]
 FIELDS = {
     CHAT: SAMPLING
@@ -225,8 +232,10 @@ FIELDS = {
         "include_reasoning",
         "response_format",
         "parallel_tool_calls",
+        "functions",
+        "function_call",
     ],
-    COMPLETIONS: SAMPLING + ["prompt", "echo", "suffix", "best_of"],
+    COMPLETIONS: SAMPLING + ["prompt", "echo", "suffix"],
     RESPONSES: [
         "model",
         "input",
