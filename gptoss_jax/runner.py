@@ -81,6 +81,7 @@ class ModelRunner:
         # (rows, tokens) serves every context. The reference attention gathers the whole table: it keeps the widths.
         self._prefill_widths = self._ctx_buckets[-1:] if kernels.impl == "pallas" else self._ctx_buckets
         self._programs: dict[tuple, Any] = {}  # bucket -> its compiled step (`_program`)
+        self._no_lists: dict[int, sampling.SamplingLists] = {}  # rows -> empty processor lists on the device
         self.store = store or ProgramStore(None)
         self._devices = [jax.devices()[0]] if layout is None else list(layout.mesh.devices.flat)
         R, n_full, n_sliding = self.num_ranks, self.num_pages_full, self.num_pages_sliding
@@ -179,6 +180,7 @@ class ModelRunner:
             if not buf.is_deleted():
                 buf.delete()
         self._programs.clear()
+        self._no_lists.clear()
 
     # ---- the steps ---------------------------------------------------------------------------------------------
     def prefill(self, chunks: list[PrefillChunk]) -> tuple[Sampled, list[int]]:
@@ -411,8 +413,14 @@ class ModelRunner:
         return SamplingBatch(*(self._put(a) for a in arrays))
 
     def _lists(self, seqs: list[Sequence], rows: int, row_of: list[int]) -> sampling.SamplingLists:
-        """The prefill rows' logits-processor lists (`sampling.SamplingLists`)."""
-        out = sampling.empty_lists(rows, self.model_config.vocab_size)
+        """The prefill rows' logits-processor lists (`sampling.SamplingLists`); where no row has any, the empty ones
+        already on the device (nothing to pack or copy)."""
+        V = self.model_config.vocab_size
+        if not any(s.params.uses_processors for s in seqs):
+            if rows not in self._no_lists:
+                self._no_lists[rows] = jax.tree.map(self._put, sampling.empty_lists(rows, V))
+            return self._no_lists[rows]
+        out = sampling.empty_lists(rows, V)
         for i, s in zip(row_of, seqs):
             p = s.params
             if p.logit_bias:
