@@ -33,7 +33,14 @@ from gptoss_jax.config import ModelConfig
 from gptoss_jax.engine_config import EngineConfig
 from gptoss_jax.program_store import ProgramStore
 from gptoss_jax.runner import ModelRunner
-from gptoss_jax.sampling import Sampled, SamplingParams, find_stop_string
+from gptoss_jax.sampling import (
+    EOS_TOKEN_IDS,
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS,
+    Sampled,
+    SamplingParams,
+    find_stop_string,
+)
 from gptoss_jax.scheduler import Scheduler, Sequence
 from pallas_kernels.params import Params
 from sharding.rules import make_layout
@@ -212,10 +219,23 @@ class Engine:
                 f"SamplingParams.stop={list(sp.stop)!r}: stop strings need a tokenizer, and this "
                 "model has none (use stop_token_ids)"
             )
+        V = self.model_config.vocab_size
+        for name, listed in (("logit_bias", sp.logit_bias or ()), ("allowed_token_ids", sp.allowed_token_ids or ())):
+            out_of_range = [t for t in listed if not 0 <= t < V]
+            if out_of_range:
+                raise ValueError(
+                    f"SamplingParams.{name}: token id {out_of_range[0]} is outside the vocabulary [0, {V})"
+                )
+        if sp.best_of not in (None, 1):
+            raise ValueError(
+                f"request {request_id}: SamplingParams.best_of={sp.best_of}; the engine runs one sequence per request "
+                "(LLM.generate and the server choose the n best of best_of requests)"
+            )
         seed = sp.seed if sp.seed is not None else int(self._rng.integers(2**31))
         key = ((seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF)
         seq = Sequence(request_id, ids, len(ids), sp, key, min(len(ids) + sp.max_tokens, self.max_model_len))
         seq.constraint = self._constraint(request_id, sp, ids, seq.max_len)
+        seq.bad_words_ids = self.bad_words_ids(sp.bad_words)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
         self._prompt_tokens += len(ids)
@@ -232,6 +252,35 @@ class Engine:
         grammar = structured.compile_grammar(so, self.tokenizer) if so is not None else None
         budget = sp.thinking_token_budget if sp.thinking_token_budget is not None else sp.max_tokens // 2
         return structured.Constraint(grammar, self.tokenizer, budget, self.model_config.vocab_size, prompt, max_len)
+
+    def bad_words_ids(self, words) -> tuple[tuple[int, ...], ...]:
+        """`bad_words` as the token sequences the sampler bans, as vLLM builds them: each word (leading spaces
+        stripped) tokenized alone and, where that gives another first token and as many tokens, after a space
+        (a word inside text). A ValueError past the capacities (`sampling.MAX_BAD_WORDS` sequences of at most
+        `sampling.MAX_BAD_WORD_TOKENS` tokens)."""
+        if not words:
+            return ()
+        if self.tokenizer is None:
+            raise ValueError(
+                f"SamplingParams.bad_words={list(words)!r}: bad words need a tokenizer; this model has none"
+            )
+        out: list[tuple[int, ...]] = []
+        for word in words:
+            plain = tuple(self.tokenizer.encode(word.lstrip()))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip()))
+            for ids in (plain, spaced) if spaced[0] != plain[0] and len(spaced) == len(plain) else (plain,):
+                if len(ids) > MAX_BAD_WORD_TOKENS:
+                    raise ValueError(
+                        f"SamplingParams.bad_words: {word!r} is {len(ids)} tokens; at most {MAX_BAD_WORD_TOKENS} "
+                        "are supported"
+                    )
+                out.append(ids)
+        if len(out) > MAX_BAD_WORDS:
+            raise ValueError(
+                f"SamplingParams.bad_words: {len(words)} words make {len(out)} token sequences (with and without "
+                f"a leading space); at most {MAX_BAD_WORDS} are supported"
+            )
+        return tuple(out)
 
     def abort_request(self, request_id: str) -> None:
         seq = self._requests.pop(request_id, None)
@@ -374,7 +423,8 @@ class Engine:
                 rollback = len(seq.token_ids) + keep - 1  # the last kept token's position: computed again
             picks = picks[:keep] + [(t, 0.0, []) for t in forced]
         for tok, lp, top in picks:
-            if tok in sp.stop_token_ids:
+            early = seq.num_output_tokens < sp.min_tokens  # stop tokens are held off (the sampler bans them too)
+            if tok in sp.stop_token_ids and not early and not (sp.ignore_eos and tok in EOS_TOKEN_IDS):
                 reason, stop_reason = "stop", tok
                 break
             seq.token_ids.append(tok)
@@ -382,6 +432,8 @@ class Engine:
             lps.append((lp, top[: sp.logprobs]))
             if sp.stop:
                 stop_reason = self._stop_string(seq, tok)
+                if seq.num_output_tokens < sp.min_tokens:  # and stop strings, as vLLM: until min_tokens tokens
+                    stop_reason = None
                 if stop_reason is not None:
                     reason = "stop"
                     break

@@ -476,6 +476,7 @@ class Delta:
     text: str = ""
     tool_index: int = -1
     name: str | None = None
+    token: int | None = None  # content of a header that was plain text: the index of the token that ends the piece
 
 
 class _Utf8:
@@ -502,7 +503,8 @@ class OutputParser:
         self.tok = tokenizer
         self.tool_names = set(tool_names)
         self.state = "header"  # header | content | between
-        self.header: list[int] = []
+        self.header: list[int] = []  # always the last tokens processed
+        self.num_tokens = 0  # tokens processed
         self.kind: str | None = None  # destination of the current message's content
         self.utf8 = _Utf8()
         self.num_tool_calls = 0
@@ -567,14 +569,21 @@ class OutputParser:
             return [Delta("tool_args", text, tool_index=self.num_tool_calls - 1)]
         return [Delta(self.kind or "content", text)]
 
-    def _headerless_to_content(self) -> list[Delta]:
-        """Flush a header that turned out to be plain text (no channel, no recipient) into content."""
+    def _headerless_to_content(self, end: int) -> list[Delta]:
+        """Flush a header that turned out to be plain text (no channel, no recipient) into content, its tokens
+        ending before token `end`: a piece per token, naming it (`Delta.token`), so that the caller attaches each
+        token's log-probability and finds a stop string at the token where it ends."""
         text = self._header_text(keep_markers=True)
-        plain = self._header_text(keep_markers=False)
-        self.header = []
-        if "<|channel|>" in text or "to=" in text or not plain:
+        header, self.header = self.header, []
+        if "<|channel|>" in text or "to=" in text or not self._header_text_of(header):
             return []
-        return [Delta("content", plain)]
+        first, utf8 = end - len(header), _Utf8()
+        out = [Delta("content", utf8.push(self._bytes(t)), token=first + i) for i, t in enumerate(header)]
+        out[-1].text += utf8.flush()
+        return out
+
+    def _header_text_of(self, header: list[int]) -> str:
+        return b"".join(self._bytes(t) for t in header).decode("utf-8", errors="replace")
 
     def _end_message(self) -> list[Delta]:
         out = self._emit(self.utf8.flush()) if self.state == "content" else []
@@ -585,25 +594,23 @@ class OutputParser:
     # ---- public --------------------------------------------------------------------------------
     def process(self, t: int) -> list[Delta]:
         t = int(t)
+        self.num_tokens += 1
         out: list[Delta] = []
         if self.state == "header":
             self.last_token_kind = "header"
             if t == MESSAGE:
                 return self._classify()
             if t == START:  # a restarted message: drop the partial header (keep plain text)
-                return self._headerless_to_content()
+                return self._headerless_to_content(self.num_tokens - 1)
             if t in (END, RETURN, CALL, ENDOFTEXT):
-                out = self._headerless_to_content()
+                out = self._headerless_to_content(self.num_tokens - 1)
                 self.state = "between"
                 return out
             self.header.append(t)
             if len(self.header) > MAX_HEADER_TOKENS:
                 # No `<|message|>` in sight: this is text without a header. Show it as content.
-                plain = self._header_text(keep_markers=False)
-                self.header = []
+                out = self._headerless_to_content(self.num_tokens)
                 self.state, self.kind, self.utf8 = "content", "content", _Utf8()
-                self.last_token_kind = "content"
-                return [Delta("content", plain)] if plain else []
             return out
         if self.state == "content":
             if t in (END, RETURN, CALL, ENDOFTEXT):
@@ -636,7 +643,7 @@ class OutputParser:
         if self.state == "content":
             out = self._end_message()
         elif self.state == "header":
-            out = self._headerless_to_content()
+            out = self._headerless_to_content(self.num_tokens)
         else:
             out = []
         self.state = "between"
@@ -671,9 +678,13 @@ class StopStrings:
         self.buf = ""
         self.hit = False
 
-    def push(self, text: str) -> str:
+    def push(self, text: str, match: bool = True) -> str:
+        """The text that can be released; `match=False` (before min_tokens) releases it all unmatched."""
         if not self.stops or self.hit:
             return "" if self.hit else text
+        if not match:
+            out, self.buf = self.buf + text, ""
+            return out
         self.buf += text
         found = [(self.buf.find(s), s) for s in self.stops if s in self.buf]
         if found:

@@ -37,6 +37,7 @@ class CompletionOutput:
     reasoning_content: str | None = None
     tool_calls: list[dict] | None = None
     error: str | None = None  # why the engine failed this request (finish_reason "error"); the others are unaffected
+    cumulative_logprob: float | None = None  # the sum of `logprobs` (the model's own); set with logprobs or best_of
 
 
 @dataclasses.dataclass
@@ -184,18 +185,35 @@ class LLM:
         for i, p in enumerate(params):
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params[{i}] is {type(p).__name__}, expected SamplingParams")
-        # n completions of a prompt are n requests (completion j seeded `seed + j`), run in one batch
-        flat = [(k, j) for k, p in enumerate(params) for j in range(p.n)]
+        # n (or best_of) completions of a prompt are as many requests (completion j seeded `seed + j`), run in one
+        # batch; with best_of the n of highest cumulative log-probability are kept, in that order (vLLM's)
+        flat = [(k, j) for k, p in enumerate(params) for j in range(p.best_of or p.n)]
         one = [
-            dataclasses.replace(params[k], n=1, seed=None if params[k].seed is None else params[k].seed + j)
+            dataclasses.replace(
+                params[k],
+                n=1,
+                best_of=None,
+                seed=None if params[k].seed is None else params[k].seed + j,
+                logprobs=0 if params[k].best_of and params[k].logprobs is None else params[k].logprobs,
+            )
             for k, j in flat
         ]
         outs = self._run_batch([ids[k] for k, _ in flat], one, use_tqdm)
         results = [RequestOutput(t, i, [], 0) for t, i in zip(texts, ids)]
         for (k, j), (o, cached) in zip(flat, outs):
             o.index = j
+            if o.logprobs is not None:
+                o.cumulative_logprob = float(sum(lp for lp, _ in o.logprobs))
             results[k].outputs.append(o)
             results[k].num_cached_tokens = cached
+        for k, p in enumerate(params):
+            if p.best_of:
+                best = sorted(results[k].outputs, key=lambda o: -o.cumulative_logprob)[: p.n]
+                for j, o in enumerate(best):
+                    o.index = j
+                    if p.logprobs is None:
+                        o.logprobs = None
+                results[k].outputs = best
         return results
 
     def chat(
@@ -284,8 +302,9 @@ class LLM:
         for r, x, p in zip(rids, ids, params):
             reason, stop_reason, cached, error = done[r]
             text = self._decode_text(tokens[r])
-            if isinstance(stop_reason, str) and text is not None:
-                text = text[: find_stop_string(text, (stop_reason,))[0]]
+            if isinstance(stop_reason, str) and text is not None:  # it ends in the last token (min_tokens: not before)
+                last = len(self._decode_text(tokens[r][:-1])) if p.min_tokens else 0
+                text = text[: find_stop_string(text, (stop_reason,), last)[0]]
             outs.append(
                 (
                     CompletionOutput(

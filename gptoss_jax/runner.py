@@ -25,11 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from gptoss_jax import kv_cache, model, runtime, steps, structured
+from gptoss_jax import kv_cache, model, runtime, sampling, steps, structured
 from gptoss_jax.config import ModelConfig
 from gptoss_jax.engine_config import EngineConfig, bucket
 from gptoss_jax.program_store import ProgramStore
-from gptoss_jax.sampling import Sampled, SamplingBatch
+from gptoss_jax.sampling import Sampled, SamplerState, SamplingBatch
 from gptoss_jax.scheduler import PrefillChunk, Sequence
 from pallas_kernels import KernelConfig, kv_quant
 from pallas_kernels.params import Params
@@ -60,6 +60,13 @@ class ModelRunner:
         self.st = steps.StepConfig(
             mc, kernels, layout, num_top=max(1, ec.max_logprobs), num_steps=ec.decode_steps_per_call
         )
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        # The logits processors' per-slot state (committed, as the cache below), allocated before the KV cache is
+        # sized so that its memory is counted as in use (uint16 counts: 2 bytes x vocabulary per sequence slot).
+        self._sampler_state = jax.jit(
+            functools.partial(SamplerState.zeros, ec.max_num_seqs + 1, mc.vocab_size),
+            out_shardings=one if layout is None else layout.named(P()),
+        )()
         self.num_pages_full, self.num_pages_sliding = self._pool_sizes()
         capacity = (self.num_pages_full - 1) * ec.page_size
         if ec.max_model_len and ec.max_model_len > capacity:
@@ -76,13 +83,13 @@ class ModelRunner:
         self._programs: dict[tuple, Any] = {}  # bucket -> its compiled step (`_program`)
         # Per row count, the all-zero token mask of calls without a structured-output row: on the device once.
         self._no_mask: dict[int, tuple[jax.Array, jax.Array]] = {}
+        self._no_lists: dict[int, sampling.SamplingLists] = {}  # rows -> empty processor lists on the device
         self.store = store or ProgramStore(None)
         self._devices = [jax.devices()[0]] if layout is None else list(layout.mesh.devices.flat)
         R, n_full, n_sliding = self.num_ranks, self.num_pages_full, self.num_pages_sliding
         # The cache and the last-token table are committed to their devices from the start. A step's outputs
         # are committed whenever an input is (parameters the caller placed, say), so an uncommitted first
         # cache would make warm-up compile programs that real calls then compile again.
-        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         zeros = functools.partial(model.PagedKVCache.zeros, mc, R * n_sliding, R * n_full, ec.page_size, self.kv_dtype)
         self.cache = jax.jit(
             zeros,
@@ -170,11 +177,13 @@ class ModelRunner:
     def close(self, params: bool = False) -> None:
         """Free the KV cache's device memory now, and the parameters' with `params` (a new engine in the same
         process sizes its cache from the device's memory, so it must not wait for garbage collection)."""
-        for buf in jax.tree.leaves((self.cache, self._last_tokens) + ((self.params,) if params else ())):
+        bufs = (self.cache, self._last_tokens, self._sampler_state) + ((self.params,) if params else ())
+        for buf in jax.tree.leaves(bufs):
             if not buf.is_deleted():
                 buf.delete()
         self._programs.clear()
         self._no_mask.clear()
+        self._no_lists.clear()
 
     # ---- the steps ---------------------------------------------------------------------------------------------
     def prefill(self, chunks: list[PrefillChunk]) -> tuple[Sampled, list[int]]:
@@ -205,7 +214,12 @@ class ModelRunner:
             last[i] = c.num_tokens - 1
         tables = self._tables(seqs, rows, width, row_of)
         return steps.PrefillBatch(
-            self._put(tokens), self._put(positions), tables, self._put(last), self._sampling(seqs, rows, row_of)
+            self._put(tokens),
+            self._put(positions),
+            tables,
+            self._put(last),
+            self._sampling(seqs, rows, row_of),
+            self._lists(seqs, rows, row_of),
         )
 
     def _decode_batch(self, seqs: list[Sequence], rows: int, row_of: list[int], width: int, slots: jax.Array):
@@ -222,14 +236,15 @@ class ModelRunner:
         seqs = [c.seq for c in chunks]
         batch = self._prefill_batch(chunks, rows, row_of, T, width)
         program = self._program(("prefill", rows, T, width), steps.prefill, batch)
-        out, self.cache = program(self.params, self.cache, batch)
+        out, self.cache, self._sampler_state = program(self.params, self.cache, self._sampler_state, batch)
         self._last_tokens = steps.store_tokens(self._last_tokens, self._slots(seqs, rows, row_of), out.tokens)
         return out
 
     def _decode(self, seqs: list[Sequence], rows: int, row_of: list[int], width: int) -> Sampled:
         slots = self._slots(seqs, rows, row_of)
         batch = self._decode_batch(seqs, rows, row_of, width, slots)
-        out, self.cache = self._program(("decode", rows, width), steps.decode, batch)(self.params, self.cache, batch)
+        program = self._program(("decode", rows, width), steps.decode, batch)
+        out, self.cache, self._sampler_state = program(self.params, self.cache, self._sampler_state, batch)
         self._last_tokens = steps.store_tokens(self._last_tokens, slots, out.tokens)
         return out
 
@@ -238,10 +253,11 @@ class ModelRunner:
         in memory and in the store)."""
         program = self._programs.get(key)
         if program is None:
-            stored = self.store.key(key[0], self.st, (self.params, self.cache, batch))
+            args = (self.params, self.cache, self._sampler_state, batch)
+            stored = self.store.key(key[0], self.st, args)
             program = self.store.load(stored, self._devices)
             if program is None:
-                program = self.store.compile(step.lower(self.params, self.cache, batch, st=self.st), stored)
+                program = self.store.compile(step.lower(*args, st=self.st), stored)
             self._programs[key] = program
         return program
 
@@ -278,7 +294,8 @@ class ModelRunner:
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             work = {key: self._padding(key) for key in todo}
             stored = {
-                key: self.store.key(key[0], self.st, (self.params, self.cache, b)) for key, (_, b) in work.items()
+                key: self.store.key(key[0], self.st, (self.params, self.cache, self._sampler_state, b))
+                for key, (_, b) in work.items()
             }
             loads = {key: pool.submit(self.store.load, stored[key], self._devices) for key in todo}
             compiles = {}
@@ -289,7 +306,7 @@ class ModelRunner:
                     finished("loading programs", key, None)
                     continue
                 step, batch = work[key]
-                lowered = step.lower(self.params, self.cache, batch, st=self.st)
+                lowered = step.lower(self.params, self.cache, self._sampler_state, batch, st=self.st)
                 report("tracing", i, n, self._label(key))
                 compiles[key] = pool.submit(self.store.compile, lowered, stored[key])
                 compiles[key].add_done_callback(functools.partial(finished, "compiling", key))
@@ -303,7 +320,7 @@ class ModelRunner:
             else:
                 self._prefill([], key[1], [], key[2], key[3])
             report("first run", i, len(self.buckets()), self._label(key))
-        jax.block_until_ready((self.cache, self._last_tokens))
+        jax.block_until_ready((self.cache, self._last_tokens, self._sampler_state))
 
     def _warm_helpers(self) -> None:
         """Compile the small programs that carry each call's sampled tokens to the next (`steps.load_tokens`,
@@ -385,14 +402,32 @@ class ModelRunner:
         top_k, min_p = np.zeros(rows, np.int32), np.zeros(rows, np.float32)
         keys, want = np.zeros((rows, 2), np.uint32), np.zeros(rows, bool)
         gated = []
+        penalties = np.tile(np.array([0, 0, 1], np.float32), (rows, 1))  # presence, frequency, repetition
+        proc = np.zeros((rows, 4), np.int32)  # flags, min_tokens, prompt length, slot
+        proc[:, 3] = self._spare_slot
         for i, s in zip(row_of, seqs):
             p = s.params
             temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
             keys[i], want[i] = s.key, p.logprobs is not None
             if s.constraint is not None and s.constraint.gated:
                 gated.append((i, s.constraint.mask))
+            proc[i, 2:] = s.num_prompt_tokens, s.slot
+            if p.uses_processors:
+                penalties[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+                proc[i, :2] = _flags(p), p.min_tokens
+        masked, mask = self._masks(rows, gated)
+        put = self._put
         return SamplingBatch(
-            *(self._put(a) for a in (temperature, top_k, top_p, min_p, keys, want)), *self._masks(rows, gated)
+            temperature_B=put(temperature),
+            top_k_B=put(top_k),
+            top_p_B=put(top_p),
+            min_p_B=put(min_p),
+            keys_B2=put(keys),
+            want_logprobs_B=put(want),
+            masked_B=masked,
+            mask_BW=mask,
+            penalties_B3=put(penalties),
+            proc_B4=put(proc),
         )
 
     def _masks(self, rows: int, gated: list[tuple[int, np.ndarray]]) -> tuple[jax.Array, jax.Array]:
@@ -408,8 +443,41 @@ class ModelRunner:
             masked[i], mask[i] = True, m
         return self._put(masked), self._put(mask)
 
+    def _lists(self, seqs: list[Sequence], rows: int, row_of: list[int]) -> sampling.SamplingLists:
+        """The prefill rows' logits-processor lists (`sampling.SamplingLists`); where no row has any, the empty ones
+        already on the device (nothing to pack or copy)."""
+        V = self.model_config.vocab_size
+        if not any(s.params.uses_processors for s in seqs):
+            if rows not in self._no_lists:
+                self._no_lists[rows] = jax.tree.map(self._put, sampling.empty_lists(rows, V))
+            return self._no_lists[rows]
+        out = sampling.empty_lists(rows, V)
+        for i, s in zip(row_of, seqs):
+            p = s.params
+            if p.logit_bias:
+                out.bias_ids_BN[i, : len(p.logit_bias)] = list(p.logit_bias)
+                out.bias_BN[i, : len(p.logit_bias)] = list(p.logit_bias.values())
+            if p.allowed_token_ids:
+                out.allowed_BA[i, : len(p.allowed_token_ids)] = p.allowed_token_ids
+            for w, word in enumerate(s.bad_words_ids):
+                out.bad_BWL[i, w, -len(word) :] = word
+            if p.min_tokens:
+                out.stops_BK[i, : len(p.stop_token_ids)] = p.stop_token_ids
+        return jax.tree.map(self._put, out)
+
     def _slots(self, seqs: list[Sequence], rows: int, row_of: list[int]) -> jax.Array:
         slots = np.full((rows,), self._spare_slot, np.int32)
         for i, s in zip(row_of, seqs):
             slots[i] = s.slot
         return self._put(slots)
+
+
+def _flags(p) -> int:
+    """`sampling.USES_*` of one request's `SamplingParams`."""
+    return (
+        sampling.USES_PENALTIES * bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1)
+        | sampling.USES_BIAS * bool(p.logit_bias)
+        | sampling.USES_ALLOWED * bool(p.allowed_token_ids)
+        | sampling.USES_BAD_WORDS * bool(p.bad_words)
+        | sampling.USES_MIN_TOKENS * bool(p.min_tokens)
+    )

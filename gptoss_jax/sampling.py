@@ -1,6 +1,7 @@
 """Sampling parameters and the batched on-device sampler (per-row temperature, top-k, top-p, min-p,
-seed, a structured-output token mask) with optional log-probabilities. A new sampling field touches
-`SamplingParams`, `SamplingBatch` and the sampler here, and the model runner's packing (`ModelRunner._sampling`)."""
+seed, a structured-output token mask; the logits processors: penalties, logit bias, allowed tokens, bad words,
+min_tokens) with optional log-probabilities. A new sampling field touches `SamplingParams`, `SamplingBatch` and the
+sampler here, and the model runner's packing (`ModelRunner._sampling`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import numpy as np
 from flax import struct
 
 from gptoss_jax.structured import StructuredOutputsParams
-from gptoss_jax.tokenizer import ASSISTANT_STOPS
+from gptoss_jax.tokenizer import ASSISTANT_STOPS, ENDOFTEXT
+
+EOS_TOKEN_IDS = (*ASSISTANT_STOPS, ENDOFTEXT)  # what `ignore_eos` lets through: <|return|>, <|call|>, <|endoftext|>
 
 # Bounds every entry point enforces (`SamplingParams` offline, the server at its edge): what the engine's int32 and
 # float32 sampling arrays hold, seeds as 64-bit integers (OpenAI's and vLLM's range), and stop lists small
@@ -23,6 +26,15 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+# The logits processors' per-request lists live on the device in fixed-shape arrays, one row per sequence slot
+# (`SamplerState`): these are their capacities (OpenAI's logit_bias takes up to 300 entries).
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+MAX_ALLOWED_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 32  # token sequences, after tokenizing each word with and without a leading space
+MAX_BAD_WORD_TOKENS = 8
+PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty (OpenAI's range)
+COUNT_BITS = 15  # per slot and token: generated count (saturating at 2**15 - 1) | 1 << 15 where the prompt has it
 
 
 @dataclasses.dataclass
@@ -49,6 +61,21 @@ class SamplingParams:
     # Structured outputs (gptoss_jax/structured.py).
     structured_outputs: StructuredOutputsParams | None = None
     thinking_token_budget: int | None = None
+    # Logits processors (vLLM semantics; `apply_penalties_and_bias` on device). presence/frequency: over the tokens
+    # generated so far; repetition: over prompt and generated tokens (positive logits divided, negative ones
+    # multiplied); logit_bias: token id -> added to its logit; min_tokens: stop tokens (and stop strings) held off
+    # until that many tokens; ignore_eos: the end-of-sequence tokens (`EOS_TOKEN_IDS`) do not end the output;
+    # bad_words: strings never generated (tokenized by the engine); allowed_token_ids: only these are sampled;
+    # best_of: `LLM.generate` samples this many and returns the `n` of highest cumulative log-probability.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    bad_words: tuple[str, ...] | list[str] | None = None
+    allowed_token_ids: tuple[int, ...] | list[int] | None = None
+    best_of: int | None = None
 
     def __post_init__(self):
         def bad(field, why):
@@ -103,6 +130,73 @@ class SamplingParams:
         self.top_k, self.max_tokens, self.n = int(self.top_k), int(self.max_tokens), int(self.n)
         self.seed = None if self.seed is None else int(self.seed)
         self.logprobs = None if self.logprobs is None else int(self.logprobs)
+        self._check_processors(bad, is_int, is_num)
+
+    def _check_processors(self, bad, is_int, is_num) -> None:
+        lo, hi = PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not is_num(getattr(self, name)) or not lo <= getattr(self, name) <= hi:
+                bad(name, f"must be in [{lo:g}, {hi:g}]")
+            setattr(self, name, float(getattr(self, name)))
+        if not is_num(self.repetition_penalty) or not 0 < self.repetition_penalty <= FLOAT32_MAX:
+            bad("repetition_penalty", "must be a finite number > 0 (1 disables it)")
+        self.repetition_penalty = float(self.repetition_penalty)
+        if self.logit_bias is not None:
+            blo, bhi = LOGIT_BIAS_RANGE
+            if not isinstance(self.logit_bias, dict):
+                bad("logit_bias", "must be a dict of token id -> bias")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries are supported")
+            for k, v in self.logit_bias.items():
+                if not is_int(k) or not 0 <= k <= INT32_MAX:
+                    bad("logit_bias", f"key {k!r} is not a token id")
+                if not is_num(v) or not blo <= v <= bhi:
+                    bad("logit_bias", f"the bias of token {k} must be a number in [{blo:g}, {bhi:g}]")
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}]")
+        self.min_tokens = int(self.min_tokens)
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            bad("ignore_eos", "must be a bool")
+        self.ignore_eos = bool(self.ignore_eos)
+        if self.bad_words is not None:
+            words = self.bad_words
+            if not isinstance(words, (list, tuple)) or any(not isinstance(w, str) or not w.strip() for w in words):
+                bad("bad_words", "must be a list of non-empty strings")
+            if len(words) > MAX_BAD_WORDS:
+                bad("bad_words", f"at most {MAX_BAD_WORDS} are supported")
+            self.bad_words = tuple(words)
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__") or not len(ids):
+                bad("allowed_token_ids", "must be a non-empty list of token ids")
+            if len(ids) > MAX_ALLOWED_TOKEN_IDS:
+                bad("allowed_token_ids", f"at most {MAX_ALLOWED_TOKEN_IDS} are supported")
+            if any(not is_int(t) or not 0 <= t <= INT32_MAX for t in ids):
+                bad("allowed_token_ids", "must be non-negative integers")
+            self.allowed_token_ids = tuple(int(t) for t in ids)
+        if self.best_of is not None and (not is_int(self.best_of) or not self.n <= self.best_of <= INT32_MAX):
+            bad("best_of", f"must be None or an integer >= n={self.n}")
+        self.best_of = None if self.best_of is None else int(self.best_of)
+
+    @property
+    def uses_processors(self) -> bool:
+        """Whether any logits processor is on (the sampler's per-row flags say which)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1
+            or self.logit_bias
+            or self.min_tokens
+            or self.bad_words
+            or self.allowed_token_ids
+        )
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether the sampler reads this request's earlier tokens on the device (penalties, bad words): they are
+        rebuilt from its prefill, so it computes its whole prompt rather than reuse the prefix cache."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.bad_words)
 
 
 def _short(value, limit: int = 200) -> str:
@@ -123,6 +217,60 @@ class SamplingBatch:
     want_logprobs_B: jax.Array  # bool
     masked_B: jax.Array  # bool: the row draws under `mask_BW` (structured outputs)
     mask_BW: jax.Array  # i32 [B, ceil(V / 32)] packed allowed-token bits (`structured.mask_words`)
+    # The logits processors (`apply_penalties_and_bias`): presence, frequency, repetition penalty; and the flags
+    # (`USES_*`), min_tokens, prompt length and sequence slot (its row of `SamplerState`).
+    penalties_B3: jax.Array  # f32 [B, 3]
+    proc_B4: jax.Array  # i32 [B, 4]
+
+
+# `SamplingBatch.proc_B4[:, 0]`: which processors a row uses.
+USES_PENALTIES, USES_BIAS, USES_ALLOWED, USES_BAD_WORDS, USES_MIN_TOKENS = 1, 2, 4, 8, 16
+
+
+@struct.dataclass
+class SamplingLists:
+    """A prefill call's per-row processor lists, written to each row's slot of `SamplerState` (padding: id V, which
+    scatters nowhere; bad words right-aligned, -1 before their first token)."""
+
+    bias_ids_BN: jax.Array  # i32 [B, MAX_LOGIT_BIAS]
+    bias_BN: jax.Array  # f32 [B, MAX_LOGIT_BIAS]
+    allowed_BA: jax.Array  # i32 [B, MAX_ALLOWED_TOKEN_IDS]
+    bad_BWL: jax.Array  # i32 [B, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS]
+    stops_BK: jax.Array  # i32 [B, MAX_STOP_TOKEN_IDS]: the tokens min_tokens holds off
+
+
+@struct.dataclass
+class SamplerState:
+    """What the logits processors keep on the device per sequence slot, across calls (donated to the steps), so
+    that they see the tokens sampled earlier in the same call and in calls the host has not read yet:
+    `counts_SV` (uint16) the generated tokens' counts in the low `COUNT_BITS` bits, saturating, and the prompt's
+    tokens in the top bit; `recent_SR` the token at each position p in column p % MAX_BAD_WORD_TOKENS (bad words
+    match the last tokens); and the slot's `SamplingLists` rows. Counts and recent tokens are rebuilt by each
+    sequence's prefill from position 0 (`SamplingParams.needs_history`), so preemption loses nothing."""
+
+    counts_SV: jax.Array
+    recent_SR: jax.Array
+    lists: SamplingLists
+
+    @staticmethod
+    def zeros(num_slots: int, vocab_size: int) -> SamplerState:
+        B = num_slots
+        return SamplerState(
+            jnp.zeros((B, vocab_size), jnp.uint16),
+            jnp.zeros((B, MAX_BAD_WORD_TOKENS), jnp.int32),
+            empty_lists(B, vocab_size, jnp),
+        )
+
+
+def empty_lists(rows: int, vocab_size: int, xp=np) -> SamplingLists:
+    """Lists that do nothing (host arrays with `xp=np`)."""
+    return SamplingLists(
+        xp.full((rows, MAX_LOGIT_BIAS), vocab_size, xp.int32),
+        xp.zeros((rows, MAX_LOGIT_BIAS), xp.float32),
+        xp.full((rows, MAX_ALLOWED_TOKEN_IDS), vocab_size, xp.int32),
+        xp.full((rows, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), -1, xp.int32),
+        xp.full((rows, MAX_STOP_TOKEN_IDS), vocab_size, xp.int32),
+    )
 
 
 @struct.dataclass
@@ -133,16 +281,29 @@ class Sampled:
     top_lps: jax.Array  # f32 [..., B, num_top]
 
 
-def sample_batch(logits_BV: jax.Array, pos_B: jax.Array, sb: SamplingBatch, num_top: int) -> Sampled:
+def sample_batch(
+    logits_BV: jax.Array, pos_B: jax.Array, sb: SamplingBatch, num_top: int, state: SamplerState | None = None
+) -> Sampled:
     """The tokens after positions `pos_B`: each row's key folded with the position it predicts from (so a
-    request's draws depend neither on its batch neighbours, nor on chunking, nor on preemption), `sample`, and the
-    log-probabilities when any row asks for them."""
+    request's draws depend neither on its batch neighbours, nor on chunking, nor on preemption), `sample` of the
+    logits after the processors (`apply_penalties_and_bias`, skipped by batches where no row uses one), and the
+    log-probabilities of the model's own distribution (before the processors, as vLLM's default) when any row asks
+    for them."""
     keys = jax.vmap(jax.random.fold_in)(sb.keys_B2, pos_B)
-    # Batches without a structured-output row skip the mask's pass over `[B, V]`.
-    allowed = jax.lax.cond(
-        jnp.any(sb.masked_B), lambda: apply_mask(logits_BV, sb.masked_B, sb.mask_BW), lambda: logits_BV
-    )
-    tokens = sample(allowed, keys, sb.temperature_B, sb.top_k_B, sb.top_p_B, sb.min_p_B)
+
+    def draw(logits):
+        # Batches without a structured-output row skip the mask's pass over `[B, V]`.
+        logits = jax.lax.cond(jnp.any(sb.masked_B), lambda: apply_mask(logits, sb.masked_B, sb.mask_BW), lambda: logits)
+        return sample(logits, keys, sb.temperature_B, sb.top_k_B, sb.top_p_B, sb.min_p_B)
+
+    if state is None:
+        tokens = draw(logits_BV)
+    else:  # both branches sample, so no [B, V] array passes through the condition
+        tokens = jax.lax.cond(
+            jnp.any(sb.proc_B4[:, 0] != 0),
+            lambda: draw(apply_penalties_and_bias(logits_BV, pos_B, sb, state)),
+            lambda: draw(logits_BV),
+        )
     B = tokens.shape[0]
     empty = (jnp.zeros(B, jnp.float32), jnp.zeros((B, num_top), jnp.int32), jnp.zeros((B, num_top), jnp.float32))
     lp = jax.lax.cond(jnp.any(sb.want_logprobs_B), lambda: logprobs(logits_BV, tokens, num_top), lambda: empty)
@@ -156,6 +317,116 @@ def apply_mask(logits_BV: jax.Array, masked_B: jax.Array, mask_BW: jax.Array) ->
         bits = (mask_BW[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
         allowed = bits.reshape(B, -1)[:, :V] != 0
         return jnp.where(masked_B[:, None] & ~allowed, jnp.asarray(-jnp.inf, logits_BV.dtype), logits_BV)
+
+
+def apply_penalties_and_bias(logits_BV: jax.Array, pos_B: jax.Array, sb: SamplingBatch, st: SamplerState):
+    """The logits processors, per row as its flags say, in vLLM's order: allowed_token_ids, bad words, min_tokens
+    (the row's stop tokens banned while fewer than min_tokens tokens follow the prompt), logit_bias, then the
+    repetition, frequency and presence penalties over the slot's counts. The row after position `pos_B` is being
+    sampled: tokens at positions >= the prompt length are generated ones. Each processor is skipped by batches
+    where no row uses it."""
+    logits = logits_BV.astype(jnp.float32)
+    B, V = logits.shape
+    flags, min_tokens, prompt_len, slot = (sb.proc_B4[:, i] for i in range(4))
+    rows = jnp.arange(B)[:, None]
+    generated = jnp.maximum(pos_B + 1 - prompt_len, 0)  # tokens after the prompt so far
+
+    def uses(bit):
+        return (flags & bit) != 0
+
+    def when(bit, fn):
+        nonlocal logits
+        logits = jax.lax.cond(jnp.any(uses(bit)), fn, lambda x: x, logits)
+
+    def allowed(x):
+        ids = st.lists.allowed_BA[slot]
+        mask = jnp.zeros((B, V), bool).at[rows, ids].set(True, mode="drop")
+        return jnp.where(uses(USES_ALLOWED)[:, None] & ~mask, -jnp.inf, x)
+
+    def bad_words(x):
+        words = st.lists.bad_BWL[slot]  # [B, W, L], right-aligned
+        L = words.shape[-1]
+        back = jnp.arange(L - 2, -1, -1)  # column j of a word must match the token at position pos - (L - 2 - j)
+        at = pos_B[:, None] - back[None, :]  # [B, L - 1]
+        recent = st.recent_SR[slot[:, None], at % L]
+        valid = at >= prompt_len[:, None]  # bad words match generated tokens only
+        prefix = words[:, :, :-1]
+        match = (prefix < 0) | (valid[:, None, :] & (recent[:, None, :] == prefix))
+        last = words[:, :, -1]
+        banned = jnp.all(match, axis=-1) & (last >= 0) & uses(USES_BAD_WORDS)[:, None]
+        return x.at[rows, jnp.where(banned, last, V)].set(-jnp.inf, mode="drop")
+
+    def min_tokens_(x):
+        early = uses(USES_MIN_TOKENS) & (generated < min_tokens)
+        ids = jnp.where(early[:, None], st.lists.stops_BK[slot], V)
+        return x.at[rows, ids].set(-jnp.inf, mode="drop")
+
+    def bias(x):
+        on = uses(USES_BIAS)[:, None]
+        return x.at[rows, st.lists.bias_ids_BN[slot]].add(jnp.where(on, st.lists.bias_BN[slot], 0.0), mode="drop")
+
+    def penalties(x):
+        counts = st.counts_SV[slot]
+        n = (counts & ((1 << COUNT_BITS) - 1)).astype(jnp.float32)
+        seen = (n > 0) | (counts >> COUNT_BITS != 0)
+        on = uses(USES_PENALTIES)[:, None]
+        presence, frequency, repetition = (sb.penalties_B3[:, i : i + 1] for i in range(3))
+        x = jnp.where(on & seen, jnp.where(x > 0, x / repetition, x * repetition), x)
+        return x - jnp.where(on, frequency * n + presence * (n > 0), 0.0)
+
+    with jax.named_scope("logits_processors"):
+        when(USES_ALLOWED, allowed)
+        when(USES_BAD_WORDS, bad_words)
+        when(USES_MIN_TOKENS, min_tokens_)
+        when(USES_BIAS, bias)
+        when(USES_PENALTIES, penalties)
+    return logits
+
+
+def record_prefill(st: SamplerState, sb: SamplingBatch, lists: SamplingLists, tokens_BT, positions_BT, last_B):
+    """A prefill chunk into its rows' slots: their lists; for rows with penalties, the counts (reset by a chunk
+    that starts at position 0, then the chunk's prompt tokens flagged and its generated tokens counted: a
+    preempted sequence recomputes them); the chunk's last tokens into `recent_SR`. Padding rows go nowhere."""
+    flags, _, prompt_len, slot = (sb.proc_B4[:, i] for i in range(4))
+    S, V = st.counts_SV.shape
+    B, T = tokens_BT.shape
+    real = positions_BT[:, 0] >= 0
+    slot = jnp.where(real, slot, S)  # out of range: dropped
+    lists = jax.tree.map(lambda t, new: t.at[slot].set(new, mode="drop"), st.lists, lists)
+    pen = real & ((flags & USES_PENALTIES) != 0)
+    reset = jnp.where(pen & (positions_BT[:, 0] == 0), slot, S)
+    counts = st.counts_SV.at[reset].set(jnp.uint16(0), mode="drop")
+    valid = pen[:, None] & (positions_BT >= 0)
+    s_BT = jnp.broadcast_to(slot[:, None], (B, T))
+    gen = valid & (positions_BT >= prompt_len[:, None])
+    cap = (1 << COUNT_BITS) - 1 - T  # a chunk adds at most T: the count never reaches the prompt bit
+    old = counts[s_BT, tokens_BT] & ((1 << COUNT_BITS) - 1)
+    counts = counts.at[jnp.where(gen, s_BT, S), tokens_BT].add((old < cap).astype(jnp.uint16), mode="drop")
+    prompt = valid & (positions_BT < prompt_len[:, None])
+    flagged = counts[s_BT, tokens_BT] | jnp.uint16(1 << COUNT_BITS)
+    counts = counts.at[jnp.where(prompt, s_BT, S), tokens_BT].set(flagged, mode="drop")
+    R = st.recent_SR.shape[1]
+    back = last_B[:, None] - jnp.arange(R)[None, :]  # the chunk's last R columns: distinct positions mod R
+    pos = jnp.take_along_axis(positions_BT, jnp.maximum(back, 0), axis=1)
+    tok = jnp.take_along_axis(tokens_BT, jnp.maximum(back, 0), axis=1)
+    keep = (back >= 0) & (pos >= 0)
+    recent = st.recent_SR.at[jnp.where(keep, slot[:, None], S), pos % R].set(tok, mode="drop")
+    return SamplerState(counts, recent, lists)
+
+
+def record_input(st: SamplerState, sb: SamplingBatch, tokens_B, pos_B) -> SamplerState:
+    """A decode step's input tokens (the last sampled ones) into their slots: counted where they are generated
+    tokens of a row with penalties, and into `recent_SR`."""
+    flags, _, prompt_len, slot = (sb.proc_B4[:, i] for i in range(4))
+    S = st.counts_SV.shape[0]
+    R = st.recent_SR.shape[1]
+    real = pos_B >= 0
+    count = jnp.where(real & ((flags & USES_PENALTIES) != 0) & (pos_B >= prompt_len), slot, S)
+    old = st.counts_SV.at[count, tokens_B].get(mode="fill", fill_value=0)
+    bump = (old & ((1 << COUNT_BITS) - 1)) < (1 << COUNT_BITS) - 1
+    counts = st.counts_SV.at[count, tokens_B].set(old + bump.astype(jnp.uint16), mode="drop")
+    recent = st.recent_SR.at[jnp.where(real, slot, S), jnp.maximum(pos_B, 0) % R].set(tokens_B, mode="drop")
+    return SamplerState(counts, recent, st.lists)
 
 
 def sample(

@@ -44,6 +44,7 @@ class Sequence:
     num_cached_prompt_tokens: int = 0  # prompt tokens skipped thanks to the prefix cache
     text_bytes: bytearray = dataclasses.field(default_factory=bytearray)  # for stop strings
     constraint: Any = None  # `structured.Constraint` of a structured-output request
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # `params.bad_words` tokenized (the engine does it)
 
     @property
     def num_uncomputed(self) -> int:
@@ -149,7 +150,8 @@ class Scheduler:
             if rank is None:
                 break
             seq.pages.rank = rank
-            start, hit = self.kv.match_prefix(seq.pages, seq.token_ids)
+            # The sampler rebuilds what penalties and bad words read from the sequence's prefill, from position 0.
+            start, hit = (0, 0) if seq.params.needs_history else self.kv.match_prefix(seq.pages, seq.token_ids)
             n = min(len(seq.token_ids) - start, cfg.prefill_chunk_size, budget)
             if not self.kv.can_allocate(seq.pages, start, start + n):
                 self.kv.free(seq.pages)  # give the shared prefix back; retry next step

@@ -69,6 +69,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="render 'Current date: YYYY-MM-DD' in the system message (default: off, so prefixes stay stable)",
     )
     g.add_argument("--model-identity", default=None, help="replace the system message's identity line")
+    g.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=1000,
+        help="Responses API: how many stored responses (store=true) are kept in memory, least recently used evicted "
+        "first (0: none)",
+    )
     g.add_argument("--no-warmup", action="store_true", help="skip the warm-up requests before /health is 200")
     g.add_argument(
         "--log-level", "--uvicorn-log-level", dest="log_level", default="info", help="debug, info, warning, error"
@@ -84,6 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.shutdown_timeout < 0:
         p.error("--shutdown-timeout must be >= 0")
+    if args.max_stored_responses < 0:
+        p.error("--max-stored-responses must be >= 0")
     if args.conversation_start_date and not re.fullmatch(r"\d{4}-\d{2}-\d{2}", args.conversation_start_date):
         p.error("--conversation-start-date must be YYYY-MM-DD")
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
@@ -204,6 +213,7 @@ def main(argv=None) -> int:
             conversation_start_date=args.conversation_start_date,
             model_identity=args.model_identity,
             default_max_tokens=args.default_max_tokens,
+            max_stored_responses=args.max_stored_responses,
         ),
     )
     server_box: dict = {}

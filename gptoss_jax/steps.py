@@ -21,7 +21,7 @@ from jax._src import dispatch  # the name of XLA's compile event
 
 from gptoss_jax import model, sampling
 from gptoss_jax.config import ModelConfig
-from gptoss_jax.sampling import Sampled, SamplingBatch
+from gptoss_jax.sampling import Sampled, SamplerState, SamplingBatch, SamplingLists
 from pallas_kernels import KernelConfig
 from pallas_kernels.params import Params
 
@@ -67,6 +67,7 @@ class PrefillBatch:
     tables: model.PageTables
     last_B: jax.Array  # i32
     sampling: SamplingBatch
+    lists: SamplingLists  # the rows' logits-processor lists, written to their slots of the `SamplerState`
 
 
 @struct.dataclass
@@ -81,46 +82,53 @@ class DecodeBatch:
 
 def _sampler(st: StepConfig):
     """`sampling.sample_batch`, run per attention rank under a layout (rows are independent; the sampler's
-    batch-wide shortcuts then stay inside a rank instead of gathering every rank's logits)."""
-    fn = lambda logits_BV, pos_B, sb: sampling.sample_batch(logits_BV, pos_B, sb, st.num_top)  # noqa: E731
-    return fn if st.layout is None else st.layout.per_rank(fn, ("rows", "rows", "rows"), "rows")
+    batch-wide shortcuts then stay inside a rank instead of gathering every rank's logits; the `SamplerState`,
+    indexed by slot, is the same on every rank)."""
+    fn = lambda logits_BV, pos_B, sb, state: sampling.sample_batch(logits_BV, pos_B, sb, st.num_top, state)  # noqa: E731
+    return fn if st.layout is None else st.layout.per_rank(fn, ("rows", "rows", "rows", None), "rows")
 
 
-@functools.partial(jax.jit, static_argnames=("st",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("st",), donate_argnames=("cache", "state"))
 def prefill(
-    params: Params, cache: model.PagedKVCache, batch: PrefillBatch, *, st: StepConfig
-) -> tuple[Sampled, model.PagedKVCache]:
+    params: Params, cache: model.PagedKVCache, state: SamplerState, batch: PrefillBatch, *, st: StepConfig
+) -> tuple[Sampled, model.PagedKVCache, SamplerState]:
     TRACES["prefill"] += 1
     x, cache, _ = model.forward(
         params, cache, batch.tokens_BT, batch.positions_BT, batch.tables, st.cfg, st.kernels, layout=st.layout
     )
     with jax.named_scope("sample"):
+        state = sampling.record_prefill(
+            state, batch.sampling, batch.lists, batch.tokens_BT, batch.positions_BT, batch.last_B
+        )
         last_x = jnp.take_along_axis(x, batch.last_B[:, None, None], axis=1)[:, 0]
         pos_B = jnp.take_along_axis(batch.positions_BT, batch.last_B[:, None], axis=1)[:, 0]
-        return _sampler(st)(model.unembed(params, last_x), pos_B, batch.sampling), cache
+        return _sampler(st)(model.unembed(params, last_x), pos_B, batch.sampling, state), cache, state
 
 
-@functools.partial(jax.jit, static_argnames=("st",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("st",), donate_argnames=("cache", "state"))
 def decode(
-    params: Params, cache: model.PagedKVCache, batch: DecodeBatch, *, st: StepConfig
-) -> tuple[Sampled, model.PagedKVCache]:
-    """`st.num_steps` decode steps on device, each feeding back the token it sampled (outputs `[steps, B]`)."""
+    params: Params, cache: model.PagedKVCache, state: SamplerState, batch: DecodeBatch, *, st: StepConfig
+) -> tuple[Sampled, model.PagedKVCache, SamplerState]:
+    """`st.num_steps` decode steps on device, each feeding back the token it sampled (outputs `[steps, B]`); the
+    logits processors' state takes each step's input token first, so penalties see the tokens of this call."""
     TRACES["decode"] += 1
 
     def one(carry, k):
-        cache, tok_B, pos_B = carry
+        cache, state, tok_B, pos_B = carry
         x, cache, _ = model.forward(
             params, cache, tok_B[:, None], pos_B[:, None], batch.tables, st.cfg, st.kernels, layout=st.layout
         )
         with jax.named_scope("sample"):
+            state = sampling.record_input(state, batch.sampling, tok_B, pos_B)
             # A structured-output mask holds for the call's first token only (it depends on the tokens before);
             # later steps draw freely and the host keeps what the grammar accepts.
             sb = batch.sampling.replace(masked_B=batch.sampling.masked_B & (k == 0))
-            out = _sampler(st)(model.unembed(params, x[:, 0]), pos_B, sb)
-        return (cache, out.tokens, jnp.where(pos_B >= 0, pos_B + 1, -1)), out
+            out = _sampler(st)(model.unembed(params, x[:, 0]), pos_B, sb, state)
+        return (cache, state, out.tokens, jnp.where(pos_B >= 0, pos_B + 1, -1)), out
 
-    (cache, _, _), outs = jax.lax.scan(one, (cache, batch.tokens_B, batch.positions_B), jnp.arange(st.num_steps))
-    return outs, cache
+    carry = (cache, state, batch.tokens_B, batch.positions_B)
+    (cache, state, _, _), outs = jax.lax.scan(one, carry, jnp.arange(st.num_steps))
+    return outs, cache, state
 
 
 @functools.partial(jax.jit, donate_argnames=("table_S",))

@@ -5,7 +5,8 @@ tool calls, stop strings, usage, logprobs) is tested end to end with this engine
 HTTP server: `python -m gptoss_jax.serve --test-engine tests/scripted_engine.py:make_engine`.
 
 The script is chosen by a marker in the prompt text: `[[script:NAME]]` (see SCRIPTS) or
-`[[count:N]]` (a final answer " t0 t1 ... tN-1"). Steps emit 1, 2 or 3 tokens in turn, so multi-token
+`[[count:N]]` (a final answer " t0 t1 ... tN-1") or `[[echo:params]]` (a final answer that is the request's logits
+processor settings as JSON, so tests see what reached the engine). Steps emit 1, 2 or 3 tokens in turn, so multi-token
 deliveries are exercised. Faults as `Engine` reports them: `[[fault:request]]` ends that request with finish reason
 "error" after a few tokens; `[[fault:step]]` makes one `step()` raise (a fault the engine cannot pin on a request).
 KV "pages" (16 tokens each) are tracked so /metrics shows them freed.
@@ -14,6 +15,7 @@ KV "pages" (16 tokens each) are tracked so /metrics shows them freed.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 import time
@@ -21,6 +23,18 @@ import time
 from gptoss_jax import tokenizer as tokenizer_lib
 
 PAGE = 16
+ECHOED = (
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "bad_words",
+    "allowed_token_ids",
+    "stop_token_ids",
+    "n",
+    "logprobs",
+)
 NUM_PAGES = 4096
 
 SCRIPTS = {
@@ -119,6 +133,17 @@ class ScriptedEngine:
                 f"exceeds max_model_len {self.max_model_len}"
             )
         script, slow = self._script(list(prompt_token_ids))
+        if "[[echo:params]]" in self.tokenizer.decode(list(prompt_token_ids)):
+            p = sampling_params
+            echo = {
+                name: getattr(p, name)
+                for name in ECHOED
+                if getattr(p, name) not in (None, 0, 0.0, False)
+                and not (name == "repetition_penalty" and p.repetition_penalty == 1)
+            }
+            echo["logit_bias"] = {str(k): v for k, v in (p.logit_bias or {}).items()} or None
+            text = "<|channel|>final<|message|>" + json.dumps(echo) + "<|return|>"
+            script = self.tokenizer.encode(text, allowed_special="all")
         fault = re.findall(r"\[\[fault:(request|step)\]\]", self.tokenizer.decode(list(prompt_token_ids)))
         self.reqs[request_id] = _Req(
             request_id, len(prompt_token_ids), script, sampling_params, slow=slow, fault=fault[-1] if fault else None

@@ -88,6 +88,14 @@ def test_origins_as_json_or_commas():
         serve.parse_args(["--ssl-keyfile", "k.pem"])  # without --ssl-certfile
 
 
+def test_max_stored_responses_flag(capsys):
+    assert serve.parse_args([]).max_stored_responses == 1000
+    assert serve.parse_args(["--max-stored-responses", "0"]).max_stored_responses == 0
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--max-stored-responses", "-1"])
+    assert "--max-stored-responses must be >= 0" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "args,message",
     [

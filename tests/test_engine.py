@@ -31,7 +31,7 @@ def engine(small_checkpoint):
 
 
 def greedy(n, **kw):
-    return SamplingParams(temperature=0, max_tokens=n, stop_token_ids=[], **kw)
+    return SamplingParams(**{"temperature": 0, "max_tokens": n, "stop_token_ids": [], **kw})
 
 
 def run(engine, requests):
@@ -239,6 +239,26 @@ def test_bad_requests(engine, prompt, kw, match):
         (dict(stop="s" * 1025), "stop"),
         (dict(stop_token_ids=[2**31]), "stop_token_ids"),
         (dict(stop_token_ids=list(range(1025))), "stop_token_ids"),
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(frequency_penalty=-2.01), "frequency_penalty"),
+        (dict(frequency_penalty=True), "frequency_penalty"),
+        (dict(repetition_penalty=0), "repetition_penalty"),
+        (dict(repetition_penalty=float("nan")), "repetition_penalty"),
+        (dict(logit_bias={1: 100.5}), "logit_bias"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias"),
+        (dict(logit_bias={"1": 1.0}), "logit_bias"),
+        (dict(logit_bias={i: 1.0 for i in range(301)}), "logit_bias"),
+        (dict(logit_bias=[1]), "logit_bias"),
+        (dict(min_tokens=-1), "min_tokens"),
+        (dict(min_tokens=5, max_tokens=4), "min_tokens"),
+        (dict(ignore_eos=1), "ignore_eos"),
+        (dict(bad_words="word"), "bad_words"),
+        (dict(bad_words=[" "]), "bad_words"),
+        (dict(bad_words=["w"] * 33), "bad_words"),
+        (dict(allowed_token_ids=[]), "allowed_token_ids"),
+        (dict(allowed_token_ids=[-1]), "allowed_token_ids"),
+        (dict(allowed_token_ids=list(range(1025))), "allowed_token_ids"),
+        (dict(n=3, best_of=2), "best_of"),
     ],
 )
 def test_bad_new_sampling_params(kw, match):
@@ -477,3 +497,168 @@ def test_async_engine_keeps_serving_when_requests_fail(engine):
     assert res[:4] == want and isinstance(res[4], RequestFailedError) and "injected fault" in str(res[4])
     assert after == want[1] and ae.dead is None
     assert engine.stats().kv_cache_usage == 0 and not engine.has_unfinished_requests()
+
+
+# ---- logits processors (penalties, logit_bias, allowed_token_ids, bad_words, min_tokens, ignore_eos) ----------
+
+
+def reference_processors(logits, prompt, generated, sp, bad_words_ids=()):
+    """The processors of `sampling.apply_penalties_and_bias` written plainly over one row (numpy)."""
+    x = np.array(logits, np.float32)
+    V = len(x)
+    if sp.allowed_token_ids:
+        keep = np.zeros(V, bool)
+        keep[list(sp.allowed_token_ids)] = True
+        x[~keep] = -np.inf
+    for word in bad_words_ids:
+        prefix = list(word[:-1])
+        if len(prefix) <= len(generated) and (not prefix or list(generated[-len(prefix) :]) == prefix):
+            x[word[-1]] = -np.inf
+    if len(generated) < sp.min_tokens:
+        x[list(sp.stop_token_ids)] = -np.inf
+    for t, b in (sp.logit_bias or {}).items():
+        x[t] += np.float32(b)
+    counts = np.bincount(np.asarray(generated, int), minlength=V)[:V].astype(np.float32)
+    seen = (counts > 0) | np.isin(np.arange(V), prompt)
+    r = np.float32(sp.repetition_penalty)
+    x = np.where(seen, np.where(x > 0, x / r, x * r), x)
+    return x - np.float32(sp.frequency_penalty) * counts - np.float32(sp.presence_penalty) * (counts > 0)
+
+
+def reference_greedy(engine, prompt, sp, bad_words_ids=()):
+    """Greedy decoding with the processors applied to full-forward logits on the host."""
+    out = []
+    while len(out) < sp.max_tokens:
+        x = reference_processors(engine.prompt_logits(prompt + out)[-1], prompt, out, sp, bad_words_ids)
+        tok = int(np.argmax(x))
+        if tok in sp.stop_token_ids and len(out) >= sp.min_tokens:
+            break
+        out.append(tok)
+    return out
+
+
+@pytest.fixture(scope="module")
+def multi_engine(small_checkpoint):
+    """4 decode steps per call: processors must see the tokens sampled earlier in the same call."""
+    return Engine(small_checkpoint, dtype="float32", progress=False, **{**SMALL, "decode_steps_per_call": 4})
+
+
+REPEATS = prompts(3, 4, 10, seed=0)[2]  # greedy output repeats tokens (4 repeats in 20)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(frequency_penalty=1.0),
+        dict(presence_penalty=1.5),
+        dict(repetition_penalty=1.8),
+        dict(presence_penalty=-0.5, frequency_penalty=0.7, repetition_penalty=1.3),
+        dict(logit_bias={7: 3.0, 100: -2.5}),
+        dict(allowed_token_ids=[3, 5, 7, 11, 13]),
+        dict(min_tokens=6),
+    ],
+    ids=str,
+)
+def test_processors_match_the_host_reference_in_single_and_multi_step_decode(engine, multi_engine, kw):
+    sp = greedy(12, **kw)
+    if "min_tokens" in kw:  # stop at the greedy output's second token, held off until 6 tokens
+        free = alone(engine, REPEATS, greedy(12))[0]
+        sp = greedy(12, **kw, stop_token_ids=[free[1]])
+    want = reference_greedy(engine, REPEATS, sp)
+    assert alone(engine, REPEATS, sp)[0] == want
+    assert alone(multi_engine, REPEATS, sp)[0] == want
+    if "min_tokens" in kw:
+        assert len(want) >= 6 and want[:2] != free[:2]
+
+
+def repeats(tokens):
+    return len(tokens) - len(set(tokens))
+
+
+@pytest.mark.parametrize("kw", [dict(frequency_penalty=1.0), dict(presence_penalty=1.0), dict(repetition_penalty=1.5)])
+def test_penalties_reduce_repeats(multi_engine, kw):
+    free = alone(multi_engine, REPEATS, greedy(20))[0]
+    penalised = alone(multi_engine, REPEATS, greedy(20, **kw))[0]
+    assert repeats(free) >= 3 and repeats(penalised) < repeats(free)
+
+
+def test_logit_bias_forces_and_bans(multi_engine):
+    free = alone(multi_engine, REPEATS, greedy(8))[0]
+    assert alone(multi_engine, REPEATS, greedy(8, logit_bias={42: 100}))[0] == [42] * 8
+    banned = alone(multi_engine, REPEATS, greedy(8, logit_bias={free[0]: -100}))[0]
+    assert free[0] not in banned
+    # a batch where one row uses a processor and the others do not: the others are unchanged
+    got = run(multi_engine, {"b": (REPEATS, greedy(8, logit_bias={42: 100})), "f": (REPEATS, greedy(8))})
+    assert got["b"][0] == [42] * 8 and got["f"][0] == free
+
+
+def test_allowed_token_ids_only(multi_engine):
+    sp = SamplingParams(temperature=1.0, seed=5, max_tokens=16, stop_token_ids=[], allowed_token_ids=[9, 99, 199])
+    assert set(alone(multi_engine, REPEATS, sp)[0]) <= {9, 99, 199}
+
+
+def test_min_tokens_holds_off_stop_tokens_and_strings(small_checkpoint, multi_engine):
+    free = alone(multi_engine, REPEATS, greedy(12))[0]
+    stop_at_first = greedy(12, stop_token_ids=[free[0]])
+    assert alone(multi_engine, REPEATS, stop_at_first)[0] == []
+    held = alone(multi_engine, REPEATS, greedy(12, stop_token_ids=[free[0]], min_tokens=5))
+    assert len(held[0]) >= 5 and free[0] not in held[0][:5]
+    e = Engine(small_checkpoint, dtype="float32", progress=False, tokenizer=ByteTokenizer(), **SMALL)
+    stop = f"<{free[1]}>"
+    assert alone(e, REPEATS, greedy(12, stop=[stop]))[0] == free[:2]
+    out = alone(e, REPEATS, greedy(12, stop=[stop], min_tokens=4))
+    assert len(out[0]) >= 4 and out[0][:4] == free[:4]
+
+
+class WordTokenizer(ByteTokenizer):
+    """ByteTokenizer with `encode`: '<3><4>' -> [3, 4]."""
+
+    def encode(self, text):
+        import re
+
+        return [int(t) for t in re.findall(r"<(\d+)>", text)]
+
+
+def test_bad_words_single_and_multi_token(small_checkpoint):
+    e = Engine(
+        small_checkpoint,
+        dtype="float32",
+        progress=False,
+        tokenizer=WordTokenizer(),
+        **{**SMALL, "decode_steps_per_call": 3},
+    )
+    free = alone(e, REPEATS, greedy(12))[0]
+    one = alone(e, REPEATS, greedy(12, bad_words=[f"<{free[0]}>"]))[0]
+    assert free[0] not in one and one == reference_greedy(e, REPEATS, greedy(12), ((free[0],),))
+    # a two-token word: its second token is banned only right after its first
+    word = (free[3], free[4])
+    two = alone(e, REPEATS, greedy(12, bad_words=[f"<{word[0]}><{word[1]}>"]))[0]
+    assert two[:4] == free[:4] and two[4] != free[4]
+    assert two == reference_greedy(e, REPEATS, greedy(12), (word,))
+    assert all(two[i : i + 2] != list(word) for i in range(len(two) - 1))
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(logit_bias={512: 1.0}), "logit_bias: token id 512 is outside the vocabulary"),
+        (dict(allowed_token_ids=[1, 600]), "allowed_token_ids: token id 600 is outside the vocabulary"),
+        (dict(best_of=2), "best_of=2"),
+        (dict(bad_words=["x"]), "bad words need a tokenizer"),
+    ],
+)
+def test_processor_values_beyond_the_engine_are_refused(engine, kw, match):
+    with pytest.raises(ValueError, match=match):
+        engine.add_request("bad", [1, 2, 3], greedy(4, **kw))
+    assert not engine.has_unfinished_requests()
+
+
+def test_processors_survive_preemption(engine):
+    """Preempted sequences recompute their prompt and output: the counts are rebuilt the same."""
+    ps = prompts(4, 4, 12, seed=11)
+    reqs = {f"p{i}": (p, greedy(36 - len(p), frequency_penalty=0.8, repetition_penalty=1.2)) for i, p in enumerate(ps)}
+    before = engine.stats().num_preemptions
+    together = run(engine, reqs)
+    assert engine.stats().num_preemptions > before
+    for rid, (p, sp) in reqs.items():
+        assert together[rid] == alone(engine, p, sp)

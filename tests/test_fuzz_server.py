@@ -210,6 +210,13 @@ SAMPLING = [
     "frequency_penalty",
     "repetition_penalty",
     "user",
+    "logit_bias",
+    "min_tokens",
+    "ignore_eos",
+    "bad_words",
+    "allowed_token_ids",
+    "stop_token_ids",
+    "best_of",
 ]
 FIELDS = {
     CHAT: SAMPLING
@@ -231,8 +238,10 @@ FIELDS = {
         "guided_choice",
         "guided_grammar",
         "thinking_token_budget",
+        "functions",
+        "function_call",
     ],
-    COMPLETIONS: SAMPLING + ["prompt", "echo", "suffix", "best_of"],
+    COMPLETIONS: SAMPLING + ["prompt", "echo", "suffix"],
     RESPONSES: [
         "model",
         "input",

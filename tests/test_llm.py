@@ -303,3 +303,43 @@ def test_chat_renders_and_splits_as_the_server(demo_llm):
     )
     with pytest.raises(harmony.RenderError, match="reasoning_effort"):
         demo_llm.chat(messages, reasoning_effort="extreme", use_tqdm=False)
+
+
+def test_best_of_keeps_the_n_most_likely(llm):
+    ids = _prompts(1, seed=4)[0]
+    sp = dict(temperature=1.0, seed=21, max_tokens=6, stop_token_ids=[])
+    all5 = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(n=5, logprobs=0, **sp), use_tqdm=False)
+    ranked = sorted(all5[0].outputs, key=lambda o: -o.cumulative_logprob)
+    best = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(n=2, best_of=5, **sp), use_tqdm=False)
+    got = best[0].outputs
+    assert [o.token_ids for o in got] == [o.token_ids for o in ranked[:2]] and [o.index for o in got] == [0, 1]
+    assert got[0].cumulative_logprob >= got[1].cumulative_logprob >= ranked[2].cumulative_logprob
+    assert got[0].logprobs is None  # not asked for
+
+
+def test_ignore_eos_and_bad_words_on_the_real_vocabulary(demo_llm):
+    from gptoss_jax.tokenizer import RETURN
+
+    prompt = "The capital of France is"
+    force_eos = dict(temperature=0, max_tokens=5, logit_bias={RETURN: 100})
+    out = demo_llm.generate(prompt, SamplingParams(**force_eos), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [] and (out.finish_reason, out.stop_reason) == ("stop", RETURN)
+    out = demo_llm.generate(prompt, SamplingParams(**force_eos, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [RETURN] * 5 and out.finish_reason == "length"
+    # " Paris" is one token; forced by a bias, banned as a bad word (with or without its leading space)
+    (paris,) = demo_llm.tokenizer.encode(" Paris")
+    forced = dict(temperature=0, max_tokens=4, stop_token_ids=[], logit_bias={paris: 100})
+    assert demo_llm.generate(prompt, SamplingParams(**forced), use_tqdm=False)[0].outputs[0].token_ids == [paris] * 4
+    assert paris in {w[0] for w in demo_llm.engine.bad_words_ids(["Paris"])}
+    out = demo_llm.generate(prompt, SamplingParams(**forced, bad_words=["Paris"]), use_tqdm=False)[0].outputs[0]
+    assert paris not in out.token_ids and len(out.token_ids) == 4
+
+
+def test_min_tokens_keeps_early_stop_strings_in_the_text(demo_llm):
+    (paris,) = demo_llm.tokenizer.encode(" Paris")
+    sp = dict(temperature=0, max_tokens=8, stop_token_ids=[], logit_bias={paris: 100}, stop=[" Paris"])
+    out = demo_llm.generate("The capital of France is", SamplingParams(**sp), use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.text, out.stop_reason) == ([paris], "", " Paris")
+    out = demo_llm.generate("The capital of France is", SamplingParams(**sp, min_tokens=3), use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert (c.token_ids, c.text, c.finish_reason) == ([paris] * 3, " Paris Paris", "stop")

@@ -1,3 +1,5 @@
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -257,3 +259,103 @@ def test_top_k_matches_lax_top_k(k):
     np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
     whole_v, whole_i = sampling.top_k(jnp.asarray(x[:, :k]), k)
     np.testing.assert_array_equal(np.asarray(whole_i), np.asarray(jax.lax.top_k(jnp.asarray(x[:, :k]), k)[1]))
+
+
+def _batch(B, proc, penalties):
+    z = np.zeros(B, np.float32)
+    return sampling.SamplingBatch(
+        jnp.asarray(z),
+        jnp.zeros(B, jnp.int32),
+        jnp.ones(B, jnp.float32),
+        jnp.asarray(z),
+        jnp.zeros((B, 2), jnp.uint32),
+        jnp.zeros(B, bool),
+        jnp.zeros(B, bool),  # no structured-output mask (unused by the processors)
+        jnp.zeros((B, 1), jnp.int32),
+        jnp.asarray(penalties, jnp.float32),
+        jnp.asarray(proc, jnp.int32),
+    )
+
+
+def test_processors_match_numpy():
+    """`apply_penalties_and_bias` row by row against the definitions, each row with its own mix of processors."""
+    rng = np.random.default_rng(0)
+    B, V, S = 6, 64, 8
+    L = sampling.MAX_BAD_WORD_TOKENS
+    logits = rng.standard_normal((B, V)).astype(np.float32) * 3
+    counts = rng.integers(0, 3, (S, V)).astype(np.uint16) | (rng.random((S, V)) < 0.2).astype(np.uint16) << 15
+    recent = rng.integers(0, V, (S, L)).astype(np.int32)
+    lists = sampling.empty_lists(S, V)
+    slot = np.array([3, 0, 5, 1, 7, 2])
+    pos = np.array([20, 11, 30, 9, 15, 13])
+    prompt_len = np.array([10, 10, 25, 5, 12, 12])
+    flags = np.array([1, 2, 4, 8, 16, 31])
+    min_tokens = np.array([0, 0, 0, 0, 50, 2])
+    penalties = np.tile([0.0, 0.0, 1.0], (B, 1)).astype(np.float32)
+    penalties[[0, 5]] = [[0.5, 0.3, 1.4], [-0.4, 1.1, 0.7]]
+    for b in range(B):
+        s = slot[b]
+        lists.bias_ids_BN[s, :3], lists.bias_BN[s, :3] = rng.choice(V, 3, replace=False), [5.0, -7.0, 100.0]
+        lists.allowed_BA[s, :5] = rng.choice(V, 5, replace=False)
+        lists.stops_BK[s, :2] = rng.choice(V, 2, replace=False)
+        at = (pos[b] - np.arange(L - 2, -1, -1)) % L  # the last L - 1 positions' columns
+        lists.bad_BWL[s, 0, -1] = 1  # one token
+        lists.bad_BWL[s, 1, -2:] = [recent[s, at[-1]], 2]  # matches the last token: bans 2
+        lists.bad_BWL[s, 2, -3:] = [recent[s, at[-2]] + 1, recent[s, at[-1]], 3]  # mismatch: 3 stays
+    state = sampling.SamplerState(jnp.asarray(counts), jnp.asarray(recent), jax.tree.map(jnp.asarray, lists))
+    proc = np.stack([flags, min_tokens, prompt_len, slot], 1)
+    got = np.asarray(
+        jax.jit(sampling.apply_penalties_and_bias)(
+            jnp.asarray(logits), jnp.asarray(pos), _batch(B, proc, penalties), state
+        )
+    )
+    for b in range(B):
+        s, x = slot[b], logits[b].copy()
+        if flags[b] & sampling.USES_ALLOWED:
+            x[~np.isin(np.arange(V), lists.allowed_BA[s])] = -np.inf
+        if flags[b] & sampling.USES_BAD_WORDS:
+            x[[1, 2]] = -np.inf
+        if flags[b] & sampling.USES_MIN_TOKENS and pos[b] + 1 - prompt_len[b] < min_tokens[b]:
+            x[lists.stops_BK[s, :2]] = -np.inf
+        if flags[b] & sampling.USES_BIAS:
+            x[lists.bias_ids_BN[s, :3]] += lists.bias_BN[s, :3]
+        if flags[b] & sampling.USES_PENALTIES:
+            n = (counts[s] & 0x7FFF).astype(np.float32)
+            seen = (n > 0) | (counts[s] >> 15 > 0)
+            pres, freq, rep = penalties[b]
+            x = np.where(seen, np.where(x > 0, x / rep, x * rep), x) - freq * n - pres * (n > 0)
+        np.testing.assert_allclose(got[b], x, rtol=1e-6, err_msg=str(b))
+    assert np.isneginf(got[3, 2]) and not np.isneginf(got[3, 3])  # bad words: the matching prefix only
+    assert np.isfinite(got[2]).sum() == 5  # allowed ids only
+
+
+def test_recorded_counts_and_recent_tokens_match_the_sequence():
+    """`record_prefill` over chunks (a recomputed sequence: prompt then generated tokens) and `record_input` per
+    decode step leave the slot's counts = the generated tokens' counts, the prompt's tokens flagged, and the last
+    positions' tokens in `recent_SR`; a chunk at position 0 clears what a slot's earlier sequence left."""
+    rng = np.random.default_rng(1)
+    V, S, T = 40, 4, 8
+    L = sampling.MAX_BAD_WORD_TOKENS
+    tokens = rng.integers(0, V, 30).tolist()
+    prompt_len, slot = 11, 2
+    state = sampling.SamplerState.zeros(S, V)
+    state = dataclasses.replace(state, counts_SV=state.counts_SV.at[slot].set(7))  # a previous sequence's
+    proc = np.array([[sampling.USES_PENALTIES, 0, prompt_len, slot]])
+    sb = _batch(1, proc, [[0.0, 1.0, 1.0]])
+    prefill, decode = jax.jit(sampling.record_prefill), jax.jit(sampling.record_input)
+    for start in range(0, 20, T):  # chunks of the first 20 tokens (9 of them generated)
+        chunk = np.zeros((1, T), np.int32)
+        positions = np.full((1, T), -1, np.int32)
+        n = min(T, 20 - start)
+        chunk[0, :n], positions[0, :n] = tokens[start : start + n], np.arange(start, start + n)
+        lists = jax.tree.map(jnp.asarray, sampling.empty_lists(1, V))
+        state = prefill(state, sb, lists, jnp.asarray(chunk), jnp.asarray(positions), jnp.asarray([n - 1]))
+    for p in range(20, 30):
+        state = decode(state, sb, jnp.asarray([tokens[p]]), jnp.asarray([p]))
+    counts = np.asarray(state.counts_SV[slot])
+    want = np.bincount(tokens[prompt_len:], minlength=V)
+    np.testing.assert_array_equal(counts & 0x7FFF, want)
+    np.testing.assert_array_equal(counts >> 15, np.isin(np.arange(V), tokens[:prompt_len]))
+    recent = np.asarray(state.recent_SR[slot])
+    assert [recent[p % L] for p in range(30 - L, 30)] == tokens[30 - L :]
+    assert int(np.asarray(state.counts_SV)[0].sum()) == 0  # other slots untouched

@@ -260,3 +260,68 @@ def test_structured_streaming_and_unconstrained_neighbours(client):
         assert [f.result().choices[0].message.content for f in together] == [alone, alone]
         assert [f.result() for f in streams] == [f.result() for f in full]
     jsonschema.validate(json.loads(full[0].result()), NESTED)
+
+
+# ---- the sampling parameters through the on-device sampler (the random demo model: logit_bias steers it) --------
+
+
+@pytest.fixture(scope="module")
+def words():
+    from gptoss_jax import tokenizer as tokenizer_lib
+
+    tok = tokenizer_lib.load()
+    return {w: tok.encode(w)[0] for w in (" the", " cat", " sat")}
+
+
+def completion(client, **kw):
+    r = client.completions.create(
+        model="gpt-oss-demo", prompt="Tell me a story.", **{"max_tokens": 12, "temperature": 0, "logprobs": 0, **kw}
+    )
+    return r.choices[0], r.usage
+
+
+def test_logit_bias_forces_and_bans(client, words):
+    a, b = words[" the"], words[" cat"]
+    ch, _ = completion(client, logit_bias={str(a): 100})
+    assert ch.logprobs.tokens == [" the"] * 12
+    ch, _ = completion(client, logit_bias={str(a): -100}, extra_body={"allowed_token_ids": [a, b]})
+    assert ch.logprobs.tokens == [" cat"] * 12
+
+
+@pytest.mark.parametrize("kw", [dict(frequency_penalty=2.0), dict(presence_penalty=2.0), dict(repetition_penalty=3.0)])
+def test_penalties_reduce_repeats(client, kw):
+    # greedy among ten tokens: the random model keeps coming back to a few of them
+    allowed = list(range(1000, 1010))
+    free, _ = completion(client, max_tokens=24, extra_body={"allowed_token_ids": allowed})
+    penalised, _ = completion(client, max_tokens=24, extra_body={"allowed_token_ids": allowed, **kw})
+
+    def distinct(ch):  # of the first ten tokens: with a penalty, the tokens not seen yet come first
+        return len(set(ch.logprobs.tokens[:10]))
+
+    assert distinct(free) <= 6 and distinct(penalised) > distinct(free)
+
+
+def test_min_tokens_and_ignore_eos(client):
+    eos = {"200002": 100}  # <|return|>, a stop token of every request
+    ch, usage = completion(client, logit_bias=eos)
+    assert (ch.finish_reason, usage.completion_tokens) == ("stop", 0)
+    ch, usage = completion(client, logit_bias=eos, extra_body={"min_tokens": 5})
+    assert (ch.finish_reason, usage.completion_tokens) == ("stop", 5)
+    ch, usage = completion(client, logit_bias=eos, extra_body={"ignore_eos": True})
+    assert (ch.finish_reason, usage.completion_tokens) == ("length", 12)
+
+
+def test_allowed_token_ids_and_bad_words(client, words):
+    ids = [words[" the"], words[" cat"]]
+    ch, _ = completion(client, temperature=1.0, seed=3, extra_body={"allowed_token_ids": ids})
+    assert set(ch.logprobs.tokens) <= {" the", " cat"} and len(ch.logprobs.tokens) == 12
+    ch, _ = completion(client, logit_bias={str(words[" the"]): 100}, extra_body={"bad_words": ["the"]})
+    assert " the" not in ch.logprobs.tokens and len(ch.logprobs.tokens) == 12
+
+
+def test_best_of_returns_the_most_likely(client):
+    kw = dict(model="gpt-oss-demo", prompt="Tell me a story.", max_tokens=6, temperature=1.0, seed=7, logprobs=0)
+    every = client.completions.create(n=3, **kw).choices
+    best = client.completions.create(n=1, best_of=3, **kw).choices
+    ranked = sorted(every, key=lambda c: -sum(c.logprobs.token_logprobs))
+    assert len(best) == 1 and best[0].text == ranked[0].text and best[0].index == 0

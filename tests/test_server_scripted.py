@@ -18,6 +18,8 @@ pytest.importorskip("starlette")
 
 from server_utils import REPO, Server, collect_chat_stream  # noqa: E402
 
+from gptoss_jax import tokenizer as tokenizer_lib  # noqa: E402
+
 KEY = "sk-test-123"
 WEATHER = [
     {
@@ -225,6 +227,69 @@ def test_stop_strings_apply_to_content_only(client):
     assert full[0]["content"] == "one two " and full[0]["finish_reason"] == "stop"
     assert full[0]["reasoning"] == "STOP in reasoning is fine"
     assert stream_view(collect_chat_stream(client.chat.completions.create(stream=True, **kw))) == full
+
+
+def _tokens_through(text: str, stop: str) -> int:
+    """How many tokens of `text` (o200k, special tokens allowed) it takes for the prefix's text (special tokens
+    left out) to contain `stop`."""
+    tok = tokenizer_lib.load()
+    ids = tok.encode(text, allowed_special="all")
+    return next(n for n in range(1, len(ids) + 1) if stop in tok.decode([t for t in ids[:n] if t < 199998]))
+
+
+@pytest.mark.parametrize("max_tokens", [None, 12])
+def test_stop_inside_the_held_back_header_reports_stop_and_true_usage(client, max_tokens):
+    # "headerless": plain text that the parser holds back as a possible header (up to 48 tokens); a stop string
+    # in it must end the choice with "stop" and the usage must count the tokens up to the stop, whether the engine
+    # ended by length before the text was released (max_tokens=12) or by its stop token
+    text = "I cannot help with that."
+    kw = dict(model="gpt-oss-demo", messages=ask("headerless"), stop=["help"], max_tokens=max_tokens)
+    r = client.chat.completions.create(**kw)
+    assert r.choices[0].message.content == "I cannot " and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == _tokens_through(text, "help")
+    got = collect_chat_stream(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert stream_view(got) == nonstream_view(r) and got["usage"].completion_tokens == r.usage.completion_tokens
+    # a stop token inside the header: "stop" and every token counted once
+    r = client.chat.completions.create(model="gpt-oss-demo", messages=ask("headerless"))
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == text
+    assert r.usage.completion_tokens == len(tokenizer_lib.load().encode(text))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_of_held_back_header_tokens_arrive_in_order(client, stream):
+    text = "I cannot help with that."
+    kw = dict(model="gpt-oss-demo", messages=ask("headerless"), logprobs=True, top_logprobs=1)
+    if stream:
+        got = collect_chat_stream(client.chat.completions.create(stream=True, **kw))["choices"][0]
+        content, lps = got["content"], got["logprobs"]
+    else:
+        ch = client.chat.completions.create(**kw).choices[0]
+        content, lps = ch.message.content, ch.logprobs.content
+    tok = tokenizer_lib.load()
+    assert content == text
+    assert [x.token for x in lps] == [tok.decode([t]) for t in tok.encode(text)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_stop_in_the_first_tokens(client, stream):
+    kw = dict(model="gpt-oss-demo", prompt="Count [[count:6]]", max_tokens=100, stop=[" t1"], logprobs=0)
+    if stream:
+        chunks = [c for c in client.completions.create(stream=True, stream_options={"include_usage": True}, **kw)]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        usage = chunks[-1].usage
+        tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    else:
+        r = client.completions.create(**kw)
+        text, finish, usage, tokens = (
+            r.choices[0].text,
+            [r.choices[0].finish_reason],
+            r.usage,
+            r.choices[0].logprobs.tokens,
+        )
+    assert text == "final t0" and finish == ["stop"]
+    assert usage.completion_tokens == _tokens_through("<|channel|>final<|message|> t0 t1", " t1")
+    assert "".join(tokens).startswith(text)
 
 
 def test_logprobs(client):
@@ -531,3 +596,236 @@ def test_health_reports_loading_progress(tmp_path):
     assert all(body["detail"].startswith("decode rows=") for body in compiling)
     assert sorted(body["progress"] for body in compiling) == [body["progress"] for body in compiling]
     assert seen[-1] == (200, {"status": "ok"})
+
+
+# ---- sampling parameters (the engine's processors are tested in test_engine/test_sampling) ------------------------
+
+
+def echo(client, **kw):
+    r = client.chat.completions.create(
+        model="gpt-oss-demo", messages=[{"role": "user", "content": "[[echo:params]]"}], max_tokens=200, **kw
+    )
+    return json.loads(r.choices[0].message.content)
+
+
+def test_sampling_parameters_reach_the_engine(client):
+    got = echo(
+        client,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        logit_bias={"1000": 100, " 17": -5.5},
+        extra_body={
+            "repetition_penalty": 1.2,
+            "min_tokens": 3,
+            "ignore_eos": True,
+            "bad_words": ["foo", "bar baz"],
+            "allowed_token_ids": [5, 6, 7],
+            "stop_token_ids": [42],
+        },
+    )
+    assert got == {
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.25,
+        "repetition_penalty": 1.2,
+        "min_tokens": 3,
+        "ignore_eos": True,
+        "bad_words": ["foo", "bar baz"],
+        "allowed_token_ids": [5, 6, 7],
+        "stop_token_ids": [200002, 200012, 199999, 42],
+        "n": 1,
+        "logit_bias": {"1000": 100.0, "17": -5.5},
+    }
+    r = client.completions.create(
+        model="gpt-oss-demo", prompt="[[echo:params]]", max_tokens=300, presence_penalty=1, extra_body={"min_tokens": 2}
+    )
+    assert json.loads(r.choices[0].text.removeprefix("final"))["presence_penalty"] == 1.0
+
+
+def test_min_tokens_holds_off_stop_strings(client):
+    kw = dict(model="gpt-oss-demo", prompt="Count [[count:6]]", max_tokens=100, stop=[" t1"])
+    assert client.completions.create(**kw).choices[0].text == "final t0"
+    r = client.completions.create(**kw, extra_body={"min_tokens": 40})
+    assert r.choices[0].text == "final t0 t1 t2 t3 t4 t5" and r.choices[0].finish_reason == "stop"
+    got = collect_chat_stream(
+        client.chat.completions.create(
+            model="gpt-oss-demo", messages=ask("stopword"), stop=["STOP"], stream=True, extra_body={"min_tokens": 200}
+        )
+    )
+    assert got["choices"][0]["content"] == "one two STOP three four"
+
+
+def test_legacy_functions_map_onto_tools(client):
+    functions = [WEATHER[0]["function"]]
+    r = client.chat.completions.create(
+        model="gpt-oss-demo", messages=ask("tool"), functions=functions, function_call="auto"
+    )
+    ch = r.choices[0]
+    assert ch.finish_reason == "function_call" and ch.message.tool_calls is None
+    assert ch.message.function_call.name == "get_weather"
+    assert json.loads(ch.message.function_call.arguments) == {"location": "Paris", "unit": "celsius"}
+    chunks = list(
+        client.chat.completions.create(
+            model="gpt-oss-demo",
+            messages=ask("tool"),
+            functions=functions,
+            function_call={"name": "get_weather"},
+            stream=True,
+        )
+    )
+    calls = [c.choices[0].delta.function_call for c in chunks if c.choices and c.choices[0].delta.function_call]
+    assert (
+        calls[0].name == "get_weather"
+        and "".join(c.arguments or "" for c in calls) == ch.message.function_call.arguments
+    )
+    assert chunks[-1].choices[0].finish_reason == "function_call"
+
+
+def test_best_of_picks_n_choices(client):
+    r = client.completions.create(model="gpt-oss-demo", prompt="x [[count:3]]", max_tokens=50, n=2, best_of=3)
+    assert [c.index for c in r.choices] == [0, 1] and all(c.text == "final t0 t1 t2" for c in r.choices)
+    assert r.choices[0].logprobs is None
+    assert r.usage.completion_tokens == 3 * (r.usage.completion_tokens // 3)  # every candidate counted
+
+
+@pytest.mark.parametrize(
+    "endpoint, body, param, match",
+    [
+        ("chat", {"presence_penalty": 2.5}, "presence_penalty", "presence_penalty"),
+        ("chat", {"frequency_penalty": -3}, "frequency_penalty", "frequency_penalty"),
+        ("chat", {"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty"),
+        ("chat", {"logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
+        ("chat", {"logit_bias": {"201088": 1}}, "logit_bias", "Token id 201088"),
+        ("chat", {"logit_bias": {"5": 101}}, "logit_bias", r"\[-100, 100\]"),
+        ("chat", {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", "at most 300"),
+        ("chat", {"min_tokens": -1}, "min_tokens", "min_tokens"),
+        ("chat", {"min_tokens": 9, "max_tokens": 8}, "min_tokens", "min_tokens"),
+        ("chat", {"ignore_eos": "yes"}, "ignore_eos", "ignore_eos"),
+        ("chat", {"bad_words": "foo"}, "bad_words", "bad_words"),
+        ("chat", {"bad_words": ["w"] * 33}, "bad_words", "at most 32"),
+        ("chat", {"allowed_token_ids": [1, 300000]}, "allowed_token_ids", "Token id 300000"),
+        ("chat", {"allowed_token_ids": list(range(1025))}, "allowed_token_ids", "at most 1024"),
+        ("chat", {"stop_token_ids": [-1]}, "stop_token_ids", "Token id -1"),
+        ("chat", {"n": 3, "best_of": 2}, "best_of", "at least 'n'"),
+        ("chat", {"best_of": 2, "stream": True}, "best_of", "cannot be streamed"),
+        ("completions", {"best_of": 17}, "best_of", "best_of"),
+        ("chat", {"use_beam_search": True}, "use_beam_search", "not supported"),
+        ("chat", {"length_penalty": 0.5}, "length_penalty", "not supported"),
+        ("chat", {"include_stop_str_in_output": True}, "include_stop_str_in_output", "not supported"),
+        ("chat", {"skip_special_tokens": False}, "skip_special_tokens", "not supported"),
+        ("completions", {"prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
+        ("completions", {"truncate_prompt_tokens": 5}, "truncate_prompt_tokens", "not supported"),
+        ("chat", {"prediction": {"type": "content", "content": "x"}}, "prediction", "not supported"),
+        ("chat", {"add_generation_prompt": False}, "add_generation_prompt", "not supported"),
+        ("chat", {"functions": [WEATHER[0]["function"]], "tools": WEATHER}, "functions", "not both"),
+        ("chat", {"function_call": "auto"}, "function_call", "needs 'functions'"),
+        ("responses", {"background": True}, "background", "not supported"),
+        ("responses", {"truncation": "auto"}, "truncation", "not supported"),
+        ("responses", {"top_logprobs": 3}, "top_logprobs", "not supported"),
+    ],
+)
+def test_sampling_parameter_errors(server, endpoint, body, param, match):
+    url, base = {
+        "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        "completions": ("/v1/completions", {"prompt": "hi"}),
+        "responses": ("/v1/responses", {"input": "hi"}),
+    }[endpoint]
+    r = httpx.post(server.url + url, json={**base, **body}, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    import re
+
+    assert re.search(match, err["message"]), err["message"]
+
+
+def test_off_values_of_unsupported_parameters_are_accepted(client):
+    r = client.chat.completions.create(
+        model="gpt-oss-demo",
+        messages=ask("default"),
+        extra_body={"use_beam_search": False, "skip_special_tokens": True, "length_penalty": 1.0, "best_of": 1},
+    )
+    assert r.choices[0].message.content == "Hello from the scripted engine."
+
+
+# ---- tokenize, detokenize, models/{id}, version, stored responses ---------------------------------------------
+
+
+def test_tokenize_and_detokenize(server, client):
+    tok = tokenizer_lib.load()
+    r = post(server, "/tokenize", {"model": "gpt-oss-demo", "prompt": "Hello world<|end|>", "return_token_strs": True})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["tokens"] == tok.encode("Hello world<|end|>", allowed_special="all") and body["count"] == 3
+    assert body["max_model_len"] == 4096 and body["token_strs"] == ["Hello", " world", "<|end|>"]
+    assert post(server, "/detokenize", {"tokens": body["tokens"]}).json() == {"prompt": "Hello world<|end|>"}
+    # messages: the prompt /v1/chat/completions runs (its usage counts it)
+    msgs = [{"role": "user", "content": "Please answer. [[script:default]]"}]
+    chat = post(server, "/tokenize", {"messages": msgs}).json()
+    usage = client.chat.completions.create(model="gpt-oss-demo", messages=msgs).usage
+    assert chat["count"] == usage.prompt_tokens and chat["tokens"][-2:] == [200006, 173781]
+    bare = post(server, "/tokenize", {"messages": msgs, "add_generation_prompt": False}).json()
+    assert bare["tokens"] == chat["tokens"][:-2] and bare["token_strs"] is None
+    for path, body, param in [
+        ("/tokenize", {"prompt": "a", "messages": msgs}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"prompt": "a", "model": "nope"}, "model"),
+        ("/detokenize", {"tokens": [1, 201088]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ]:
+        r = post(server, path, body)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (path, body, r.text)
+
+
+def test_model_by_id_and_version(server, client):
+    m = client.models.retrieve("gpt-oss-demo")
+    assert m.id == "gpt-oss-demo" and m.model_extra["max_model_len"] == 4096
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.body["code"] == "model_not_found"
+    v = httpx.get(server.url + "/version").json()
+    assert set(v) == {"version"} and v["version"]
+
+
+def test_stored_responses_and_previous_response_id(server, client):
+    first = client.responses.create(model="gpt-oss-demo", input="2+2? [[script:reasoning]]")
+    assert first.store is True
+    got = client.responses.retrieve(first.id)
+    assert got.id == first.id and got.output_text == "The answer is 4."
+    # the follow-up renders the earlier input and output before its own input
+    follow = client.responses.create(
+        model="gpt-oss-demo", input="And 3+3? [[script:default]]", previous_response_id=first.id
+    )
+    assert follow.previous_response_id == first.id and follow.output_text == "Hello from the scripted engine."
+    alone = client.responses.create(model="gpt-oss-demo", input="And 3+3? [[script:default]]")
+    assert follow.usage.input_tokens > alone.usage.input_tokens + first.usage.output_tokens // 2
+    # store=false keeps nothing; unknown ids are 404 (GET) and 400 (previous_response_id)
+    unstored = client.responses.create(model="gpt-oss-demo", input="hi", store=False)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="gpt-oss-demo", input="x", previous_response_id=unstored.id)
+    assert e.value.body["code"] == "previous_response_not_found" and e.value.body["param"] == "previous_response_id"
+    # streamed responses are stored too; DELETE removes one
+    events = list(client.responses.create(model="gpt-oss-demo", input="[[script:default]]", stream=True))
+    rid = events[-1].response.id
+    assert client.responses.retrieve(rid).output_text == "Hello from the scripted engine."
+    r = httpx.delete(server.url + f"/v1/responses/{rid}", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.json() == {"id": rid, "object": "response", "deleted": True}
+    assert httpx.get(server.url + f"/v1/responses/{rid}", headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
+
+
+def test_response_store_evicts_the_least_recently_used():
+    from gptoss_jax.server.app import ResponseStore
+
+    store = ResponseStore(2)
+    store.put("a", {"n": 1})
+    store.put("b", {"n": 2})
+    assert store.get("a") == {"n": 1}  # now the most recently used
+    store.put("c", {"n": 3})
+    assert store.get("b") is None and store.get("a") and store.get("c")
+    assert store.delete("a") and not store.delete("a")
+    none = ResponseStore(0)
+    none.put("x", {})
+    assert none.get("x") is None

@@ -240,6 +240,8 @@ def test_sampler_draws_only_allowed_tokens_and_leaves_other_rows_alone():
             jnp.zeros(B, bool),
             jnp.asarray(masked_B),
             jnp.asarray(packed),
+            jnp.tile(jnp.asarray([0.0, 0.0, 1.0]), (B, 1)),  # no logits processor
+            jnp.zeros((B, 4), jnp.int32),
         )
 
     sb = batch(masked)

@@ -142,6 +142,8 @@ def sampler_cost(batch: int, vocab: int) -> dict:
             jnp.zeros(batch, bool),
             jnp.asarray(masked),
             mask,
+            jnp.tile(jnp.asarray([0.0, 0.0, 1.0]), (batch, 1)),  # no logits processor
+            jnp.zeros((batch, 4), jnp.int32),
         )
 
     fn = jax.jit(sampling.sample_batch, static_argnums=3)

@@ -8,6 +8,7 @@ import argparse
 import ast
 import collections
 import dataclasses
+import functools
 import glob
 import gzip
 import json
@@ -19,10 +20,11 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
-from gptoss_jax import checkpoint, config, kv_cache, model, random_weights, steps, structured
+from gptoss_jax import checkpoint, config, kv_cache, model, random_weights, sampling, steps, structured
 from gptoss_jax.engine_config import EngineConfig
-from gptoss_jax.sampling import SamplingBatch
+from gptoss_jax.sampling import SamplerState, SamplingBatch
 from pallas_kernels import KernelConfig, kv_quant
 from pallas_kernels import params as params_lib
 
@@ -241,19 +243,20 @@ class Step:
     batch: steps.DecodeBatch | steps.PrefillBatch
     st: steps.StepConfig
     pages: tuple[int, int]  # (full, sliding) pool pages per attention rank, null page included
+    state: SamplerState  # the logits processors' (no row uses one); donated as the cache
 
     def __call__(self, block: bool = True) -> jax.Array:
         """One call -> its sampled tokens once they are ready (`block=False`: as soon as the call returns)."""
-        out, self.cache = self.fn(self.params, self.cache, self.batch, st=self.st)
+        out, self.cache, self.state = self.fn(self.params, self.cache, self.state, self.batch, st=self.st)
         return out.tokens.block_until_ready() if block else out.tokens
 
     def lower(self, **kw):
         """The step traced and lowered, not run (keywords of `Traced.lower`, e.g. `lowering_platforms`)."""
-        return self.fn.trace(self.params, self.cache, self.batch, st=self.st).lower(**kw)
+        return self.fn.trace(self.params, self.cache, self.state, self.batch, st=self.st).lower(**kw)
 
     def free(self) -> None:
         """Free the cache's device memory now (the next step's cache may need it)."""
-        for buf in jax.tree.leaves(self.cache):
+        for buf in jax.tree.leaves((self.cache, self.state)):
             buf.delete()
 
 
@@ -284,7 +287,7 @@ def decode_step(
         put(tokens_B), put(np.full(B, context, np.int32)), tables, _sampling(put, B, cfg.vocab_size, temperature, top_p)
     )
     st = steps.StepConfig(cfg, resolved(kernels), layout, num_top=num_top, num_steps=num_steps)
-    return Step(steps.decode, params, cache, inputs, st, pages)
+    return Step(steps.decode, params, cache, inputs, st, pages, _sampler_state(put, cfg, B))
 
 
 def prefill_step(
@@ -304,8 +307,10 @@ def prefill_step(
         tables,
         put(np.full(B, tokens - 1, np.int32)),
         _sampling(put, B, cfg.vocab_size),
+        jax.tree.map(put, sampling.empty_lists(B, cfg.vocab_size)),
     )
-    return Step(steps.prefill, params, cache, inputs, steps.StepConfig(cfg, resolved(kernels), layout, num_top), pages)
+    st = steps.StepConfig(cfg, resolved(kernels), layout, num_top)
+    return Step(steps.prefill, params, cache, inputs, st, pages, _sampler_state(put, cfg, B))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -366,6 +371,8 @@ def _paged_state(cfg, rows: int, start: int, tokens: int, dtype, put: _Placer):
 
 def _sampling(put, B: int, vocab: int, temperature: float = 0.0, top_p: float = 1.0) -> SamplingBatch:
     f32 = np.float32
+    proc = np.zeros((B, 4), np.int32)  # no logits processor; every row on the state's spare slot
+    proc[:, 3] = B
     return SamplingBatch(
         put(np.full(B, temperature, f32)),
         put(np.zeros(B, np.int32)),
@@ -375,7 +382,19 @@ def _sampling(put, B: int, vocab: int, temperature: float = 0.0, top_p: float = 
         put(np.zeros(B, bool)),
         put(np.zeros(B, bool)),
         put(np.zeros((B, structured.mask_words(vocab)), np.int32)),
+        put(np.tile(np.array([0, 0, 1], f32), (B, 1))),
+        put(proc),
     )
+
+
+def _sampler_state(put: _Placer, cfg, B: int) -> SamplerState:
+    """The engine's per-slot logits-processor state for `B` sequences (and the spare slot), the same on every
+    device, as the engine keeps it."""
+    zeros = functools.partial(SamplerState.zeros, B + 1, cfg.vocab_size)
+    where = None if put.layout is None else put.layout.named(P())
+    if put.abstract:
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where), jax.eval_shape(zeros))
+    return jax.jit(zeros, out_shardings=where)()
 
 
 # ---- profiler traces ---------------------------------------------------------------------------------------------

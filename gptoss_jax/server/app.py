@@ -9,8 +9,10 @@ sends, so the concatenated stream equals the non-streamed response.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import hmac
+import importlib.metadata
 import json
 import logging
 import time
@@ -25,6 +27,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from gptoss_jax import harmony, sampling, structured
+from gptoss_jax import tokenizer as tokenizer_lib
 from gptoss_jax.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, stats_dict
 from gptoss_jax.sampling import SamplingParams
 from gptoss_jax.server import protocol as P
@@ -32,6 +35,11 @@ from gptoss_jax.server.metrics import Metrics
 from gptoss_jax.server.sse import SSEResponse
 
 log = logging.getLogger("gptoss_jax.server")
+try:
+    VERSION = importlib.metadata.version("gptoss-jax")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    VERSION = "unknown"
+GENERATION_PROMPT = [tokenizer_lib.START, 173781]  # <|start|>assistant: what a rendered chat prompt ends with
 APIError = P.APIError
 ENGINE_ERRORS = (EngineDeadError, RequestFailedError)
 MAX_JSON_DEPTH = 64  # nesting of a request body (a tool schema nests a few levels below the top)
@@ -50,6 +58,7 @@ class ServerConfig:
     default_max_tokens: int | None = None
     max_choices: int = 128  # sequences one request may start: prompts x n on /v1/completions, n elsewhere
     body_timeout_s: float = 60.0  # the whole body must arrive within this (slow senders, short bodies)
+    max_stored_responses: int = 1000  # Responses API `store`: the most recently used are kept (LRU)
 
 
 class ServerShuttingDownError(RequestFailedError):
@@ -66,6 +75,7 @@ class State:
         self.ready = False
         self.draining = False
         self.created = int(time.time())
+        self.responses = ResponseStore(cfg.max_stored_responses)
 
     def begin_drain(self) -> None:
         """Shutdown began: new requests get 503, running ones go on."""
@@ -80,6 +90,32 @@ class State:
                 "timeout. Retry it on another replica."
             )
         )
+
+
+class ResponseStore:
+    """Stored Responses API responses (`store`, `previous_response_id`, `GET /v1/responses/{id}`): in memory, at most
+    `capacity` of them; past that the least recently used (stored, read or continued) is evicted."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._items: collections.OrderedDict[str, dict] = collections.OrderedDict()
+
+    def put(self, resp_id: str, entry: dict) -> None:
+        if self.capacity <= 0:
+            return
+        self._items[resp_id] = entry
+        self._items.move_to_end(resp_id)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def get(self, resp_id: str) -> dict | None:
+        entry = self._items.get(resp_id)
+        if entry is not None:
+            self._items.move_to_end(resp_id)
+        return entry
+
+    def delete(self, resp_id: str) -> bool:
+        return self._items.pop(resp_id, None) is not None
 
 
 class _ClientGone(Exception):
@@ -248,25 +284,28 @@ def _sampling_params(
     max_tokens,
     logprobs,
     vocab_size: int | None = None,
+    processors=None,
     structured_outputs: structured.StructuredOutputsParams | None = None,
     thinking_token_budget: int | None = None,
 ) -> SamplingParams:
-    """The engine's `SamplingParams` for one choice; a value out of bounds is a 400 naming the parameter."""
+    """The engine's `SamplingParams` for one choice (`processors`: `_processors`' fields); a value out of bounds is a
+    400 naming the parameter."""
     if vocab_size is not None and top_k is not None and top_k > vocab_size:
         raise APIError(
             400, f"'top_k' is {top_k}; at most the vocabulary size {vocab_size} (-1 or 0 disable it).", param="top_k"
         )
-    kw = dict(
-        temperature=1.0 if temperature is None else float(temperature),
-        top_p=1.0 if top_p is None else float(top_p),
-        top_k=0 if top_k in (None, -1) else int(top_k),
-        min_p=0.0 if min_p is None else float(min_p),
-        seed=seed,
-        max_tokens=int(max_tokens),
-        stop_token_ids=harmony.STOP_TOKENS,
-        structured_outputs=structured_outputs,
-        thinking_token_budget=thinking_token_budget,
-    )
+    kw = {
+        "temperature": 1.0 if temperature is None else float(temperature),
+        "top_p": 1.0 if top_p is None else float(top_p),
+        "top_k": 0 if top_k in (None, -1) else int(top_k),
+        "min_p": 0.0 if min_p is None else float(min_p),
+        "seed": seed,
+        "max_tokens": int(max_tokens),
+        "stop_token_ids": harmony.STOP_TOKENS,
+        "structured_outputs": structured_outputs,
+        "thinking_token_budget": thinking_token_budget,
+        **(processors or {}),
+    }
     if logprobs is not None:
         if "logprobs" not in _SP_FIELDS:
             raise APIError(400, "logprobs are not supported by this engine.", param="logprobs")
@@ -323,12 +362,126 @@ def _check_chars(st: State, items: list, param: str) -> None:
             )
 
 
-def _unsupported_penalties(req) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name, None):
-            raise APIError(400, f"'{name}' is not supported by this server (use 0).", param=name)
-    if req.repetition_penalty not in (None, 1.0):
-        raise APIError(400, "'repetition_penalty' is not supported by this server (use 1).", param="repetition_penalty")
+# Parameters of the OpenAI and vLLM APIs this server does not implement: each is a 400 naming it unless it has the
+# value that means "off" (a request must never have a setting silently ignored).
+UNSUPPORTED = {
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "early_stopping": (None, False),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,),
+    "return_tokens_as_token_ids": (None, False),
+    "min_p_tokens": (None,),
+    "logits_processors": (None,),
+    "prediction": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "web_search_options": (None,),
+    "chat_template": (None,),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "documents": (None,),
+}
+
+
+# The same for the Responses API.
+RESPONSES_UNSUPPORTED = {
+    "top_logprobs": (None, 0),
+    "truncation": (None, "disabled"),
+    "background": (None, False),
+    "include": (None, []),
+    "max_tool_calls": (None,),
+    "prompt": (None,),
+    "conversation": (None,),
+    "top_k": (None,),
+    "presence_penalty": (None,),
+    "frequency_penalty": (None,),
+    "logit_bias": (None,),
+    "seed": (None,),
+    "stop": (None,),
+}
+
+
+def _refuse_unsupported(req, table: dict = UNSUPPORTED) -> None:
+    extra = req.model_extra or {}
+    for name, off in table.items():
+        if name in extra and not any(extra[name] == o and type(extra[name]) is type(o) for o in off):
+            raise APIError(400, f"'{name}' is not supported by this server.", param=name)
+
+
+def _processors(st: State, req) -> dict:
+    """The logits-processor fields of `SamplingParams` from a chat or completions request, token ids checked
+    against the vocabulary (a 400 naming the id)."""
+    vocab = st.tok.n_vocab
+
+    def token_ids(name: str, ids) -> list[int]:
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"Token id {bad[0]} in '{name}' is outside the vocabulary [0, {vocab}).", param=name)
+        return list(ids)
+
+    out: dict[str, Any] = {}
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
+        if getattr(req, name) is not None:
+            out[name] = getattr(req, name)
+    if req.logit_bias:
+        bias = {}
+        for key, value in req.logit_bias.items():
+            if not key.strip().isdigit():
+                raise APIError(400, f"'logit_bias' keys are token ids; got {key[:40]!r}.", param="logit_bias")
+            (t,) = token_ids("logit_bias", [int(key)])
+            bias[t] = value
+        out["logit_bias"] = bias
+    if req.ignore_eos:
+        out["ignore_eos"] = True
+    if req.bad_words:
+        out["bad_words"] = req.bad_words
+    if req.allowed_token_ids is not None:
+        out["allowed_token_ids"] = token_ids("allowed_token_ids", req.allowed_token_ids)
+    if req.stop_token_ids:
+        out["stop_token_ids"] = harmony.STOP_TOKENS + tuple(token_ids("stop_token_ids", req.stop_token_ids))
+    return out
+
+
+def _legacy_functions(req) -> bool:
+    """Map the legacy `functions` / `function_call` onto `tools` / `tool_choice` (in place); True when the reply
+    must come back in the legacy shape (`message.function_call`, finish reason "function_call")."""
+    if req.functions is None:
+        if req.function_call is not None:
+            raise APIError(400, "'function_call' needs 'functions'.", param="function_call")
+        return False
+    if req.tools is not None:
+        raise APIError(400, "Give 'tools' or the legacy 'functions', not both.", param="functions")
+    if not isinstance(req.functions, list) or not all(isinstance(f, dict) for f in req.functions):
+        raise APIError(400, "'functions' must be a list of function objects.", param="functions")
+    req.tools = [{"type": "function", "function": f} for f in req.functions]
+    fc = req.function_call
+    if isinstance(fc, dict):
+        if not isinstance(fc.get("name"), str):
+            raise APIError(400, "'function_call' must be 'none', 'auto' or {'name': ...}.", param="function_call")
+        req.tool_choice = {"type": "function", "function": {"name": fc["name"]}}
+    elif fc is not None:
+        req.tool_choice = fc
+    return True
+
+
+def _best_of(st: State, req, n: int) -> int:
+    """How many choices run: `best_of` (>= n; the n with the highest cumulative log-probability are returned)."""
+    if req.best_of is None or req.best_of == n:
+        return n
+    if req.best_of < n:
+        raise APIError(400, f"'best_of' ({req.best_of}) must be at least 'n' ({n}).", param="best_of")
+    if req.stream:
+        raise APIError(400, "'best_of' greater than 'n' cannot be streamed.", param="best_of")
+    return req.best_of
+
+
+def _best(runs: list, n: int) -> list:
+    """The `n` runs of highest cumulative log-probability, most likely first."""
+    return sorted(runs, key=lambda r: -r.cumulative_logprob)[:n]
 
 
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
@@ -438,7 +591,17 @@ class ChoiceRun:
     | ("tool_args", i, text). After the run: `finish_reason`, `num_tokens`, `num_reasoning_tokens`.
     """
 
-    def __init__(self, st: State, index: int, *, mode: str, tool_names=(), stops=(), top_logprobs: int | None = None):
+    def __init__(
+        self,
+        st: State,
+        index: int,
+        *,
+        mode: str,
+        tool_names=(),
+        stops=(),
+        top_logprobs: int | None = None,
+        min_tokens: int = 0,
+    ):
         self.st, self.index, self.mode = st, index, mode  # mode: "harmony" | "text"
         self.parser = harmony.OutputParser(st.tok, tool_names) if mode == "harmony" else None
         self.detok = harmony.TextDetokenizer(st.tok) if mode == "text" else None
@@ -450,6 +613,13 @@ class ChoiceRun:
         self.num_tokens = 0
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
+        self._held: dict[int, dict | None] = {}  # logprob entries of the tokens of a header not yet parsed
+        self.min_tokens = min_tokens  # stop strings apply from this many tokens on (vLLM)
+        self._logprobs: list[float] = []  # of every token (when the engine sends them): `cumulative_logprob`
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(self._logprobs[: self.num_tokens])
 
     @property
     def num_reasoning_tokens(self) -> int:
@@ -466,8 +636,10 @@ class ChoiceRun:
             entry["top_logprobs"].append({"token": ts, "logprob": float(tlp), "bytes": tb})
         return entry
 
-    def _content(self, events: list, text: str, lp: dict | None = None) -> None:
-        text = self.stops.push(text)
+    def _content(self, events: list, text: str, lp: dict | None = None, token: int | None = None) -> None:
+        """Content `text` (of token index `token`, the last one fed by default) and its logprob entry."""
+        early = (self.num_tokens if token is None else token + 1) < self.min_tokens
+        text = self.stops.push(text, match=not early)
         if events and events[-1][0] == "content":
             _, prev, lps = events[-1]
             events[-1] = ("content", prev + text, lps + ([lp] if lp else []))
@@ -476,7 +648,13 @@ class ChoiceRun:
 
     def _apply(self, events: list, deltas: list[harmony.Delta]) -> None:
         for d in deltas:
-            if d.kind == "content":
+            if self.stops.hit:
+                return
+            if d.kind == "content" and d.token is not None:  # held back in a header: its own logprob
+                self._content(events, d.text, self._held.pop(d.token, None), d.token)
+                if self.stops.hit:
+                    self.num_tokens = d.token + 1  # the stop string ended at that token
+            elif d.kind == "content":
                 self._content(events, d.text)
             elif d.kind == "reasoning":
                 if events and events[-1][0] == "reasoning":
@@ -502,6 +680,8 @@ class ChoiceRun:
             if self.stops.hit:
                 break
             self.num_tokens += 1
+            if lp is not None:
+                self._logprobs.append(float(lp[0]))
             entry = self._lp_entry(t, lp)
             if self.mode == "text":
                 text = self.detok.process(t)
@@ -509,20 +689,24 @@ class ChoiceRun:
                     entry = None
                 self._content(events, text, entry)
             else:
-                deltas = self.parser.process(t)
-                self._apply(events, deltas)
+                i = self.parser.num_tokens
+                self._held[i] = entry if t < harmony.FIRST_SPECIAL else None
+                self._apply(events, self.parser.process(t))
+                entry = self._held.pop(i, None) if self.parser.last_token_kind != "header" else None
                 if entry is not None and self.parser.last_token_kind == "content":
                     self._content(events, "", entry)
-        if self.stops.hit:
-            self.finish_reason, self.stop_reason = "stop", "stop_string"
-        elif out.finished:
+                first_held = self.parser.num_tokens - len(self.parser.header)
+                self._held = {j: e for j, e in self._held.items() if j >= first_held}
+        if not self.stops.hit and out.finished:
             tail = self.detok.finish() if self.mode == "text" else None
             if tail is not None:
                 self._content(events, tail)
             else:
                 self._apply(events, self.parser.finish())
-            if not self.stops.hit:
-                self._content(events, self.stops.flush())
+        if self.stops.hit:
+            self.finish_reason, self.stop_reason = "stop", "stop_string"
+        elif out.finished:
+            self._content(events, self.stops.flush())
             reason = out.finish_reason
             self.stop_reason = out.stop_reason
             if reason == "stop" and self.call_ids:
@@ -633,8 +817,9 @@ async def _start_choices(
         raise _ClientGone
     try:
         return add.result()
-    except ValueError as e:
-        raise APIError(400, str(e)) from None
+    except ValueError as e:  # the engine's checks name the field as "SamplingParams.FIELD..."
+        field = str(e).removeprefix("SamplingParams.").partition("=")[0].partition(":")[0]
+        raise APIError(400, str(e), param=field if field in _SP_FIELDS else None) from None
     except ENGINE_ERRORS as e:
         raise _engine_error(st, e) from None
 
@@ -702,7 +887,8 @@ async def chat_completions(request: Request) -> Response:
     body = await _read_json(st, request)
     req = _validate(P.ChatCompletionRequest, body)
     _check_model(st, req.model)
-    _unsupported_penalties(req)
+    _refuse_unsupported(req)
+    legacy = _legacy_functions(req)
     fmt = _format_constraint(req.response_format, "response_format", nested=True)
     _check_ready(st)
     effort = harmony.parse_reasoning_effort(
@@ -720,6 +906,8 @@ async def chat_completions(request: Request) -> Response:
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
     stops = _stops(req.stop)
+    k = _best_of(st, req, req.n)
+    processors = _processors(st, req)
     params = [
         _sampling_params(
             temperature=req.temperature,
@@ -728,21 +916,30 @@ async def chat_completions(request: Request) -> Response:
             min_p=req.min_p,
             seed=_choice_seed(req.seed, i),
             max_tokens=max_tokens,
-            logprobs=top,
+            logprobs=top if k == req.n or top is not None else 0,
             vocab_size=st.tok.n_vocab,
+            processors=processors,
             structured_outputs=constraint,
             thinking_token_budget=req.thinking_token_budget,
         )
-        for i in range(req.n)
+        for i in range(k)
     ]
     rid = _new_id("chatcmpl-")
     created = int(time.time())
     runs = [
-        ChoiceRun(st, i, mode="harmony", tool_names=[t.name for t in tools], stops=stops, top_logprobs=top)
-        for i in range(req.n)
+        ChoiceRun(
+            st,
+            i,
+            mode="harmony",
+            tool_names=[t.name for t in tools],
+            stops=stops,
+            top_logprobs=top,
+            min_tokens=req.min_tokens or 0,
+        )
+        for i in range(k)
     ]
     t0 = time.perf_counter()
-    streams = await _start_choices(st, request, rid, [prompt] * req.n, params)
+    streams = await _start_choices(st, request, rid, [prompt] * k, params)
     events = _merge([_run_choice(r, s, st.metrics, t0) for r, s in zip(runs, streams)])
     include_reasoning = req.include_reasoning
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.cfg.model_name}
@@ -764,11 +961,11 @@ async def chat_completions(request: Request) -> Response:
                     yield chunk(r.index, {"role": "assistant", "content": ""})
                 async for index, evs, finish in events:
                     for ev in evs:
-                        delta, lps = _chat_delta(ev, include_reasoning)
+                        delta, lps = _chat_delta(ev, include_reasoning, legacy)
                         if delta is not None:
                             yield chunk(index, delta, logprobs=lps)
                     if finish is not None:
-                        yield chunk(index, {}, finish)
+                        yield chunk(index, {}, "function_call" if legacy and finish == "tool_calls" else finish)
                 if include_usage:
                     yield "data: " + json.dumps(dict(base, choices=[], usage=_usage(runs, len(prompt)))) + "\n\n"
                 outcome = "delivered"
@@ -801,23 +998,27 @@ async def chat_completions(request: Request) -> Response:
 
     await _collect(st, request, runs, events, sink)
     out_choices = []
-    for r in runs:
+    for j, r in enumerate(_best(runs, req.n) if k != req.n else runs):
         acc = choices[r.index]
         content = "".join(acc["content"])
-        tool_calls = [acc["tools"][k] for k in sorted(acc["tools"])]
+        tool_calls = [acc["tools"][t] for t in sorted(acc["tools"])]
         msg: dict[str, Any] = {"role": "assistant", "content": content if (content or not tool_calls) else None}
         reasoning = "".join(acc["reasoning"])
         if include_reasoning:
             msg["reasoning_content"] = reasoning or None
             msg["reasoning"] = reasoning or None
-        if tool_calls:
+        finish = r.finish_reason
+        if tool_calls and legacy:  # one call, as `function_call`
+            msg["function_call"] = tool_calls[0]["function"]
+            finish = "function_call" if finish == "tool_calls" else finish
+        elif tool_calls:
             msg["tool_calls"] = tool_calls
         out_choices.append(
             {
-                "index": r.index,
+                "index": j,
                 "message": msg,
                 "logprobs": {"content": acc["logprobs"]} if top is not None else None,
-                "finish_reason": r.finish_reason,
+                "finish_reason": finish,
             }
         )
     return JSONResponse(
@@ -832,8 +1033,16 @@ async def chat_completions(request: Request) -> Response:
     )
 
 
-def _chat_delta(ev, include_reasoning: bool) -> tuple[dict | None, dict | None]:
+def _chat_delta(ev, include_reasoning: bool, legacy: bool = False) -> tuple[dict | None, dict | None]:
+    """A chat event's delta and logprobs; with `legacy` (`functions` in the request) the first tool call as
+    `function_call` (later ones are dropped, as the legacy API has one call)."""
     kind = ev[0]
+    if legacy and kind in ("tool_start", "tool_args"):
+        if ev[1] != 0:
+            return None, None
+        return {
+            "function_call": {"name": ev[3], "arguments": ""} if kind == "tool_start" else {"arguments": ev[2]}
+        }, None
     if kind == "content":
         return {"content": ev[1]}, ({"content": ev[2]} if ev[2] else None)
     if kind == "reasoning":
@@ -892,7 +1101,7 @@ async def completions(request: Request) -> Response:
     body = await _read_json(st, request)
     req = _validate(P.CompletionRequest, body)
     _check_model(st, req.model)
-    _unsupported_penalties(req)
+    _refuse_unsupported(req)
     for name in ("echo", "suffix"):
         if getattr(req, name):
             raise APIError(400, f"'{name}' is not supported by this server.", param=name)
@@ -901,17 +1110,17 @@ async def completions(request: Request) -> Response:
             raise APIError(
                 400, f"'{name}' is served on /v1/chat/completions and /v1/responses (the harmony answer).", param=name
             )
-    if req.best_of not in (None, 1, req.n):
-        raise APIError(400, "'best_of' is not supported by this server.", param="best_of")
+    k = _best_of(st, req, req.n)
     _check_ready(st)
-    prompts = await asyncio.to_thread(_completion_prompts, st, req.prompt, req.n)
+    prompts = await asyncio.to_thread(_completion_prompts, st, req.prompt, k)
     max_toks = [_max_tokens(st, len(p), req.max_tokens, "prompt") for p in prompts]
     top = req.logprobs
     stops = _stops(req.stop)
+    processors = _processors(st, req)
     all_prompts, params, runs = [], [], []
     for pi, p in enumerate(prompts):
-        for j in range(req.n):
-            i = pi * req.n + j
+        for j in range(k):
+            i = pi * k + j
             all_prompts.append(p)
             params.append(
                 _sampling_params(
@@ -921,11 +1130,12 @@ async def completions(request: Request) -> Response:
                     min_p=req.min_p,
                     seed=_choice_seed(req.seed, i),
                     max_tokens=max_toks[pi],
-                    logprobs=top,
+                    logprobs=top if k == req.n or top is not None else 0,
                     vocab_size=st.tok.n_vocab,
+                    processors=processors,
                 )
             )
-            runs.append(ChoiceRun(st, i, mode="text", stops=stops, top_logprobs=top))
+            runs.append(ChoiceRun(st, i, mode="text", stops=stops, top_logprobs=top, min_tokens=req.min_tokens or 0))
     rid = _new_id("cmpl-")
     created = int(time.time())
     t0 = time.perf_counter()
@@ -990,14 +1200,19 @@ async def completions(request: Request) -> Response:
             entries[index] += ev[2]
 
     await _collect(st, request, runs, events, sink)
+    picked = [(r.index, r) for r in runs]
+    if k != req.n:  # best_of: each prompt's n most likely, numbered as n choices per prompt
+        picked = [(r.index, r) for pi in range(len(prompts)) for r in _best(runs[pi * k : (pi + 1) * k], req.n)]
+        for j, (_, r) in enumerate(picked):
+            r.index = j
     choices = [
         {
             "index": r.index,
-            "text": "".join(texts[r.index]),
-            "logprobs": legacy_lps(r.index, entries[r.index]),
+            "text": "".join(texts[i]),
+            "logprobs": legacy_lps(i, entries[i]),
             "finish_reason": r.finish_reason,
         }
-        for r in runs
+        for i, r in picked
     ]
     return JSONResponse(dict(base, choices=choices, usage=_usage(runs, prompt_tokens)))
 
@@ -1174,12 +1389,19 @@ async def responses(request: Request) -> Response:
     body = await _read_json(st, request)
     req = _validate(P.ResponsesRequest, body)
     _check_model(st, req.model)
-    if req.previous_response_id:
-        raise APIError(
-            400,
-            "'previous_response_id' is not supported (this server stores no responses); send the full input instead.",
-            param="previous_response_id",
-        )
+    _refuse_unsupported(req, RESPONSES_UNSUPPORTED)
+    items = [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    if req.previous_response_id is not None:  # the earlier turns: their input and output, then this input
+        prev = st.responses.get(req.previous_response_id)
+        if prev is None:
+            raise APIError(
+                400,
+                f"Previous response with id '{req.previous_response_id}' not found (never stored, deleted, or evicted "
+                f"from the server's {st.cfg.max_stored_responses} most recently used responses).",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+        items = prev["input"] + prev["response"]["output"] + items
     text_format = (req.text or {}).get("format") if isinstance(req.text, dict) else None
     fmt = _format_constraint(text_format, "text.format", nested=False)
     _check_ready(st)
@@ -1188,7 +1410,8 @@ async def responses(request: Request) -> Response:
     constraint = await _structured(st, req, tools, fmt)
     _check_chars(st, req.input, "input")
     _check_chars(st, req.instructions, "instructions")
-    prompt = await asyncio.to_thread(st.renderer.render_responses, req.input, req.instructions, tools, effort)
+    prompt = await asyncio.to_thread(st.renderer.render_responses, items, req.instructions, tools, effort)
+    store = req.store is not False
     max_tokens = _max_tokens(st, len(prompt), req.max_output_tokens, "input")
     params = _sampling_params(
         temperature=req.temperature,
@@ -1224,7 +1447,8 @@ async def responses(request: Request) -> Response:
             "output": builder.items if status != "in_progress" else [],
             "parallel_tool_calls": bool(req.parallel_tool_calls),
             "reasoning": {"effort": effort, "summary": None},
-            "store": False,
+            "previous_response_id": req.previous_response_id,
+            "store": store,
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "text": {"format": text_format or {"type": "text"}},
             "tool_choice": req.tool_choice or "auto",
@@ -1265,6 +1489,8 @@ async def responses(request: Request) -> Response:
                 for e in builder.finish():
                     yield sse(e)
                 final = response_obj("completed")
+                if store:
+                    st.responses.put(resp_id, {"response": final, "input": items})
                 kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
                 outcome = "delivered"
                 yield sse(builder._ev(kind, response=final))
@@ -1285,7 +1511,23 @@ async def responses(request: Request) -> Response:
 
     await _collect(st, request, [run], events, sink)
     builder.finish()
-    return JSONResponse(response_obj("completed"))
+    final = response_obj("completed")
+    if store:
+        st.responses.put(resp_id, {"response": final, "input": items})
+    return JSONResponse(final)
+
+
+async def stored_response(request: Request) -> Response:
+    """GET (the stored response) and DELETE of /v1/responses/{id}."""
+    st: State = request.app.state.st
+    _check_auth(st, request)
+    resp_id = request.path_params["resp_id"]
+    entry = st.responses.get(resp_id) if request.method == "GET" else None
+    if request.method == "DELETE" and st.responses.delete(resp_id):
+        return JSONResponse({"id": resp_id, "object": "response", "deleted": True})
+    if entry is None:
+        raise APIError(404, f"No response found with id '{resp_id}'.", param="response_id", code="not_found")
+    return JSONResponse(entry["response"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1293,23 +1535,78 @@ async def responses(request: Request) -> Response:
 # ------------------------------------------------------------------------------------------------
 
 
+def _model_card(st: State) -> dict:
+    return {
+        "id": st.cfg.model_name,
+        "object": "model",
+        "created": st.created,
+        "owned_by": "gptoss-jax",
+        "max_model_len": st.engine.max_model_len or None,
+    }
+
+
 async def models(request: Request) -> Response:
     st: State = request.app.state.st
     _check_auth(st, request)
+    return JSONResponse({"object": "list", "data": [_model_card(st)]})
+
+
+async def model(request: Request) -> Response:
+    st: State = request.app.state.st
+    _check_auth(st, request)
+    _check_model(st, request.path_params["model_id"])
+    return JSONResponse(_model_card(st))
+
+
+async def tokenize(request: Request) -> Response:
+    """vLLM's /tokenize: a `prompt` (as /v1/completions encodes it) or chat `messages` (rendered as
+    /v1/chat/completions renders them, with `tools` and `reasoning_effort`; `add_generation_prompt: false` leaves out
+    the closing `<|start|>assistant`). o200k has no BOS/EOS to add, so `add_special_tokens` changes nothing."""
+    st: State = request.app.state.st
+    _check_auth(st, request)
+    req = _validate(P.TokenizeRequest, await _read_json(st, request))
+    _check_model(st, req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "Give exactly one of 'prompt' or 'messages'.", param="prompt")
+    if req.prompt is not None:
+        _check_chars(st, req.prompt, "prompt")
+        ids = await asyncio.to_thread(st.tok.encode, req.prompt, allowed_special="all")
+    else:
+        effort = harmony.parse_reasoning_effort(("reasoning_effort", req.reasoning_effort))
+        tools = harmony.parse_chat_tools(req.tools, req.tool_choice)
+        _check_chars(st, req.messages, "messages")
+        ids = await asyncio.to_thread(st.renderer.render_chat, req.messages, tools, effort)
+        if not req.add_generation_prompt:
+            ids = ids[: -len(GENERATION_PROMPT)] if ids[-len(GENERATION_PROMPT) :] == GENERATION_PROMPT else ids
+    strs = [_token_text(st.tok, t) for t in ids] if req.return_token_strs else None
     return JSONResponse(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": st.cfg.model_name,
-                    "object": "model",
-                    "created": st.created,
-                    "owned_by": "gptoss-jax",
-                    "max_model_len": st.engine.max_model_len or None,
-                }
-            ],
-        }
+        {"count": len(ids), "max_model_len": st.engine.max_model_len, "tokens": ids, "token_strs": strs}
     )
+
+
+async def detokenize(request: Request) -> Response:
+    """vLLM's /detokenize: `tokens` -> `prompt`, the text (special tokens written out)."""
+    st: State = request.app.state.st
+    _check_auth(st, request)
+    req = _validate(P.DetokenizeRequest, await _read_json(st, request))
+    _check_model(st, req.model)
+    bad = [t for t in req.tokens if not 0 <= t < st.tok.n_vocab]
+    if bad:
+        raise APIError(
+            400, f"Token id {bad[0]} in 'tokens' is outside the vocabulary [0, {st.tok.n_vocab}).", param="tokens"
+        )
+    return JSONResponse({"prompt": "".join(_token_text(st.tok, t) for t in req.tokens)})
+
+
+def _token_text(tok, t: int) -> str:
+    try:
+        return tok.decode_single_token_bytes(t).decode("utf-8", errors="replace")
+    except KeyError:  # an id o200k leaves unassigned
+        return ""
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": VERSION})
 
 
 async def health(request: Request) -> Response:
@@ -1362,6 +1659,11 @@ def build_app(st: State, lifespan=None) -> Starlette:
         Route("/v1/completions", _wrap(completions), methods=["POST"]),
         Route("/v1/responses", _wrap(responses), methods=["POST"]),
         Route("/v1/models", _wrap(models), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", _wrap(model), methods=["GET"]),
+        Route("/v1/responses/{resp_id}", _wrap(stored_response), methods=["GET", "DELETE"]),
+        Route("/tokenize", _wrap(tokenize), methods=["POST"]),
+        Route("/detokenize", _wrap(detokenize), methods=["POST"]),
+        Route("/version", version, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gptoss_jax.sampling import INT32_MAX, SEED_RANGE
+from gptoss_jax.sampling import INT32_MAX, PENALTY_RANGE, SEED_RANGE
 
 
 class APIError(Exception):
@@ -62,10 +62,18 @@ class _Sampling(_Base):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    frequency_penalty: float | None = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    repetition_penalty: float | None = Field(None, gt=0)
     user: str | None = None
+    # vLLM's extra sampling parameters (and OpenAI's logit_bias): bounds past these in `SamplingParams`
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
+    ignore_eos: bool = False
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = None
+    best_of: int | None = Field(None, ge=1, le=16)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -77,6 +85,8 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Any] | None = None
     tool_choice: str | dict | None = None
+    functions: list[Any] | None = None  # legacy: mapped onto tools
+    function_call: str | dict | None = None  # legacy: mapped onto tool_choice
     parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None
     reasoning: dict | None = None
@@ -99,7 +109,6 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
 
 
 class ResponsesReasoning(_Base):
@@ -125,6 +134,23 @@ class ResponsesRequest(_Base):
     text: dict | None = None
     user: str | None = None
     thinking_token_budget: int | None = Field(None, ge=0, le=INT32_MAX)
+
+
+class TokenizeRequest(_Base):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Any] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+    tools: list[Any] | None = None
+    tool_choice: str | dict | None = None
+    reasoning_effort: str | None = None
+
+
+class DetokenizeRequest(_Base):
+    model: str | None = None
+    tokens: list[int]
 
 
 STOP_FINISH = Literal["stop", "length", "tool_calls"]
