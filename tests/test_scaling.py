@@ -68,10 +68,12 @@ def test_projection_arithmetic_by_hand():
     assert ps.scaled((1.0, 2.0, 3.0), ps.TARGETS["H200"]) == pytest.approx(6.0)
     # the compute model's fit recovers exact coefficients; a negative one is dropped (here the FLOP term)
     work = [(1e9, 1e8, 1e12), (5e9, 2e8, 1e12), (2e9, 9e8, 8e12), (7e9, 3e8, 3e13), (3e9, 5e9, 2e12)]
-    pts = [("m", w, kv, f, 1e-3 + 2e-12 * w + 5e-12 * kv + 3e-15 * f) for w, kv, f in work]
-    m = ps.fit(pts)["m"]
-    assert (m.c0, m.s_per_byte, m.s_per_kv_byte, m.s_per_flop) == pytest.approx((1e-3, 2e-12, 5e-12, 3e-15), rel=1e-6)
-    assert m.parts(1e9, 1e8, 1e12) == pytest.approx((1e-3, 2e-3 + 5e-4, 3e-3))
+    t = lambda c0, w, kv, f: c0 + 2e-12 * w + 5e-12 * kv + 3e-15 * f  # noqa: E731
+    models = ps.fit([("a", *x, t(1e-3, *x)) for x in work] + [("b", *x, t(4e-3, *x)) for x in work[:3]])
+    a, b = models["a"], models["b"]  # rates shared, an overhead each
+    assert (a.c0, a.s_per_byte, a.s_per_kv_byte, a.s_per_flop) == pytest.approx((1e-3, 2e-12, 5e-12, 3e-15), rel=1e-6)
+    assert b.c0 == pytest.approx(4e-3, rel=1e-6) and b.s_per_flop == pytest.approx(a.s_per_flop)
+    assert a.parts(1e9, 1e8, 1e12) == pytest.approx((1e-3, 2e-3 + 5e-4, 3e-3))
     m = ps.fit([("m", w, kv, f, 1e-3 + 2e-12 * w - 1e-16 * f) for w, kv, f in work])["m"]
     assert m.s_per_flop == 0 and min(m.c0, m.s_per_byte, m.s_per_kv_byte) >= 0
     assert ps._interp([(1, 1.0), (3, 5.0)], 2) == 3.0 and ps._interp([(1, 1.0), (3, 5.0)], 5) == 9.0

@@ -191,14 +191,16 @@ def scaled(parts: tuple[float, float, float], target: Target | None) -> float:
 
 
 def fit(points: list[tuple[str, float, float, float, float]]) -> dict[str, ComputeModel]:
-    """Least squares over (model, weight bytes, KV bytes, flops, seconds), per model, every coefficient >= 0."""
-    out = {}
-    for name in sorted({p[0] for p in points}):
-        X = np.array([[1.0, w, kv, f] for m, w, kv, f, _ in points if m == name])
-        y = np.array([t for m, *_, t in points if m == name])
-        scale = X.max(axis=0)
-        out[name] = ComputeModel(*(_nonnegative_lstsq(X / scale, y) / scale))
-    return out
+    """Least relative squares over (model, weight bytes, KV bytes, flops, seconds), every coefficient >= 0: an
+    overhead per model, the rates shared (both models run the same kernels on experts and attention heads of the
+    same shapes; they differ in expert count, layers and batch)."""
+    names = sorted({p[0] for p in points})
+    X = np.array([[float(m == name) for name in names] + [w, kv, f] for m, w, kv, f, _ in points])
+    y = np.array([p[4] for p in points])
+    X = X / y[:, None]  # relative errors: every point counts alike, 2 ms or 80 ms
+    scale = X.max(axis=0)
+    coef = _nonnegative_lstsq(X / scale, np.ones(len(y))) / scale
+    return {name: ComputeModel(coef[i], *coef[len(names) :]) for i, name in enumerate(names)}
 
 
 def _engine_jobs(era: str):
