@@ -74,10 +74,7 @@ SMOKE = dict(
     num_key_value_heads=4,
     sliding_window=8,
 )
-SMOKE_CONFIGS = (
-    ("smoke", "low_latency", 2, (1,), False),
-    ("smoke", "max_throughput", 4, (4,), True),
-)
+SMOKE_CONFIGS = (("smoke", "max_throughput", 4, (4,), True),)
 
 
 def rank_config(cfg: config_lib.ModelConfig, mode: str, n: int, layers: int) -> tuple[config_lib.ModelConfig, dict]:
