@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 
@@ -44,17 +45,17 @@ from pallas_kernels import REFERENCE, KernelConfig
 from sharding import a2a_dispatch, expert_parallel
 from tools import common
 
-# (model, mode, n, decode batches per rank, prefill?) in the order they are measured: the 2- and 4-GPU shapes the
-# projection is validated on, one GPU, the 72-GPU ranks (EP72; 9 x 8 ranks are the n = 8 ones), then 20b.
+# (model, mode, n, decode batches per rank, prefill?) in the order they are measured: one GPU, the ranks of 72 GPUs
+# (9 x 8: the n = 8 ones; 1 x 72: EP72), the 2- and 4-GPU shapes of the measured runs (BENCHMARKS.md section 6), 20b.
 CONFIGS = (
     ("gpt-oss-120b", "low_latency", 1, (1, 64, 256), True),
-    ("gpt-oss-120b", "low_latency", 4, (1, 64), False),
-    ("gpt-oss-120b", "max_throughput", 4, (1, 64, 256), False),
-    ("gpt-oss-120b", "low_latency", 2, (1, 64), False),
-    ("gpt-oss-120b", "max_throughput", 2, (1, 64, 256), False),
-    ("gpt-oss-120b", "max_throughput", 72, (1, 64, 256), True),
     ("gpt-oss-120b", "max_throughput", 8, (1, 64, 256), True),
+    ("gpt-oss-120b", "max_throughput", 72, (1, 64, 256), True),
     ("gpt-oss-120b", "low_latency", 8, (1, 64), True),
+    ("gpt-oss-120b", "max_throughput", 4, (1, 64, 256), False),
+    ("gpt-oss-120b", "max_throughput", 2, (1, 64, 256), False),
+    ("gpt-oss-120b", "low_latency", 4, (1, 64), False),
+    ("gpt-oss-120b", "low_latency", 2, (1, 64), False),
     ("gpt-oss-20b", "low_latency", 1, (1, 64, 256), True),
     ("gpt-oss-20b", "max_throughput", 8, (1, 64, 256), True),
     ("gpt-oss-20b", "low_latency", 8, (1, 64), True),
@@ -257,6 +258,7 @@ def main(argv=None) -> None:
     result = dict(
         device=str(jax.devices()[0].device_kind),
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        commit=os.environ.get("GPTOSS_JAX_COMMIT", "unknown (set GPTOSS_JAX_COMMIT)"),
         kernels=kernels.impl,
         smoke=args.smoke,
         ceilings=ceilings,
