@@ -541,7 +541,8 @@ def validate(s: Settings, era: str = "2026-11-22", fit: bool = True, rank_times=
                 fitted_on=fit and _training(r),
             )
         )
-    return dict(era=era, latency_s=latency, hop_latency_s=s.hop_latency, rows=out)
+    source = "measured rank shapes (today's code)" if rank_times else f"the {era} calibration"
+    return dict(era=era, compute=source, latency_s=latency, hop_latency_s=s.hop_latency, rows=out)
 
 
 def _training(row: dict) -> bool:
@@ -569,7 +570,7 @@ def markdown_validation(v: dict) -> str:
     lines = [
         "Per collective: "
         + ", ".join(f"{k} {t * 1e6:.1f} us" for k, t in v["latency_s"].items())
-        + f" on 2 GPUs, +{v['hop_latency_s'] * 1e6:.1f} us per further GPU; compute: the {v['era']} calibration",
+        + f" on 2 GPUs, +{v['hop_latency_s'] * 1e6:.1f} us per further GPU; compute: {v['compute']}",
         "",
         "| GPUs | mode | dispatch | batch/rank | measured | projected (compute + comm) | error |",
         "| --- | --- | --- | --- | --- | --- | --- |",
