@@ -82,8 +82,8 @@ def test_projection_arithmetic_by_hand():
 
 
 def test_rank_times_from_a_measurement_by_hand(tmp_path):
-    """fixed = 2 t2 - t4, pair = t2 - fixed (linear in batch, in context through the batch-64 pair), plus every
-    layer's MoE as dispatched minus as the single-device step emulated it."""
+    """fixed = 2 t2 - t4 and pair = t2 - fixed per batch (linear in batch, in context through the batch-64 pair),
+    plus every layer's MoE as dispatched minus as the single-device step emulated it."""
     config = dict(
         model="m",
         mode="max_throughput",
@@ -93,6 +93,7 @@ def test_rank_times_from_a_measurement_by_hand(tmp_path):
             dict(layers=2, batch=64, context=1024, ms=10.0),
             dict(layers=4, batch=64, context=1024, ms=16.0),
             dict(layers=2, batch=1, context=1024, ms=5.0),
+            dict(layers=4, batch=1, context=1024, ms=7.0),
             dict(layers=2, batch=64, context=8192, ms=17.0),
         ],
         moe=[
@@ -110,8 +111,13 @@ def test_rank_times_from_a_measurement_by_hand(tmp_path):
     assert ms == pytest.approx(4 + 18 * 6 + 36 * 0.5)
     ms = 1e3 * rt.decode_s("m", "max_throughput", 4, 64, 4608, "all_gather")  # halfway to 8192: pair 6 -> 9.5
     assert ms == pytest.approx(4 + 18 * 9.5 + 36 * 0.5)
-    ms = 1e3 * rt.decode_s("m", "max_throughput", 4, 1, 1024, "all_gather")
-    assert ms == pytest.approx(4 + 18 * 1 + 36 * 0.1)
+    ms = 1e3 * rt.decode_s("m", "max_throughput", 4, 1, 1024, "all_gather")  # fixed 3, pair 2
+    assert ms == pytest.approx(3 + 18 * 2 + 36 * 0.1)
+    ms = 1e3 * rt.decode_s("m", "max_throughput", 4, 128, 1024, "all_gather")  # fixed held at 4, pair and MoE go on
+    assert ms == pytest.approx(4 + 18 * (6 + 64 * 4 / 63) + 36 * (0.5 + 64 * 0.4 / 63))
+    config["decode"] = [r for r in config["decode"] if (r["layers"], r["batch"]) != (4, 64)]  # no fixed part at 64
+    path.write_text(json.dumps(dict(configs=[config])))
+    assert not ps.RankTimes(path).has("m", "max_throughput", 4)
 
 
 def test_validation_rows_cover_the_measured_runs():

@@ -9,7 +9,8 @@ tool builds that rank's model on one device (random weights: `tools.common.rando
 
 * `decode`: the engine's decode step (`steps.decode` via `tools.common.decode_step`, one token per row, greedy
   sampling) of the rank's config with 2 and 4 layers: per layer pair = t4 - t2, fixed part (embedding, unembedding,
-  sampling) = 2 t2 - t4; the projection scales to the real layer count. Batch = rows per attention rank.
+  sampling) = 2 t2 - t4, at each batch; the projection scales to the real layer count. Batch = rows per attention
+  rank.
 * `prefill`: one `--prefill-tokens` chunk per rank at two starts (2 layers).
 * `moe`: the rank's config routes each token to `min(k, E/n)` of its local experts, which is not what the rank
   gets on a mesh, so the MoE is also timed alone (per layer, all 4 layers' experts, different routing each): as
@@ -118,44 +119,51 @@ def dispatch_rows(cfg, mode: str, n: int, kind: str, T: int, rng: np.random.Gene
 
 
 def time_moe(cfg, rank_cfg, params, kernels, kind: str, T: int, mode: str, n: int, dtype, timing) -> dict:
-    """Seconds per layer of the MoE over all the stacked layers of `params` (different routing per layer)."""
+    """Seconds per layer of the MoE over all the stacked layers of `params` (different routing per layer). Every
+    array goes in as an argument: one a jitted function closed over would be baked into the program as a constant
+    (gigabytes of experts: minutes of compiling)."""
     L, D = rank_cfg.num_layers, cfg.hidden_size
-    lp = params.layers
     rng = np.random.default_rng(T * 1000 + n)
     kw = dict(swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha, kernels=kernels)
     if kind == "emulated":  # what the rank config's single-device step runs
         x = jax.random.normal(jax.random.PRNGKey(1), (T, D), jnp.float32)
 
-        def body(layer, x):
-            x, _ = pallas_kernels.moe_block(
-                x,
-                lp.mlp_norm,
-                lp.router_w,
-                lp.router_b,
-                lp.experts,
-                layer,
-                (lp.attn_norm, params.final_norm),
-                eps=cfg.rms_norm_eps,
-                dtype=dtype,
-                top_k=rank_cfg.experts_per_token,
-                **kw,
-            )
-            return x
+        def emulated(x, lp, final_norm):
+            def body(layer, x):
+                x, _ = pallas_kernels.moe_block(
+                    x,
+                    lp.mlp_norm,
+                    lp.router_w,
+                    lp.router_b,
+                    lp.experts,
+                    layer,
+                    (lp.attn_norm, final_norm),
+                    eps=cfg.rms_norm_eps,
+                    dtype=dtype,
+                    top_k=rank_cfg.experts_per_token,
+                    **kw,
+                )
+                return x
 
-        fn = jax.jit(lambda x: jax.lax.fori_loop(0, L, body, x))
-        t = common.timeit(lambda: fn(x), **timing)
+            return jax.lax.fori_loop(0, L, body, x)
+
+        fn = jax.jit(emulated)
+        t = common.timeit(lambda: fn(x, params.layers, params.final_norm), **timing)
         return dict(kind=kind, tokens=T, rows=T, valid_pairs=T * rank_cfg.experts_per_token, ms_per_layer=t / L * 1e3)
     built = [dispatch_rows(cfg, mode, n, kind, T, rng) for _ in range(L)]
     rows = built[0][0]
     ids, ws, valid = (jnp.asarray(np.stack([b[i] for b in built])) for i in (1, 2, 3))
     x = (0.5 * jax.random.normal(jax.random.PRNGKey(2), (rows, D), jnp.float32)).astype(dtype)
 
-    def body(layer, acc):
-        y = pallas_kernels.experts(x, ids[layer], ws[layer], lp.experts, layer, valid[layer], **kw)
-        return acc + y[0, 0]
+    def dispatched(x, ids, ws, valid, experts):
+        def body(layer, acc):
+            y = pallas_kernels.experts(x, ids[layer], ws[layer], experts, layer, valid[layer], **kw)
+            return acc + y[0, 0]
 
-    fn = jax.jit(lambda: jax.lax.fori_loop(0, L, body, jnp.float32(0)))
-    t = common.timeit(fn, **timing)
+        return jax.lax.fori_loop(0, L, body, jnp.float32(0))
+
+    fn = jax.jit(dispatched)
+    t = common.timeit(lambda: fn(x, ids, ws, valid, params.layers.experts), **timing)
     return dict(kind=kind, tokens=T, rows=rows, valid_pairs=int(valid.sum()) // L, ms_per_layer=t / L * 1e3)
 
 
@@ -170,8 +178,7 @@ def measure_config(name, cfg, mode, n, batches, prefill, args, kernels, dtype, t
         out["failed"] = [dict(what="weights", error=f"{type(e).__name__}: {e}"[:300])]
         print(f"  {name} {mode} n={n}: weights FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
         return out
-    jobs = [("decode", 2, b, args.contexts[0]) for b in batches]
-    jobs += [("decode", 4, 64 if 64 in batches else batches[-1], args.contexts[0])]
+    jobs = [("decode", layers, b, args.contexts[0]) for b in batches for layers in (2, 4)]  # fixed part per batch
     jobs += [("decode", 2, 64 if 64 in batches else batches[-1], c) for c in args.contexts[1:]]
     moe_kinds = ("emulated",) if n == 1 else ("emulated", mode if mode == "low_latency" else "all_gather")
     moe_kinds += ("all_to_all",) if mode == "max_throughput" and n > 1 else ()

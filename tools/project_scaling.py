@@ -250,16 +250,23 @@ def compute_models(era: str) -> dict[str, ComputeModel]:
 
 class RankTimes:
     """Decode step seconds of one rank on one H200 from `tools.measure_rank_shapes`' JSON, for the full layer count:
-    fixed + layers/2 x pair(batch, context) + layers x (MoE as dispatched - MoE as emulated), interpolated
-    linearly in batch (and in context through the batch-64 pair)."""
+    fixed(batch) + layers/2 x pair(batch, context) + layers x (MoE as dispatched - MoE as emulated), with
+    fixed = 2 t2 - t4 and pair = t2 - fixed at the first context, linear in batch between the measured ones, and
+    linear in context through the batch measured at a second context."""
 
     def __init__(self, path: Path):
         self.data = json.loads(Path(path).read_text())
-        self.configs = {  # usable: a 4-layer step to split off the fixed part, 2-layer steps to interpolate
-            (c["model"], c["mode"], c["n"]): c
-            for c in self.data["configs"]
-            if {r["layers"] for r in c.get("decode", [])} == {2, 4}
-        }
+        self.configs = {(c["model"], c["mode"], c["n"]): c for c in self.data["configs"] if self._usable(c)}
+
+    @staticmethod
+    def _usable(c: dict) -> bool:
+        """Every batch timed with 2 layers at the first context has its 4-layer step (its own fixed part)."""
+        rows = c.get("decode", [])
+        if not rows:
+            return False
+        ctx0 = min(r["context"] for r in rows)
+        at = {(r["layers"], r["batch"]) for r in rows if r["context"] == ctx0}
+        return bool(at) and all((4, b) in at for lay, b in at if lay == 2)
 
     def has(self, model: str, mode: str, n: int) -> bool:
         key = (model, "low_latency" if n == 1 else mode, n)
@@ -269,14 +276,14 @@ class RankTimes:
         c = self.configs[(model, "low_latency" if n == 1 else mode, n)]
         d = {(r["layers"], r["batch"], r["context"]): r["ms"] / 1e3 for r in c["decode"]}
         ctx0 = min(r["context"] for r in c["decode"])
-        b_ref = next(b for (lay, b, _) in d if lay == 4)
-        fixed = max(0.0, 2 * d[(2, b_ref, ctx0)] - d[(4, b_ref, ctx0)])
-        pair_b = sorted((b, t - fixed) for (lay, b, ctx), t in d.items() if lay == 2 and ctx == ctx0)
-        pair = _interp(pair_b, batch)
-        longer = [(ctx, t - fixed) for (lay, b, ctx), t in d.items() if lay == 2 and b == b_ref and ctx != ctx0]
-        if longer:
-            ctx1, p1 = longer[0]
-            pair += (context - ctx0) / (ctx1 - ctx0) * (p1 - (d[(2, b_ref, ctx0)] - fixed)) * batch / b_ref
+        batches = sorted(b for (lay, b, ctx) in d if lay == 2 and ctx == ctx0)
+        fixed_b = {b: max(0.0, 2 * d[(2, b, ctx0)] - d[(4, b, ctx0)]) for b in batches}
+        fixed = _interp_flat(sorted(fixed_b.items()), batch)
+        pair = _interp([(b, d[(2, b, ctx0)] - fixed_b[b]) for b in batches], batch)
+        longer = [(b, ctx, t) for (lay, b, ctx), t in d.items() if lay == 2 and ctx != ctx0 and b in fixed_b]
+        if longer:  # the attention's growth with context, per sequence
+            b1, ctx1, t1 = longer[0]
+            pair += (context - ctx0) / (ctx1 - ctx0) * (t1 - d[(2, b1, ctx0)]) * batch / b1
         kind = "low_latency" if mode == "low_latency" else dispatch
         moe = {}
         for r in c["moe"]:
@@ -287,6 +294,15 @@ class RankTimes:
             delta = _interp(sorted(moe[kind]), batch) - _interp(sorted(moe["emulated"]), batch)
         L = c["layers_full"]
         return fixed + L / 2 * pair + L * delta
+
+
+def _interp_flat(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise linear through `points` (sorted by x), constant past both ends."""
+    if x <= points[0][0] or len(points) == 1:
+        return points[0][1]
+    if x >= points[-1][0]:
+        return points[-1][1]
+    return _interp(points, x)
 
 
 def _interp(points: list[tuple[float, float]], x: float) -> float:
