@@ -633,6 +633,9 @@ def main(argv=None) -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     rank_times = RankTimes(Path(args.rank_shapes)) if args.rank_shapes else None
+    if rank_times is not None and not rank_times.configs:
+        print(f"{args.rank_shapes}: no rank config with a fixed part at every batch; compute from the model\n")
+        rank_times = None
     s = Settings(
         overlap=0.0,
         link_efficiency=args.link_efficiency,
