@@ -27,8 +27,18 @@ def all_to_all(
     return fn(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axis_name)
 
 
+EMULATED_SCOPE = "emulated_ragged_all_to_all_sends"  # named scope: f"{EMULATED_SCOPE}_{rows}_rows"
+
+
 def emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name: str):
-    """`ragged_all_to_all` from `all_gather` + gathers; same operands, same result."""
+    """`ragged_all_to_all` from `all_gather` + gathers; same operands, same result. Its collectives run under a
+    named scope saying how many rows the real one moves per device at most on average (a device sends at most its
+    operand's rows, receives at most its output's), so that `tools.plan_mesh` counts the real op, not these."""
+    with jax.named_scope(f"{EMULATED_SCOPE}_{min(operand.shape[0], output.shape[0])}_rows"):
+        return _emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axis_name)
+
+
+def _emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name: str):
     n = jax.lax.axis_size(axis_name)
     N = input_offsets.shape[0]
     if N % n:

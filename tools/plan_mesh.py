@@ -2,7 +2,8 @@
 for an abstract mesh of N devices, then report per-device memory and every collective with its bytes.
 
     python -m tools.plan_mesh --preset gpt-oss-120b --devices 72 --mode max_throughput [--replicas 1]
-        [--batch 64] [--context 8192] [--prefill-tokens 2048] [--layers 36] [--json out.json]
+        [--expert-dispatch {all_gather,all_to_all}] [--batch 64] [--context 8192] [--prefill-tokens 2048]
+        [--layers 36] [--json out.json]
 
 Runs on CPU: the mesh is `--devices` simulated host devices (set before any device is touched);
 parameters, KV pools and inputs are `jax.ShapeDtypeStruct`s carrying their shardings (`tools.common`'s
@@ -19,7 +20,14 @@ steps), so nothing is allocated. Shapes:
   one device sends with ring algorithms: all-gather and reduce-scatter (n-1)/n of the full buffer,
   all-reduce 2 (n-1)/n, all-to-all (n-1)/n, collective-permute all of it. Collectives inside a
   `lax.cond` branch (logprobs, the sampler's full-sort path) are listed but left out of the totals.
-  XLA:CPU carries bf16 collectives as f32, so bf16 activation gathers show twice their GPU size.
+  XLA:CPU carries bf16 collectives as f32; a compiled f32 collective whose kind and shape appear only as bf16
+  in the module before optimization is counted at its bf16 size (`gpu_dtype`), as a GPU sends it.
+* `--expert-dispatch all_to_all` (`sharding.a2a_dispatch`): XLA:CPU cannot compile `ragged_all_to_all`, so the
+  step compiles with its emulation (`sharding.ragged.emulated`: an all-gather of every operand, which moves n
+  times the data). Its collectives carry a named scope with the rows the real op moves per device at most on
+  average; the planner counts one `ragged-all-to-all` of those rows in place of the gather (sent: (n-1)/n of
+  them, uniform routing) and leaves the emulation's own offset exchanges out (`emulation`). For the dispatch
+  the rows are exact on average over devices: forward every pair of the device's tokens, back every pair it got.
 
 `--layers` compiles fewer layers (faster; memory and collective figures are reported for the full
 layer count: parameter and KV bytes analytically, collectives per layer pair from the trip counts).
@@ -39,7 +47,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import REFERENCE
-from sharding.rules import make_layout
+from sharding.ragged import EMULATED_SCOPE
+from sharding.rules import DISPATCHES, make_layout
 from tools.common import decode_step, model_config, param_shapes, prefill_step
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -82,6 +91,24 @@ def _shape_bytes(text: str) -> int:
     return total
 
 
+def _array_type(text: str) -> tuple[str, tuple[int, ...]]:
+    """(dtype, dims) of the first array in an HLO type string."""
+    m = re.search(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]", text)
+    return m.group(1), tuple(int(d) for d in m.group(2).split(",") if d)
+
+
+_PRE_COLLECTIVE = re.compile(r"=\s*([a-z]+[0-9]*)\[([0-9,]*)\]\S*\s+(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+
+
+def source_dtypes(hlo_before: str) -> dict[tuple, set[str]]:
+    """(kind, dims) -> the dtypes of the collectives of that kind and result shape in the module before XLA's
+    optimizations (jax's own dtypes: bf16 stays bf16)."""
+    out: dict[tuple, set[str]] = {}
+    for dt, dims, kind in _PRE_COLLECTIVE.findall(hlo_before):
+        out.setdefault((kind, tuple(int(d) for d in dims.split(",") if d)), set()).add(dt)
+    return out
+
+
 def _group_size(line: str, num_devices: int) -> int:
     m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
     if m:
@@ -97,8 +124,10 @@ def _group_size(line: str, num_devices: int) -> int:
     return num_devices if not m else 2
 
 
-def parse_collectives(hlo: str, num_devices: int) -> list[dict]:
-    """Every collective in the compiled module with how many times one step runs it."""
+def parse_collectives(hlo: str, num_devices: int, dtypes_before: dict | None = None) -> list[dict]:
+    """Every collective in the compiled module with how many times one step runs it. `dtypes_before`
+    (`source_dtypes` of the module before optimization) restores the bf16 size of collectives XLA:CPU
+    carries as f32; emulated ragged all-to-alls become `ragged-all-to-all` (module docstring)."""
     comps: dict[str, list[str]] = {}
     name = None
     for line in hlo.splitlines():
@@ -149,11 +178,23 @@ def parse_collectives(hlo: str, num_devices: int) -> list[dict]:
             size = _shape_bytes(m.group(2))
             if "-start" in line.split("=")[1].split("(")[0] and kind in ("all-gather", "collective-permute"):
                 size = _shape_bytes(m.group(2)) // 2  # start ops return (operand, result)
-            # result sizes: an all-gather's is the full buffer, a reduce-scatter's one shard of it
+            dt, dims = _array_type(m.group(2))
+            gpu_dtype = dt
+            if dt == "f32" and (dtypes_before or {}).get((kind, dims)) == {"bf16"}:
+                gpu_dtype, size = "bf16", size // 2
+            op_name = re.search(r'op_name="([^"]*)"', line)
+            where = op_name.group(1) if op_name else ""
+            emulated = re.search(EMULATED_SCOPE + r"_(\d+)_rows", where)
+            emulation = False
+            if emulated and kind == "all-gather" and len(dims) >= 3 and dims[0] == n:  # the operands, gathered
+                kind, size = "ragged-all-to-all", int(emulated.group(1)) * DTYPE_BYTES[gpu_dtype] * math.prod(dims[2:])
+            elif emulated:
+                emulation = True  # the emulation's offset exchanges: the real op takes offsets as operands
+            # result sizes: an all-gather's is the full buffer, a reduce-scatter's one shard of it; a ragged
+            # all-to-all's `size` is what the device sends, (n-1)/n of it to others under uniform routing
             factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0, "reduce-scatter": n - 1}.get(
                 kind, (n - 1) / n
             )
-            op_name = re.search(r'op_name="([^"]*)"', line)
             out.append(
                 dict(
                     kind=kind,
@@ -162,8 +203,10 @@ def parse_collectives(hlo: str, num_devices: int) -> list[dict]:
                     group=n,
                     bytes=size,
                     sent=int(size * factor),
-                    where=op_name.group(1)[-90:] if op_name else "",
-                    where_full=op_name.group(1) if op_name else "",
+                    gpu_dtype=gpu_dtype,
+                    emulation=emulation,
+                    where=where[-90:],
+                    where_full=where,
                 )
             )
     return out
@@ -175,7 +218,7 @@ def plan(args) -> dict:
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
     if args.devices % args.replicas:
         raise SystemExit(f"--devices {args.devices} is not a multiple of --replicas {args.replicas}")
-    layout = make_layout(args.devices // args.replicas, args.replicas, args.mode)
+    layout = make_layout(args.devices // args.replicas, args.replicas, args.mode, dispatch=args.expert_dispatch)
     R = layout.num_ranks
 
     def abstract_step(kind: str, c):
@@ -191,6 +234,7 @@ def plan(args) -> dict:
         replicas=args.replicas,
         model=layout.model_size,
         mode=args.mode,
+        expert_dispatch=args.expert_dispatch,
         ranks=R,
         layers_compiled=cfg.num_layers,
         layers=full.num_layers,
@@ -205,21 +249,24 @@ def plan(args) -> dict:
         step = abstract_step(kind, cfg)
         B, T = step.batch.tables.full_BM.shape[0], 1 if kind == "decode" else args.prefill_tokens
         t0 = time.time()
-        compiled = step.lower().compile()
+        lowered = step.lower()
+        compiled = lowered.compile()
         seconds = time.time() - t0
         hlo = compiled.as_text()
         if args.hlo_dir:
             Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
-            (Path(args.hlo_dir) / f"{args.preset}-{args.mode}-{args.devices}-{kind}.hlo.txt").write_text(hlo)
+            name = f"{Path(args.preset).stem}-{args.mode}-{args.expert_dispatch}-{args.devices}-{kind}.hlo.txt"
+            (Path(args.hlo_dir) / name).write_text(hlo)
         mem = compiled.memory_analysis()
-        colls = parse_collectives(hlo, args.devices)
+        colls = parse_collectives(hlo, args.devices, source_dtypes(lowered.as_text(dialect="hlo")))
         pairs, full_pairs = cfg.num_layers // 2, full.num_layers // 2
         for c in colls:
             c["per_layer_pair"] = "/layers/while/body" in c["where_full"]  # inside the layer scan, or once per step
             c["conditional"] = "cond/branch" in c["where_full"]  # a lax.cond branch (logprobs...): not every step
             c["runs_full_model"] = c["runs"] // pairs * full_pairs if c["per_layer_pair"] else c["runs"]
-        total_sent = sum(c["sent"] * c["runs_full_model"] for c in colls if not c["conditional"])
-        cond_sent = sum(c["sent"] * c["runs_full_model"] for c in colls if c["conditional"])
+        every = [c for c in colls if not c["conditional"] and not c["emulation"]]
+        total_sent = sum(c["sent"] * c["runs_full_model"] for c in every)
+        cond_sent = sum(c["sent"] * c["runs_full_model"] for c in colls if c["conditional"] and not c["emulation"])
         tokens_per_device = B * T / R  # a device works for its rank's tokens
         whole = abstract_step(kind, full)  # memory of every layer, compiled or not
         result["steps"][kind] = dict(
@@ -232,6 +279,7 @@ def plan(args) -> dict:
             temp_bytes_per_device=int(mem.temp_size_in_bytes) if mem else None,
             argument_bytes_per_device_compiled=int(mem.argument_size_in_bytes) if mem else None,
             collectives=colls,
+            collectives_per_step=sum(c["runs_full_model"] for c in every),
             sent_bytes_per_device=int(total_sent),
             conditional_sent_bytes=int(cond_sent),
             sent_bytes_per_token=total_sent / tokens_per_device if tokens_per_device else None,
@@ -247,6 +295,7 @@ def _gb(b: float) -> str:
 def report(r: dict) -> None:
     print(
         f"{r['preset']}: {r['devices']} devices = {r['replicas']} replicas x {r['model']} model, {r['mode']}, "
+        f"{r['expert_dispatch']} dispatch, "
         f"{r['ranks']} attention ranks, experts padded to {r['experts_padded']}, "
         f"compiled {r['layers_compiled']}/{r['layers']} layers"
     )
@@ -258,6 +307,8 @@ def report(r: dict) -> None:
         )
         agg: dict[tuple, list] = {}
         for c in s["collectives"]:
+            if c["emulation"]:
+                continue
             key = (c["kind"], c["group"], c["bytes"], c["per_layer_pair"], c["conditional"])
             agg.setdefault(key, [0, c["where"]])[0] += c["runs_full_model"]
         for (kind, n, size, per_pair, cond), (runs, where) in sorted(
@@ -269,18 +320,22 @@ def report(r: dict) -> None:
             )
         per_tok = s["sent_bytes_per_token"]
         print(
-            f"    sent per device per step {s['sent_bytes_per_device'] / 1e6:.2f} MB (all {r['layers']} layers; "
+            f"    {s['collectives_per_step']} collectives, "
+            f"sent per device per step {s['sent_bytes_per_device'] / 1e6:.2f} MB (all {r['layers']} layers; "
             f"conditional branches {s['conditional_sent_bytes'] / 1e6:.2f} MB more), per token of its rank "
             f"{per_tok / 1e3 if per_tok else 0:.1f} KB"
         )
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="gpt-oss-120b", help="preset name or a HF config.json path")
     ap.add_argument("--devices", type=int, required=True, help="devices in the mesh (replicas x model)")
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--mode", choices=("low_latency", "max_throughput"), default="low_latency")
+    ap.add_argument(
+        "--expert-dispatch", choices=DISPATCHES, default="all_gather", help="how tokens reach their experts' devices"
+    )
     ap.add_argument("--batch", type=int, default=64, help="decode sequences per attention rank")
     ap.add_argument("--context", type=int, default=8192, help="KV tokens per sequence")
     ap.add_argument("--prefill-tokens", type=int, default=2048, help="prefill chunk per rank (one row)")
@@ -289,7 +344,11 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", default="decode,prefill")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--hlo-dir", default=None, help="also dump the compiled HLO text here")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     if not jax.config.jax_platforms:  # before anything touches a device
         jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", args.devices)
