@@ -246,10 +246,11 @@ def test_sampler_draws_only_allowed_tokens_and_leaves_other_rows_alone():
 
     sb = batch(masked)
     free = batch(np.zeros(B, bool))
+    draw = jax.jit(sampling.sample_batch, static_argnums=3)
     for pos in range(20):
         pos_B = jnp.full(B, pos, jnp.int32)
-        got = np.asarray(jax.jit(sampling.sample_batch, static_argnums=3)(logits, pos_B, sb, 1).tokens)
-        ref = np.asarray(sampling.sample_batch(logits, pos_B, free, 1).tokens)
+        got = np.asarray(draw(logits, pos_B, sb, 1).tokens)
+        ref = np.asarray(draw(logits, pos_B, free, 1).tokens)
         for b in range(B):
             assert allow[b, got[b]] if masked[b] else got[b] == ref[b]
 
