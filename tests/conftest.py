@@ -7,6 +7,9 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 # cache on in folders of its own); servers the tests start inherit this.
 os.environ.setdefault("GPTOSS_JAX_COMPILE_CACHE", "off")
 
+import gc
+
+import jax
 import pytest
 from parity_configs import PARITY
 
@@ -18,6 +21,15 @@ SHARED_TOKENIZER = REPO.parent / "shared" / "tokenizer"
 # Tests never download: the rank file comes from ../shared/tokenizer (see its README).
 if SHARED_TOKENIZER.exists():
     os.environ.setdefault("TIKTOKEN_ENCODINGS_BASE", str(SHARED_TOKENIZER))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drop JAX's compiled programs after each test module. Each CPU executable holds ~14 memory maps, and the whole
+    suite compiles past Linux's 65,530 maps per process (`vm.max_map_count`): XLA then segfaults in a compilation."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
