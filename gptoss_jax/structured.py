@@ -12,7 +12,8 @@ multi-step on device, asynchronous); the host watches it and cuts it when it lea
 exceeds the reasoning budget (`thinking_token_budget`), force-feeding the tokens that close it. In the answer a
 "gated" sequence draws the first token of its next engine call under the bitmask the matcher computed from the
 tokens before it (`Constraint.mask`); the call's later steps draw freely, and the host keeps them while the grammar
-accepts them (`Constraint._answer`). The other rows of the batch keep their multi-step, asynchronous calls.
+accepts them (`Constraint._answer`). The engine reads an answering row's tokens before it dispatches the next call,
+so the row joins every call; it reads the other rows' tokens while that call runs.
 
 Why llguidance (docs/BENCHMARKS.md §11): it reads tiktoken encodings directly, ships abi3 wheels without torch,
 computes masks lazily over the 201k vocabulary in tens of microseconds and compiles schemas in milliseconds

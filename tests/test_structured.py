@@ -319,6 +319,36 @@ def test_offline_reasoning_budget_mixed_batch_and_no_compilation(demo):
     assert sum(steps.TRACES.values()) == traces
 
 
+@pytest.mark.slow
+def test_answering_rows_join_every_call(demo):
+    """A structured-output row writing its answer gains tokens at every engine step, beside a free row: the engine
+    reads its tokens before it schedules the next call, so the row joins that call instead of skipping the one in
+    flight (which halved the rate of constrained rows under async scheduling)."""
+    from gptoss_jax.sampling import SamplingParams
+
+    eng = demo.engine
+    assert eng.config.async_scheduling
+    opened = eng.tokenizer.encode("<|start|>user<|message|>hi<|end|><|start|>assistant", allowed_special="all")
+    opened += ANALYSIS_HEADER
+    so = SamplingParams(
+        temperature=1.0, seed=3, max_tokens=60, thinking_token_budget=2, structured_outputs=SO(json=PERSON)
+    )
+    eng.add_request("so", opened, so)
+    eng.add_request("free", opened, SamplingParams(temperature=0, max_tokens=80, stop_token_ids=[]))
+    answering, tokens = [], []  # per step while the constrained row answers: did it gain tokens
+    while eng.has_unfinished_requests():
+        seq = eng._requests.get("so")
+        in_answer = seq is not None and seq.constraint.phase == "answer"
+        gained = {o.request_id: o for o in eng.step()}.get("so")
+        if in_answer:
+            answering.append(gained is not None and bool(gained.new_token_ids or gained.finished))
+        if gained is not None:
+            tokens += gained.new_token_ids
+    jsonschema.validate(answer_json(eng.tokenizer, tokens), PERSON)
+    assert len(answering) > 5
+    assert all(answering[1:]), answering  # the first: the call that wrote the reasoning's end was void
+
+
 # ---- the API edge (in process, the scripted engine) --------------------------------------------------------------
 
 
