@@ -34,7 +34,7 @@ from gptoss_jax.random_weights import DEMO_CONFIG
 from gptoss_jax.sampling import SamplingParams
 from pallas_kernels import KernelConfig
 from tools.bench_throughput import TimedEngine
-from tools.common import random_params, resolved, timeit
+from tools.common import copy_bandwidth, random_params, resolved, timeit
 
 # Long enough to fill any output length: the engine steers it to its end near max_tokens.
 SCHEMA = {
@@ -87,16 +87,20 @@ def run_job(engine: StructuredEngine, prompts: list[list[int]], output_len: int,
     for i, p in enumerate(prompts):
         engine.add_request(f"{'json' if i < constrained else 'free'}-{i}", p, json_sp if i < constrained else free)
     t_added = time.perf_counter()
-    first = {}
+    first, late = {}, []  # late: (time, tokens) of outputs once every request has its first token
     while engine.has_unfinished_requests():
         for o in engine.step():
             kind = o.request_id.split("-")[0]
             tokens[kind] += len(o.new_token_ids)
             if o.new_token_ids:
-                first.setdefault(o.request_id, time.perf_counter())
+                now = time.perf_counter()
+                first.setdefault(o.request_id, now)
+                if len(first) == len(prompts):
+                    late.append((now, len(o.new_token_ids)))
             if kind == "json":
                 texts[o.request_id] += o.new_token_ids
     elapsed = time.perf_counter() - t0
+    decode_s = late[-1][0] - late[0][0] if len(late) > 1 else None
     valid = 0
     for ids in texts.values():
         text = engine.tokenizer.decode(ids)
@@ -116,6 +120,8 @@ def run_job(engine: StructuredEngine, prompts: list[list[int]], output_len: int,
         "output_tok_s": n_out / elapsed,
         "free_output_tok_s": tokens["free"] / elapsed,
         "decode_phase_s": elapsed - (max(first.values()) - t0) if first else None,
+        # Output tok/s once every request has its first token (prefill over): the decode throughput
+        "decode_tok_s": sum(n for _, n in late[1:]) / decode_s if decode_s else None,
         "host_s": dict(engine.timers),
         "host_accept_us_per_token": 1e6 * engine.accept_s / max(engine.accepts, 1),
         "constrained_tokens_per_accept": tokens["json"] / max(engine.accepts, 1),
@@ -238,18 +244,27 @@ def main() -> None:
         row.update(fraction=fraction, config=args.config, decode_steps_per_call=engine.config.decode_steps_per_call)
         result["jobs"].append(row)
         print(
-            f"{n}/{args.num_requests} constrained: {row['output_tok_s']:.0f} output tok/s "
+            f"{n}/{args.num_requests} constrained: {row['output_tok_s']:.0f} output tok/s, decode phase "
+            f"{row['decode_tok_s'] or 0:.0f} tok/s "
             f"(free rows {row['free_output_tok_s']:.0f}), {row['seconds']:.1f}s, tokens {row['output_tokens']}, "
             f"valid JSON {row['constrained_valid_json']}/{n}, host accept {row['host_accept_us_per_token']:.0f} us "
             f"per call ({row['host_accept_s']:.2f}s, {row['constrained_tokens_per_accept']:.2f} tokens kept per call), "
             f"compiles {row['num_compiles']}",
             flush=True,
         )
-    base = result["jobs"][0]["output_tok_s"]
+    first_job = result["jobs"][0]
     for row in result["jobs"][1:]:
-        row["vs_first_job"] = row["output_tok_s"] / base
+        row["vs_first_job"] = row["output_tok_s"] / first_job["output_tok_s"]
+        row["decode_vs_first_job"] = (row["decode_tok_s"] or 0) / (first_job["decode_tok_s"] or 1)
     if len(result["jobs"]) > 1:
-        print("throughput vs the first job: " + ", ".join(f"{r['vs_first_job']:.3f}" for r in result["jobs"][1:]))
+        print(
+            "vs the first job: output "
+            + ", ".join(f"{r['vs_first_job']:.3f}" for r in result["jobs"][1:])
+            + "; decode phase "
+            + ", ".join(f"{r['decode_vs_first_job']:.3f}" for r in result["jobs"][1:])
+        )
+    result["copy_TBps"] = copy_bandwidth(warmup=1) / 1e12  # the same run's ceiling
+    print(f"copy bandwidth {result['copy_TBps']:.2f} TB/s", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(
