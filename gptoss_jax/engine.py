@@ -84,7 +84,6 @@ class _Call:
     decodes: list[tuple[Sequence, int, int]]  # sequence, row, epoch
     prefill_out: Sampled | None
     decode_out: Sampled | None
-    host: dict[str, tuple[np.ndarray, ...]] = dataclasses.field(default_factory=dict)  # outputs read so far
 
 
 class Engine:
@@ -319,19 +318,14 @@ class Engine:
         stop-string error, a device call that fails) ends those requests with finish reason "error"; the
         others, and the engine, go on."""
         outputs, self._aborted = self._aborted, []
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
-            # Structured-output rows writing their answer draw each call's first token under a mask that depends on
-            # the tokens in flight: read theirs first, so that they join the next call rather than skip it (the
-            # device waits for the host that long, only while such rows run).
-            outputs += self._collect(in_flight, only=_needs_host)
         work = self.scheduler.schedule()
         try:
             call = None if work.empty else self._launch(work)
         except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
             call = None
             outputs += self._fail([c.seq for c in work.prefills] + list(work.decodes), e)
-        if in_flight is not None:  # read the rest while `call` runs on the device
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:  # read while `call` runs on the device
             outputs += self._collect(in_flight)
         if call is not None:
             if self.config.async_scheduling:
@@ -382,47 +376,31 @@ class Engine:
         self.scheduler.launched(work)
         return call
 
-    def _collect(self, call: _Call, only: Callable[[Sequence], bool] | None = None) -> list[StepOutput]:
-        """Wait for a call's tokens and hand them to their sequences (with `only`, to those it selects; the others
-        stay in `call` for a later collect). Results that cannot be read (the device call failed) fail the
-        sequences of that call."""
+    def _collect(self, call: _Call) -> list[StepOutput]:
+        """Wait for a call's tokens and hand them to their sequences. Results that cannot be read (the device call
+        failed) fail the sequences of that call."""
         outputs = []
-        prefills, call.prefills = _split(call.prefills, only)
-        decodes, call.decodes = _split(call.decodes, only)
-        if prefills:
+        if call.prefills:
             try:
-                sampled = self._read(call, "prefill", prefills)
+                sampled = _to_host(call.prefill_out, any(s.params.logprobs is not None for s, *_ in call.prefills))
             except Exception as e:  # noqa: BLE001 - this call's requests fail, the engine goes on
-                outputs += self._fail([s for s, *_ in prefills + call.prefills], e)
-                call.prefills = []
+                outputs += self._fail([s for s, *_ in call.prefills], e)
             else:
-                for seq, row, epoch, ends_prompt in prefills:
+                for seq, row, epoch, ends_prompt in call.prefills:
                     if ends_prompt and seq.epoch == epoch:
                         seq.num_pending -= 1
                         outputs += self._append_or_fail(seq, lambda: [_pick(sampled, (row,))])
-        if decodes:
+        if call.decodes:
             try:
-                sampled = self._read(call, "decode", decodes)
+                sampled = _to_host(call.decode_out, any(s.params.logprobs is not None for s, *_ in call.decodes))
             except Exception as e:  # noqa: BLE001 - this call's requests fail, the engine goes on
-                outputs += self._fail([s for s, *_ in decodes + call.decodes], e)
-                call.decodes = []
-                return outputs
+                return outputs + self._fail([s for s, *_ in call.decodes], e)
             K = sampled[0].shape[0]
-            for seq, row, epoch in decodes:
+            for seq, row, epoch in call.decodes:
                 if seq.epoch == epoch:
                     seq.num_pending -= K
                     outputs += self._append_or_fail(seq, lambda: [_pick(sampled, (k, row)) for k in range(K)])
         return outputs
-
-    @staticmethod
-    def _read(call: _Call, kind: str, entries: list[tuple]) -> tuple[np.ndarray, ...]:
-        """A call's prefill or decode tokens on the host (with log-probabilities if any of its rows wants them), read
-        once: a partial collect and the later one share the copy."""
-        if kind not in call.host:
-            out = call.prefill_out if kind == "prefill" else call.decode_out
-            rows = call.prefills if kind == "prefill" else call.decodes
-            call.host[kind] = _to_host(out, any(s.params.logprobs is not None for s, *_ in entries + rows))
-        return call.host[kind]
 
     def _append_or_fail(self, seq: Sequence, picks: Callable[[], list]) -> list[StepOutput]:
         """`_append` of one sequence's tokens; an error there (a token the stop-string check cannot decode, a
@@ -539,22 +517,6 @@ class Engine:
         in prefill chunks."""
         step = functools.partial(steps.prompt_logits, st=self.runner.st)
         return np.concatenate([np.asarray(lg[0, :n], np.float32) for lg, n in self.run_prompt(token_ids, step)])
-
-
-def _split(entries: list[tuple], only: Callable[[Sequence], bool] | None) -> tuple[list[tuple], list[tuple]]:
-    """(the entries whose sequence `only` selects (all without it), the others)."""
-    chosen, rest = [], []
-    for e in entries:
-        (chosen if only is None or only(e[0]) else rest).append(e)
-    return chosen, rest
-
-
-def _needs_host(seq: Sequence) -> bool:
-    """Whether a sequence's next call depends on the host's reading of the one in flight: a structured-output row
-    in its answer (or in the header before it, where a stray token opens the answer), whose masks the grammar
-    computes from the tokens kept."""
-    c = seq.constraint
-    return c is not None and c.matcher is not None and c.phase in ("header", "answer")
 
 
 def _to_host(s: Sampled, with_logprobs: bool) -> tuple[np.ndarray, ...]:

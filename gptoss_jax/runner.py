@@ -409,7 +409,9 @@ class ModelRunner:
             p = s.params
             temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
             keys[i], want[i] = s.key, p.logprobs is not None
-            if s.constraint is not None and s.constraint.gated:
+            if s.constraint is not None and s.constraint.gated and not s.num_pending:
+                # The mask holds for the position after the tokens the host has read: a row with tokens in flight
+                # draws freely, and the host keeps what the grammar accepts (or voids the call).
                 gated.append((i, s.constraint.mask))
             proc[i, 2:] = s.num_prompt_tokens, s.slot
             if p.uses_processors:

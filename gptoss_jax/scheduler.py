@@ -114,8 +114,6 @@ class Scheduler:
         for seq in list(self.running):
             if seq not in self.running:
                 continue
-            if seq.num_pending and seq.constraint is not None and seq.constraint.gated:
-                continue  # its next mask waits for the token in flight
             first, end = seq.decode_span(cfg.decode_steps_per_call)
             if seq.num_pending and end <= first:  # its last tokens are in flight: it ends by length
                 scheduled.add(id(seq))  # when they land, so no reservation may preempt it

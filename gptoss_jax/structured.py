@@ -12,8 +12,8 @@ multi-step on device, asynchronous); the host watches it and cuts it when it lea
 exceeds the reasoning budget (`thinking_token_budget`), force-feeding the tokens that close it. In the answer a
 "gated" sequence draws the first token of its next engine call under the bitmask the matcher computed from the
 tokens before it (`Constraint.mask`); the call's later steps draw freely, and the host keeps them while the grammar
-accepts them (`Constraint._answer`). The engine reads an answering row's tokens before it dispatches the next call,
-so the row joins every call; it reads the other rows' tokens while that call runs.
+accepts them (`Constraint._answer`). A row whose tokens are still in flight draws freely in the next call too (its
+mask depends on them), so it joins every call asynchronously like the other rows; a rejection voids that call.
 
 Why llguidance (docs/BENCHMARKS.md §11): it reads tiktoken encodings directly, ships abi3 wheels without torch,
 computes masks lazily over the 201k vocabulary in tens of microseconds and compiles schemas in milliseconds
@@ -207,8 +207,8 @@ def mask_words(vocab_size: int) -> int:
 
 class Constraint:
     """One sequence's structured-output state. `accept(tokens)` reads the tokens a call sampled for it and says how
-    many to keep and which to force-feed after them; `gated` sequences take one token per call, drawn under
-    `mask` (a packed bitmask of the model's vocabulary, refreshed by `accept`).
+    many to keep and which to force-feed after them; `gated` sequences draw the first token of a call dispatched after
+    `accept` under `mask` (a packed bitmask of the model's vocabulary, refreshed by `accept`).
 
     `grammar=None` with a budget only limits the reasoning (the answer is then free). A `prompt` that ends in the
     analysis header (an assistant message the caller opened) starts in the reasoning. `max_len`: the sequence's
@@ -238,7 +238,7 @@ class Constraint:
 
     @property
     def gated(self) -> bool:
-        """Whether the next token must be drawn under `mask` (the host in the loop: one masked token per call)."""
+        """Whether the next token must be drawn under `mask` (after a rejected token, and where the answer starts)."""
         return self.phase == "answer" and self.matcher is not None and self.need_mask
 
     def accept(self, tokens: list[int]) -> tuple[int, list[int]]:

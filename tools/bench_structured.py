@@ -4,7 +4,7 @@ against none constrained, the host's time per constrained token, and the sampler
 Each job submits `--num-requests` requests of `--input-len` random prompt tokens at once under the max_throughput
 profile, `--output-len` tokens each (stop tokens off for the free ones; the constrained ones end at their JSON's
 end, which the engine steers to just before `--output-len`). Random weights at the real shape never open a reasoning
-message, so the constrained rows are under the grammar (one token per engine call, the host in the loop) from
+message, so the constrained rows are under the grammar (masks from the host, rejected free draws) from
 their first token: the worst case. Weights are random, drawn on device in the kernels' layout; the o200k tokenizer
 comes from `--tokenizer` (default: shared/tokenizer in or beside the checkout, else the usual lookup:
 $TIKTOKEN_ENCODINGS_BASE, $GPTOSS_JAX_HOME/tokenizer).
@@ -214,6 +214,8 @@ def main() -> None:
         "schema": SCHEMA,
         "jobs": [],
     }
+    result["copy_TBps"] = copy_bandwidth(warmup=1) / 1e12  # the same run's ceiling (before the engine takes the memory)
+    print(f"copy bandwidth {result['copy_TBps']:.2f} TB/s", flush=True)
     result["sampler"] = sampler_cost(args.num_requests, cfg.vocab_size)
     print(f"sampler: {result['sampler']}", flush=True)
     params = random_params(cfg, kernels)
@@ -263,8 +265,6 @@ def main() -> None:
             + "; decode phase "
             + ", ".join(f"{r['decode_vs_first_job']:.3f}" for r in result["jobs"][1:])
         )
-    result["copy_TBps"] = copy_bandwidth(warmup=1) / 1e12  # the same run's ceiling
-    print(f"copy bandwidth {result['copy_TBps']:.2f} TB/s", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(

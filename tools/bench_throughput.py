@@ -105,13 +105,11 @@ class TimedEngine(Engine):
         with _timer(self.timers, "launch"):
             return super()._launch(work)
 
-    def _collect(self, call, only=None):
-        if only is not None and not any(only(e[0]) for e in call.prefills + call.decodes):
-            return []  # nothing to read early (no structured-output row answering): no wait
+    def _collect(self, call):
         with _timer(self.timers, "collect"):
             with _timer(self.timers, "wait"):
                 jax.block_until_ready((call.prefill_out, call.decode_out))
-            return super()._collect(call, only)
+            return super()._collect(call)
 
 
 def run_job(
