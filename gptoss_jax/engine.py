@@ -419,7 +419,9 @@ class Engine:
         rollback = None
         if seq.constraint is not None:
             keep, forced = seq.constraint.accept([p[0] for p in picks])
-            if keep < len(picks) or forced:
+            # A rejected token, forced tokens, or a mask needed from here on (the answer nears the length limit):
+            # tokens drawn without it may be in flight, so those calls are void.
+            if keep < len(picks) or forced or seq.constraint.gated:
                 rollback = len(seq.token_ids) + keep - 1  # the last kept token's position: computed again
             picks = picks[:keep] + [(t, 0.0, []) for t in forced]
         for tok, lp, top in picks:
