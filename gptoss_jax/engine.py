@@ -81,7 +81,7 @@ class _Call:
     epoch at dispatch: a sequence that left the batch since (finished, aborted, preempted) is skipped."""
 
     prefills: list[tuple[Sequence, int, int, bool]]  # sequence, row, epoch, chunk ends the prompt
-    decodes: list[tuple[Sequence, int, int]]  # sequence, row, epoch
+    decodes: list[tuple[Sequence, int, int, int]]  # sequence, row, epoch, steps whose samples are not its tokens
     prefill_out: Sampled | None
     decode_out: Sampled | None
 
@@ -369,7 +369,7 @@ class Engine:
                 (c.seq, row, c.seq.epoch, c.start + c.num_tokens == len(c.seq.token_ids))
                 for row, c in zip(pre[1], work.prefills)
             ],
-            [(seq, row, seq.epoch) for row, seq in zip(dec[1], work.decodes)],
+            [(seq, row, seq.epoch, seq.fed_tokens - 1) for row, seq in zip(dec[1], work.decodes)],
             pre[0],
             dec[0],
         )
@@ -396,10 +396,10 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - this call's requests fail, the engine goes on
                 return outputs + self._fail([s for s, *_ in call.decodes], e)
             K = sampled[0].shape[0]
-            for seq, row, epoch in call.decodes:
-                if seq.epoch == epoch:
-                    seq.num_pending -= K
-                    outputs += self._append_or_fail(seq, lambda: [_pick(sampled, (k, row)) for k in range(K)])
+            for seq, row, epoch, fed in call.decodes:
+                if seq.epoch == epoch and fed < K:  # (all steps fed: the call computed forced tokens only)
+                    seq.num_pending -= K - fed
+                    outputs += self._append_or_fail(seq, lambda: [_pick(sampled, (k, row)) for k in range(fed, K)])
         return outputs
 
     def _append_or_fail(self, seq: Sequence, picks: Callable[[], list]) -> list[StepOutput]:

@@ -227,10 +227,16 @@ class ModelRunner:
         positions = np.full((rows,), -1, np.int32)
         positions[row_of] = [s.decode_span(K)[0] for s in seqs]
         host = np.zeros((rows,), np.int32)  # -1: the input token is still on the device
-        host[row_of] = [-1 if s.num_pending else s.token_ids[-1] for s in seqs]
+        fed = np.full((rows, K), -1, np.int32)  # later steps' inputs from the host (-1: the step before's sample)
+        for i, s in zip(row_of, seqs):
+            n = s.fed_tokens
+            host[i] = -1 if s.num_pending else s.token_ids[s.num_computed]
+            fed[i, 1:n] = s.token_ids[s.num_computed + 1 : s.num_computed + min(n, K)]
         tokens = steps.load_tokens(self._last_tokens, slots, self._put(host))
         tables = self._tables(seqs, rows, width, row_of)
-        return steps.DecodeBatch(tokens, self._put(positions), tables, self._sampling(seqs, rows, row_of))
+        return steps.DecodeBatch(
+            tokens, self._put(positions), tables, self._sampling(seqs, rows, row_of), self._put(fed)
+        )
 
     def _prefill(self, chunks: list[PrefillChunk], rows: int, row_of: list[int], T: int, width: int) -> Sampled:
         seqs = [c.seq for c in chunks]

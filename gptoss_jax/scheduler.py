@@ -51,9 +51,17 @@ class Sequence:
         return len(self.token_ids) + self.num_pending - self.num_computed
 
     def decode_span(self, steps: int) -> tuple[int, int]:
-        """(first query position, end of the K/V positions to hold) of its next decode call."""
-        first = len(self.token_ids) + self.num_pending - 1
+        """(first query position, end of the K/V positions to hold) of its next decode call: after its last token,
+        or, with nothing in flight, from its first uncomputed one (tokens the host fed: `fed_tokens`)."""
+        first = self.num_computed if not self.num_pending else len(self.token_ids) + self.num_pending - 1
         return first, min(first + steps, self.max_len - 1)
+
+    @property
+    def fed_tokens(self) -> int:
+        """Decode inputs the host gives its next call: 1, or, after tokens forced onto a generated sequence (a
+        structured output's), those tokens one per step, so that they need no prefill call."""
+        u = self.num_uncomputed
+        return u if u > 1 and not self.num_pending and self.num_computed >= self.num_prompt_tokens - 1 else 1
 
     @property
     def num_output_tokens(self) -> int:
@@ -118,8 +126,8 @@ class Scheduler:
             if seq.num_pending and end <= first:  # its last tokens are in flight: it ends by length
                 scheduled.add(id(seq))  # when they land, so no reservation may preempt it
                 continue
-            if seq.num_uncomputed != 1:
-                continue
+            if seq.num_uncomputed != seq.fed_tokens:
+                continue  # a prompt (or what preemption left) to prefill
             if self._reserve(seq, first, end, scheduled):
                 decodes.append(seq)
                 scheduled.add(id(seq))
@@ -207,7 +215,7 @@ class Scheduler:
         K = self.config.decode_steps_per_call
         for seq in work.decodes:
             _, end = seq.decode_span(K)
-            seq.num_pending += K
+            seq.num_pending += max(0, K + 1 - seq.fed_tokens)  # the steps after its last fed token sample
             self._advance(seq, end)
         for c in work.prefills:
             if c.start + c.num_tokens == len(c.seq.token_ids):

@@ -78,6 +78,9 @@ class DecodeBatch:
     positions_B: jax.Array  # i32
     tables: model.PageTables
     sampling: SamplingBatch
+    # i32 [B, steps]: step k's input from the host where >= 0 (tokens forced onto a structured output, fed one per
+    # step instead of a prefill call), else step k - 1's sample; column 0 unused (`tokens_B`)
+    fed_BS: jax.Array
 
 
 def _sampler(st: StepConfig):
@@ -115,17 +118,20 @@ def decode(
 
     def one(carry, k):
         cache, state, tok_B, pos_B = carry
+        fed_B = batch.fed_BS[:, k]
+        tok_B = jnp.where(fed_B >= 0, fed_B, tok_B)
         x, cache, _ = model.forward(
             params, cache, tok_B[:, None], pos_B[:, None], batch.tables, st.cfg, st.kernels, layout=st.layout
         )
         with jax.named_scope("sample"):
             state = sampling.record_input(state, batch.sampling, tok_B, pos_B)
-            # A structured-output mask holds for the call's first token only (it depends on the tokens before);
-            # later steps draw freely and the host keeps what the grammar accepts.
-            sb = batch.sampling.replace(masked_B=batch.sampling.masked_B & (k == 0))
+            # A structured-output mask holds for the call's first sampled token only (after the fed ones; it depends
+            # on the tokens before); later steps draw freely and the host keeps what the grammar accepts.
+            sb = batch.sampling.replace(masked_B=batch.sampling.masked_B & (k == first_sample_B))
             out = _sampler(st)(model.unembed(params, x[:, 0]), pos_B, sb, state)
         return (cache, state, out.tokens, jnp.where(pos_B >= 0, pos_B + 1, -1)), out
 
+    first_sample_B = jnp.sum(batch.fed_BS[:, 1:] >= 0, axis=1)  # the step whose sample follows the fed tokens
     carry = (cache, state, batch.tokens_B, batch.positions_B)
     (cache, state, _, _), outs = jax.lax.scan(one, carry, jnp.arange(st.num_steps))
     return outs, cache, state

@@ -331,7 +331,8 @@ def test_answering_rows_join_every_call_and_close_in_time(demo):
     """Structured-output rows writing their answers are in every engine call, beside a free row: with tokens in flight
     they draw freely and the host keeps what the grammar accepts (or voids the call when it rejects one), instead of
     skipping the call after each masked one (which halved their rate under async scheduling). Short `max_tokens`
-    make the engine steer the answers to their end: a row that needs that mask voids its calls in flight."""
+    make the engine steer the answers to their end: a row that needs that mask voids its calls in flight. Tokens the
+    grammar forces (a key, a closing quote) are fed to the decode call, one per step, instead of a prefill call."""
     from gptoss_jax.sampling import SamplingParams
 
     eng = demo.engine
@@ -342,17 +343,18 @@ def test_answering_rows_join_every_call_and_close_in_time(demo):
         eng.add_request(f"so{i}", opened, params)
     opened += ANALYSIS_HEADER
     eng.add_request("free", opened, SamplingParams(temperature=0, max_tokens=60, stop_token_ids=[]))
-    schedule, missed, answering = eng.scheduler.schedule, [], 0
+    schedule, missed, answering, fed = eng.scheduler.schedule, [], 0, 0
     tokens = {f"so{i}": [] for i in range(3)}
     try:
         while eng.has_unfinished_requests():
             seqs = [eng._requests.get(r) for r in tokens]
             work = schedule()
-            for seq in seqs:  # answering, its next token to decode (forced tokens wait for the one prefill slot)
+            for seq in seqs:  # answering: in the decode call (tokens the grammar forced fed to it, not prefilled)
                 first, end = seq.decode_span(4) if seq is not None else (0, 0)
-                if end > first and seq.constraint.phase == "answer" and seq.num_uncomputed == 1:
+                if end > first and seq.constraint.phase == "answer":
                     answering += 1
                     missed.append(seq not in work.decodes)
+                    fed += seq.fed_tokens > 1
             eng.scheduler.schedule = lambda w=work: w  # this step runs the work just inspected
             for o in eng.step():
                 tokens.get(o.request_id, []).extend(o.new_token_ids)
@@ -360,7 +362,7 @@ def test_answering_rows_join_every_call_and_close_in_time(demo):
         del eng.scheduler.schedule  # the method again
     for ids in tokens.values():
         jsonschema.validate(answer_json(eng.tokenizer, ids), ENDLESS)
-    assert answering > 10 and not any(missed), missed
+    assert answering > 10 and fed > 0 and not any(missed), missed
 
 
 # ---- the API edge (in process, the scripted engine) --------------------------------------------------------------

@@ -284,7 +284,11 @@ def decode_step(
         raise ValueError(f"{B} rows need distinct tokens; the vocabulary has {cfg.vocab_size}")
     tokens_B = np.random.default_rng(B).choice(cfg.vocab_size, B, replace=False).astype(np.int32)
     inputs = steps.DecodeBatch(
-        put(tokens_B), put(np.full(B, context, np.int32)), tables, _sampling(put, B, cfg.vocab_size, temperature, top_p)
+        put(tokens_B),
+        put(np.full(B, context, np.int32)),
+        tables,
+        _sampling(put, B, cfg.vocab_size, temperature, top_p),
+        put(np.full((B, num_steps), -1, np.int32)),
     )
     st = steps.StepConfig(cfg, resolved(kernels), layout, num_top=num_top, num_steps=num_steps)
     return Step(steps.decode, params, cache, inputs, st, pages, _sampler_state(put, cfg, B))
