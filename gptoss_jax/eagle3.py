@@ -457,10 +457,12 @@ def fuse(params: DrafterParams, cfg: Eagle3Config, aux_ABTX: jax.Array) -> jax.A
 
 
 def _attention(params, cfg, cache: DraftCache, x_BTE, positions_BT, slots_B) -> tuple[jax.Array, DraftCache]:
-    """Causal attention of the new rows over the slot's ring (the rows' own K/V written first)."""
+    """Causal attention of the new rows over the slot's ring and each other, then their K/V into the ring."""
     dtype = params.q_w.dtype
     B, T, _ = x_BTE.shape
     N, K, hd, W = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cache.capacity
+    if T > W:
+        raise ValueError(f"{T} rows per call do not fit the drafter's cache of {W} positions per sequence")
     q = _linear(x_BTE, params.q_w, params.q_b).astype(dtype).reshape(B, T, N, hd)
     k = _linear(x_BTE, params.k_w, params.k_b).astype(dtype).reshape(B, T, K, hd)
     v = _linear(x_BTE, params.v_w, params.v_b).astype(dtype).reshape(B, T, K, hd)
@@ -468,6 +470,20 @@ def _attention(params, cfg, cache: DraftCache, x_BTE, positions_BT, slots_B) -> 
     c = jnp.float32(cfg.rope_concentration)
     cos, sin = (jnp.cos(angle) * c).astype(dtype), (jnp.sin(angle) * c).astype(dtype)
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+    # Keys: the ring before this call's writes (a call may wrap it over positions its own earlier rows still
+    # see), less what the call rewrites (its first position on), then the call's own rows.
+    first = jnp.min(jnp.where(positions_BT >= 0, positions_BT, jnp.iinfo(jnp.int32).max), axis=1)
+    old = cache.pos[slots_B]
+    held = jnp.concatenate([jnp.where((old >= 0) & (old < first[:, None]), old, -1), positions_BT], 1)  # [B, W+T]
+    keys = jnp.concatenate([cache.k[slots_B], k], 1)
+    values = jnp.concatenate([cache.v[slots_B], v], 1)
+    qg = q.reshape(B, T, K, N // K, hd)
+    s = jnp.einsum("btkgh,bwkh->btkgw", qg, keys, preferred_element_type=jnp.float32) / math.sqrt(hd)
+    p_BT, h_BW = positions_BT[:, :, None], held[:, None, :]
+    visible = (h_BW >= 0) & (h_BW <= p_BT) & (h_BW > p_BT - W)  # [B, T, W+T]
+    s = jnp.where(visible[:, :, None, None, :], s, -jnp.inf)
+    w = jax.nn.softmax(jnp.where(visible.any(-1)[:, :, None, None, None], s, 0.0), axis=-1)
+    o = jnp.einsum("btkgw,bwkh->btkgh", w.astype(dtype), values, preferred_element_type=jnp.float32)
     # padding rows (position -1) write out of range, which the scatter drops
     at = (slots_B[:, None], jnp.where(positions_BT >= 0, positions_BT % W, W))
     cache = DraftCache(
@@ -475,14 +491,6 @@ def _attention(params, cfg, cache: DraftCache, x_BTE, positions_BT, slots_B) -> 
         cache.v.at[at].set(v, mode="drop"),
         cache.pos.at[at].set(positions_BT, mode="drop"),
     )
-    keys, values, held = cache.k[slots_B], cache.v[slots_B], cache.pos[slots_B]  # [B, W, K, hd], [B, W]
-    qg = q.reshape(B, T, K, N // K, hd)
-    s = jnp.einsum("btkgh,bwkh->btkgw", qg, keys, preferred_element_type=jnp.float32) / math.sqrt(hd)
-    p_BT, h_BW = positions_BT[:, :, None], held[:, None, :]
-    visible = (h_BW >= 0) & (h_BW <= p_BT) & (h_BW > p_BT - W)  # [B, T, W]
-    s = jnp.where(visible[:, :, None, None, :], s, -jnp.inf)
-    w = jax.nn.softmax(jnp.where(visible.any(-1)[:, :, None, None, None], s, 0.0), axis=-1)
-    o = jnp.einsum("btkgw,bwkh->btkgh", w.astype(dtype), values, preferred_element_type=jnp.float32)
     return _linear(o.astype(dtype).reshape(B, T, N * hd), params.o_w, params.o_b), cache
 
 
