@@ -223,7 +223,7 @@ class DrafterParams:
     offset from draft id i to its target id (`i + d2t[i]`)."""
 
     embed: jax.Array  # [V, H]
-    fc: jax.Array  # [H, A * Ht]
+    fc: jax.Array | None  # [H, A * Ht]; None for a one-aux-state drafter as wide as its target (no fc)
     input_norm: jax.Array | None  # [A * Ht] with norm_before_fc
     attn_norm: jax.Array  # [H] midlayer.input_layernorm (on the embedding)
     hidden_norm: jax.Array  # [H] (on the fused hidden state)
@@ -335,6 +335,8 @@ def load(
             f"{path}: {len(unexpected)} tensor(s) not in the EAGLE-3 layout this loader reads, e.g. {unexpected[:5]}"
         )
     needed = set(specs) - OPTIONAL | ({"d2t"} if cfg.draft_vocab_size != cfg.vocab_size else set())
+    if cfg.num_aux == 1 and cfg.target_hidden_size == cfg.hidden_size:  # one aux state passes straight through
+        needed.discard("fc.weight")
     missing = sorted(needed - set(found))
     if missing:
         shapes = [f"{n} {list(specs[n][1])}" for n in missing]
@@ -446,14 +448,15 @@ def inv_freq(cfg: Eagle3Config) -> np.ndarray:
 
 def fuse(params: DrafterParams, cfg: Eagle3Config, aux_ABTX: jax.Array) -> jax.Array:
     """The target's aux hidden states `[A, B, T, Ht]` (`model.forward(..., aux_layers=cfg.aux_layer_ids)`) to the
-    drafter's hidden state `[B, T, H]`: concatenated in id order, normed when `norm_before_fc`, through `fc`."""
-    dtype = params.fc.dtype
+    drafter's hidden state `[B, T, H]`: concatenated in id order, normed when `norm_before_fc`, through `fc` (a
+    drafter of one aux state may have none: TensorRT-LLM's layout for NVIDIA's -throughput drafter)."""
+    dtype = params.q_w.dtype
     A, B, T, Ht = aux_ABTX.shape
     with jax.named_scope(f"eagle3_fuse_{A}x{Ht}"):
         x = jnp.moveaxis(aux_ABTX, 0, 2).reshape(B, T, A * Ht)
         if cfg.norm_before_fc:
             x = _norm(x, params.input_norm, cfg.rms_norm_eps, dtype)
-        return _linear(x.astype(dtype), params.fc).astype(dtype)
+        return x.astype(dtype) if params.fc is None else _linear(x.astype(dtype), params.fc).astype(dtype)
 
 
 def _attention(params, cfg, cache: DraftCache, x_BTE, positions_BT, slots_B) -> tuple[jax.Array, DraftCache]:

@@ -422,3 +422,36 @@ def test_drafter_runs_on_the_targets_aux_states(target_params, drafter):
         p, dcfg, cache, tokens, aux, args[3], jnp.zeros(1, jnp.int32), jnp.zeros(1), jax.random.PRNGKey(0), num_tokens=3
     )
     assert out.tokens.shape == (1, 3) and np.all((np.asarray(out.tokens) >= 0) & (np.asarray(out.tokens) < 512))
+
+
+def test_make_checkpoint_writes_a_drafter(tmp_path):
+    """`tools.make_checkpoint --eagle3` writes a drafter the loader reads, here without an embedding of its own."""
+    from tools import make_checkpoint
+
+    out = tmp_path / "drafter"
+    make_checkpoint.main(
+        ["--config", str(REPO / "tests" / "tiny_config.json"), "--eagle3", "--out", str(out)]
+        + ["--draft-vocab-size", "64", "--no-embed"]
+    )
+    names = set(safetensors_io.Reader(out / "model.safetensors").names())
+    assert "embed_tokens.weight" not in names and {"fc.weight", "d2t", "t2d", "lm_head.weight"} <= names
+    cfg, p = eagle3.load(out, TARGET, jnp.float32, target_embed=jnp.zeros((512, 64), jnp.float32))
+    assert cfg.draft_vocab_size == 64 and p.lm_head.shape == (64, 64)
+
+
+def test_one_aux_state_drafter_without_fc(tmp_path):
+    """A drafter of one aux state as wide as its target may ship no `fc` (TensorRT-LLM's layout): the aux state
+    then is the hidden state; with two aux states `fc` stays required."""
+    hf = random_weights.eagle3_config(TARGET_HF, eagle_config={"eagle_aux_hidden_state_layer_ids": [2]})
+    src = random_weights.write_eagle3_drafter(tmp_path / "one", hf, TARGET_HF, seed=4)
+    files = _files(src)
+    files.pop("fc.weight")
+    path = _rewrite(src, tmp_path / "nofc", files)
+    cfg, p = eagle3.load(path, TARGET, jnp.float32)
+    assert p.fc is None and cfg.aux_layer_ids == (2,)
+    aux = jnp.asarray(_aux(6, 4, A=1)[:, None], jnp.float32)
+    np.testing.assert_array_equal(np.asarray(eagle3.fuse(p, cfg, aux)), np.asarray(aux[0]))
+    hf2 = random_weights.eagle3_config(TARGET_HF, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2]})
+    _rewrite(src, tmp_path / "two", files, hf2)
+    with pytest.raises(CheckpointError, match=r"fc.weight \[64, 128\]"):
+        eagle3.load(tmp_path / "two", TARGET, jnp.float32)
