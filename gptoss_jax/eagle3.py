@@ -141,9 +141,18 @@ def from_hf_dict(raw: dict, target: ModelConfig, source: str = "config.json") ->
     if not 0 < draft_vocab <= vocab:
         raise ConfigError(f"{source}: field 'draft_vocab_size' is {draft_vocab}; it must lie in 1..{vocab}")
 
+    kv_heads = _get(raw, "num_key_value_heads", source, default=heads)
+    head_dim = _get(raw, "head_dim", source, default=hidden // heads)
+    if heads % kv_heads or head_dim % 2:
+        raise ConfigError(
+            f"{source}: num_attention_heads={heads} must be a multiple of num_key_value_heads={kv_heads} and "
+            f"head_dim={head_dim} even (half-split RoPE)"
+        )
+
     L = target.num_layers
     ids = eagle.get("eagle_aux_hidden_state_layer_ids", raw.get("eagle_aux_hidden_state_layer_ids"))
-    if ids is None:
+    given = ids is not None
+    if not given:
         ids = [2, L // 2, L - 3]  # vLLM's default for gpt-oss
     if (
         not isinstance(ids, list)
@@ -151,9 +160,10 @@ def from_hf_dict(raw: dict, target: ModelConfig, source: str = "config.json") ->
         or any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i <= L for i in ids)
         or len(set(ids)) != len(ids)
     ):
+        what = f"is {ids!r}" if given else f"is absent and vLLM's default {ids} does not fit"
         raise ConfigError(
-            f"{source}: field 'eagle_aux_hidden_state_layer_ids' is {ids!r}; it must list distinct target layers "
-            f"in 0..{L} (the target has {L} layers)"
+            f"{source}: field 'eagle_aux_hidden_state_layer_ids' {what}; it must list distinct target layers "
+            f"in 0..{L} (the stream entering layer i; the target has {L} layers)"
         )
 
     rope_raw = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
@@ -163,7 +173,7 @@ def from_hf_dict(raw: dict, target: ModelConfig, source: str = "config.json") ->
     rope_type = rope_raw.get("rope_type", rope_raw.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"{source}: rope_type {rope_type!r} is not supported (one of {ROPE_TYPES})")
-    theta = rope_raw.get("rope_theta", raw.get("rope_theta", 10000.0))
+    theta = _get(rope_raw, "rope_theta", rope_src, float) or _get(raw, "rope_theta", source, float, 10000.0)
     rope_fields = {}
     if rope_type != "default":
         rope_fields["rope_factor"] = _get(rope_raw, "factor", rope_src, float, required=True)
@@ -182,8 +192,8 @@ def from_hf_dict(raw: dict, target: ModelConfig, source: str = "config.json") ->
         target_hidden_size=target_hidden,
         intermediate_size=_get(raw, "intermediate_size", source, required=True),
         num_heads=heads,
-        num_kv_heads=_get(raw, "num_key_value_heads", source, default=heads),
-        head_dim=_get(raw, "head_dim", source, default=hidden // heads),
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
         vocab_size=vocab,
         draft_vocab_size=draft_vocab,
         aux_layer_ids=tuple(ids),
@@ -193,7 +203,7 @@ def from_hf_dict(raw: dict, target: ModelConfig, source: str = "config.json") ->
         norm_before_residual=flag("norm_before_residual"),
         norm_output=flag("norm_output") or flag("return_hidden_post_norm"),
         rope_type=rope_type,
-        rope_theta=float(theta),
+        rope_theta=theta,
         **rope_fields,
     )
 

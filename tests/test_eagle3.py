@@ -117,6 +117,9 @@ def test_llama3_rope_frequencies():
         (lambda r: r.update(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "'dynamic'"),
         (lambda r: r.update(rope_scaling={"rope_type": "llama3"}), "missing required field 'factor'"),
         (lambda r: r.update(tie_word_embeddings=True), "'tie_word_embeddings'"),
+        (lambda r: r.update(num_key_value_heads=3), "multiple of num_key_value_heads=3"),
+        (lambda r: r.pop("eagle_config"), r"absent and vLLM's default \[2, 1, -1\] does not fit"),
+        (lambda r: r.update(rope_theta="big"), "'rope_theta' must be float"),
     ],
 )
 def test_config_errors_name_file_and_field(tmp_path, change, match):
