@@ -392,7 +392,10 @@ def forward(
     kernels: KernelConfig = REFERENCE,
     inspect: Inspect | None = None,
     layout=None,
-) -> tuple[jax.Array, PagedKVCache, LayerRecords | None]:
+    aux_layers: tuple[int, ...] = (),
+) -> (
+    tuple[jax.Array, PagedKVCache, LayerRecords | None] | tuple[jax.Array, PagedKVCache, LayerRecords | None, jax.Array]
+):
     """Run the layers on new tokens at `positions_BT` (-1 = padding), writing their K/V into `cache`.
 
     Returns the final-normed hidden states `[B, T, D]` (pass the rows you need to `unembed`), the updated cache,
@@ -401,6 +404,11 @@ def forward(
     residual drifts enough to flip router choices). `kernels` (static) says which kernels run
     (`pallas_kernels.choice`). `layout` (static `sharding.rules.Layout`; None on one device): rows are rank-major,
     page tables hold rank-local page ids, experts are padded to the `model` axis (docs/SCALING.md).
+    `aux_layers` (static; EAGLE-3's auxiliary hidden states, `gptoss_jax.eagle3`): with ids `i` in `0..num_layers`
+    a fourth output `[len(aux_layers), B, T, D]` f32 holds the residual stream entering layer `i` (0: the
+    embeddings; `num_layers`: the last layer's output, before the final norm), as vLLM numbers them. Each layer
+    writes into one carried buffer in place, so a call costs one `[B, T, D]` write per layer; `()` traces the
+    plain program.
     """
     pin = layout.constrain_rows if layout is not None else (lambda a: a)
     on = inspect is not None
@@ -415,8 +423,12 @@ def forward(
     windows = {True: cfg.sliding_window, False: FULL_WINDOW}
 
     def layer(x, t, caches, lp, idx, sliding: bool):  # t: x normed for this layer's attention
-        pools, done = caches
+        pools, done, aux = caches
         n = 2 * idx + (0 if sliding else 1)  # the layer's index in model order
+        if aux_layers:  # the stream entering layer n into its aux slot; other layers write the spare last slot
+            hit = ids == n
+            slot = jnp.where(jnp.any(hit), jnp.argmax(hit), len(aux_layers))
+            aux = jax.lax.dynamic_update_index_in_dim(aux, x, slot, 0)
         with jax.named_scope("sliding_attention" if sliding else "full_attention"):
             out = _attention_block(
                 cfg,
@@ -441,7 +453,7 @@ def forward(
             )
             x, t = pin(x), pin(t)
         record = (*routing, out.sink_BTN, x if inspect.hidden_states else None) if on else None
-        return x, t, (pools, out.done_BK), record
+        return x, t, (pools, out.done_BK, aux), record
 
     def pair(carry, inputs):
         x, t, caches = carry
@@ -452,9 +464,14 @@ def forward(
 
     pairs = cfg.num_layers // 2
     # The pools by layer type, and the new-token attention kernel's split counts: one zeroed buffer for all layers.
+    # With `aux_layers`, their buffer (a spare last slot takes the other layers' writes) rides along.
+    if aux_layers and not all(0 <= i <= cfg.num_layers for i in aux_layers):
+        raise ValueError(f"aux_layers {aux_layers} must lie in 0..{cfg.num_layers} (the residual entering layer i)")
+    ids = jnp.asarray(aux_layers, jnp.int32) if aux_layers else None
     caches = (
         {True: cache.pools(True), False: cache.pools(False)},
         jnp.zeros((tokens_BT.shape[0], cfg.num_kv_heads), jnp.int32),
+        jnp.zeros((len(aux_layers) + 1, *x.shape), jnp.float32) if aux_layers else None,
     )
     # The big per-layer weights are indexed inside the blocks (no copy), the rest is sliced by the scan.
     dense_all = params.layers
@@ -476,11 +493,13 @@ def forward(
     if layout is not None:  # the pools keep their placement from call to call (donated in place)
         cache = jax.lax.with_sharding_constraint(cache, layout.cache_shardings(cache, cfg.num_kv_heads))
     # t: the last block's output, normed with the final gain
-    return (
-        t,
-        cache,
-        (LayerRecords(*jax.tree.map(lambda *a: jnp.concatenate(a), *records)) if on else None),
-    )
+    out = (t, cache, (LayerRecords(*jax.tree.map(lambda *a: jnp.concatenate(a), *records)) if on else None))
+    if not aux_layers:
+        return out
+    aux = caches[2][: len(aux_layers)]
+    if cfg.num_layers in aux_layers:  # after the last layer: the stream the final norm reads
+        aux = aux.at[aux_layers.index(cfg.num_layers)].set(x)
+    return (*out, aux)
 
 
 @_exact_in_fp32

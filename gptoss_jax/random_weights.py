@@ -18,7 +18,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 import pallas_kernels
-from gptoss_jax import checkpoint, safetensors_io
+from gptoss_jax import checkpoint, eagle3, safetensors_io
 from gptoss_jax.config import from_hf_dict, from_original_dict
 from pallas_kernels import REFERENCE, KernelConfig
 from pallas_kernels import params as params_lib
@@ -164,6 +164,79 @@ def write_checkpoint(
     else:
         (folder / "config.json").write_text(json.dumps(to_original_config(hf_config), indent=2))
         from_original_dict(to_original_config(hf_config))  # the written file must read back
+    return path
+
+
+def eagle3_config(target_hf: dict, **overrides) -> dict:
+    """A `config.json` for an EAGLE-3 drafter of the target `target_hf` in the published layout (docs/speculative.md):
+    the target's width and heads, an MLP six times as wide (17280 at gpt-oss's 2880), a draft vocabulary of
+    32,000 ids or a quarter of a small target's, and vLLM's default aux layers (early/middle/late: 2, L/2, L-3;
+    0, L/2, L below six layers). `overrides` replace any field."""
+    L, V = target_hf["num_hidden_layers"], target_hf["vocab_size"]
+    hidden = target_hf["hidden_size"]
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": 6 * hidden,
+        "num_attention_heads": target_hf["num_attention_heads"],
+        "num_key_value_heads": target_hf["num_key_value_heads"],
+        "head_dim": target_hf["head_dim"],
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-05,
+        "vocab_size": V,
+        "draft_vocab_size": min(32000, V // 4),
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": [2, L // 2, L - 3] if L >= 6 else [0, L // 2, L],
+            "use_aux_hidden_state": True,
+        },
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def write_eagle3_drafter(
+    path: str | Path, drafter_hf: dict, target_hf: dict, *, seed: int = 0, embed: bool = True
+) -> Path:
+    """Write a random EAGLE-3 drafter for `drafter_hf` (e.g. `eagle3_config(target_hf)`) to folder `path`:
+    `config.json` and one `model.safetensors` with the published tensor names (`fc.weight`, `midlayer.*`,
+    `norm.weight`, `lm_head.weight`, int64 `d2t` offsets over a random sorted subset of the target vocabulary, bool
+    `t2d`), and `embed_tokens.weight` unless `embed=False` (the drafter then shares the target's). Weights as
+    `write_checkpoint` draws them: unit-scale embedding, fan-in-scaled matrices, norms near 1."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    cfg = eagle3.from_hf_dict(drafter_hf, from_hf_dict(target_hf, "target_hf"), "drafter_hf")  # must read back
+    V, Vd = cfg.vocab_size, cfg.draft_vocab_size
+    target_ids = np.sort(rng.choice(V, Vd, replace=False))
+    specs, tensors = {}, {}
+    for name, (field, shape) in eagle3.tensor_specs(cfg).items():
+        if field == "embed" and not embed:
+            continue
+        if name == "d2t":
+            x = (target_ids - np.arange(Vd)).astype(np.int64)
+        elif name == "t2d":
+            x = np.zeros(V, np.bool_)
+            x[target_ids] = True
+        elif "norm" in name:
+            x = (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(BF16)
+        elif field == "embed":
+            x = rng.standard_normal(shape, dtype=np.float32).astype(BF16)
+        elif name.endswith("bias"):
+            x = (0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(BF16)
+        else:
+            x = (rng.standard_normal(shape, dtype=np.float32) / np.float32(math.sqrt(shape[-1]))).astype(BF16)
+        specs[name], tensors[name] = (x.shape, x.dtype), x
+    safetensors_io.write(path / "model.safetensors", tensors.items(), specs, metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(drafter_hf, indent=2))
     return path
 
 
