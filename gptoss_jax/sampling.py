@@ -281,32 +281,50 @@ class Sampled:
     top_lps: jax.Array  # f32 [..., B, num_top]
 
 
+def shortcut(pred: jax.Array, on_true, on_false, branchless: bool = False):
+    """`lax.cond(pred, on_true, on_false)`: work that batches without a row needing it skip. `branchless` computes
+    both and selects instead: XLA runs a GPU conditional by reading its predicate on the host, which waits for the
+    device there, so a prefill call's sampler would hold the host for the call's whole forward pass (BENCHMARKS
+    §12b); the sampler's passes cost little next to a prefill, and much next to a decode step."""
+    if not branchless:
+        return jax.lax.cond(pred, on_true, on_false)
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true(), on_false())
+
+
 def sample_batch(
-    logits_BV: jax.Array, pos_B: jax.Array, sb: SamplingBatch, num_top: int, state: SamplerState | None = None
+    logits_BV: jax.Array,
+    pos_B: jax.Array,
+    sb: SamplingBatch,
+    num_top: int,
+    state: SamplerState | None = None,
+    branchless: bool = False,
 ) -> Sampled:
     """The tokens after positions `pos_B`: each row's key folded with the position it predicts from (so a
     request's draws depend neither on its batch neighbours, nor on chunking, nor on preemption), `sample` of the
     logits after the processors (`apply_penalties_and_bias`, skipped by batches where no row uses one), and the
     log-probabilities of the model's own distribution (before the processors, as vLLM's default) when any row asks
-    for them."""
+    for them. `branchless`: no conditional skips work (`shortcut`)."""
     keys = jax.vmap(jax.random.fold_in)(sb.keys_B2, pos_B)
 
     def draw(logits):
         # Batches without a structured-output row skip the mask's pass over `[B, V]`.
-        logits = jax.lax.cond(jnp.any(sb.masked_B), lambda: apply_mask(logits, sb.masked_B, sb.mask_BW), lambda: logits)
-        return sample(logits, keys, sb.temperature_B, sb.top_k_B, sb.top_p_B, sb.min_p_B)
+        logits = shortcut(
+            jnp.any(sb.masked_B), lambda: apply_mask(logits, sb.masked_B, sb.mask_BW), lambda: logits, branchless
+        )
+        return sample(logits, keys, sb.temperature_B, sb.top_k_B, sb.top_p_B, sb.min_p_B, branchless)
 
     if state is None:
         tokens = draw(logits_BV)
     else:  # both branches sample, so no [B, V] array passes through the condition
-        tokens = jax.lax.cond(
+        tokens = shortcut(
             jnp.any(sb.proc_B4[:, 0] != 0),
-            lambda: draw(apply_penalties_and_bias(logits_BV, pos_B, sb, state)),
+            lambda: draw(apply_penalties_and_bias(logits_BV, pos_B, sb, state, branchless)),
             lambda: draw(logits_BV),
+            branchless,
         )
     B = tokens.shape[0]
     empty = (jnp.zeros(B, jnp.float32), jnp.zeros((B, num_top), jnp.int32), jnp.zeros((B, num_top), jnp.float32))
-    lp = jax.lax.cond(jnp.any(sb.want_logprobs_B), lambda: logprobs(logits_BV, tokens, num_top), lambda: empty)
+    lp = shortcut(jnp.any(sb.want_logprobs_B), lambda: logprobs(logits_BV, tokens, num_top), lambda: empty, branchless)
     return Sampled(tokens, *lp)
 
 
@@ -319,7 +337,9 @@ def apply_mask(logits_BV: jax.Array, masked_B: jax.Array, mask_BW: jax.Array) ->
         return jnp.where(masked_B[:, None] & ~allowed, jnp.asarray(-jnp.inf, logits_BV.dtype), logits_BV)
 
 
-def apply_penalties_and_bias(logits_BV: jax.Array, pos_B: jax.Array, sb: SamplingBatch, st: SamplerState):
+def apply_penalties_and_bias(
+    logits_BV: jax.Array, pos_B: jax.Array, sb: SamplingBatch, st: SamplerState, branchless: bool = False
+):
     """The logits processors, per row as its flags say, in vLLM's order: allowed_token_ids, bad words, min_tokens
     (the row's stop tokens banned while fewer than min_tokens tokens follow the prompt), logit_bias, then the
     repetition, frequency and presence penalties over the slot's counts. The row after position `pos_B` is being
@@ -336,7 +356,7 @@ def apply_penalties_and_bias(logits_BV: jax.Array, pos_B: jax.Array, sb: Samplin
 
     def when(bit, fn):
         nonlocal logits
-        logits = jax.lax.cond(jnp.any(uses(bit)), fn, lambda x: x, logits)
+        logits = shortcut(jnp.any(uses(bit)), lambda: fn(logits), lambda: logits, branchless)
 
     def allowed(x):
         ids = st.lists.allowed_BA[slot]
@@ -436,6 +456,7 @@ def sample(
     top_k_B: jax.Array,
     top_p_B: jax.Array,
     min_p_B: jax.Array,
+    branchless: bool = False,
 ) -> jax.Array:
     """One token per row. Rows with temperature 0 take the argmax; others sample after the filters.
 
@@ -446,10 +467,11 @@ def sample(
     logits = logits_BV.astype(jnp.float32)
     max_B, greedy = _max_argmax(logits)
     # The filters below cost passes over the vocabulary; all-greedy batches skip them.
-    return jax.lax.cond(
+    return shortcut(
         jnp.any(temperature_B > 0),
-        lambda: _filtered_draw(logits, max_B, greedy, keys_B, temperature_B, top_k_B, top_p_B, min_p_B),
+        lambda: _filtered_draw(logits, max_B, greedy, keys_B, temperature_B, top_k_B, top_p_B, min_p_B, branchless),
         lambda: greedy,
+        branchless,
     )
 
 
@@ -480,7 +502,7 @@ DRAW_BLOCK = 1024  # the inverse-CDF draw finds a block of this many tokens, the
 RADIX_BITS = 2
 
 
-def _filtered_draw(logits, max_B, greedy, keys_B, temperature_B, top_k_B, top_p_B, min_p_B):
+def _filtered_draw(logits, max_B, greedy, keys_B, temperature_B, top_k_B, top_p_B, min_p_B, branchless):
     """The filtered draw of the rows with temperature > 0. The scaled logits and the weights are
     recomputed where they are read (the block-sum reduction, the chosen block, the drawn token) rather
     than stored: each `[B, V]` array written would cost a pass of its own."""
@@ -488,10 +510,11 @@ def _filtered_draw(logits, max_B, greedy, keys_B, temperature_B, top_k_B, top_p_
     temp_B = jnp.maximum(temperature_B, 1e-6)
     top0 = max_B / temp_B
     ranked = (temperature_B > 0) & (((top_k_B > 0) & (top_k_B < V)) | (top_p_B < 1))
-    t = jax.lax.cond(
+    t = shortcut(
         jnp.any(ranked),
-        lambda: _rank_threshold(logits / temp_B[:, None], top_k_B, top_p_B),
+        lambda: _rank_threshold(logits / temp_B[:, None], top_k_B, top_p_B, branchless),
         lambda: jnp.full((B,), -jnp.inf, jnp.float32),
+        branchless,
     )
     t_min_p = jnp.where(min_p_B > 0, top0 + jnp.log(jnp.maximum(min_p_B, 1e-30)), -jnp.inf)
     threshold = jnp.minimum(jnp.maximum(t, t_min_p), top0)  # the most likely token always survives
@@ -506,7 +529,7 @@ def _filtered_draw(logits, max_B, greedy, keys_B, temperature_B, top_k_B, top_p_
     return jnp.where(temperature_B > 0, drawn, greedy).astype(jnp.int32)
 
 
-def _rank_threshold(scaled, top_k_B, top_p_B):
+def _rank_threshold(scaled, top_k_B, top_p_B, branchless=False):
     """Per row, a threshold on the scaled logits such that the top-k and top-p filters keep exactly
     the tokens with `scaled >= threshold`: the smallest scaled logit they keep, or -inf where they keep
     every token (neither filter active, or a nucleus that is the whole row).
@@ -546,8 +569,8 @@ def _rank_threshold(scaled, top_k_B, top_p_B):
         return jnp.where(active_p & (key > 0), _from_order_keys(key), -jnp.inf)
 
     # Each search is skipped by batches in which no row uses its filter.
-    t_k = jax.lax.cond(jnp.any(active_k), top_k_threshold, lambda: off)
-    t_p = jax.lax.cond(jnp.any(active_p), top_p_threshold, lambda: off)
+    t_k = shortcut(jnp.any(active_k), top_k_threshold, lambda: off, branchless)
+    t_p = shortcut(jnp.any(active_p), top_p_threshold, lambda: off, branchless)
     return jnp.maximum(t_k, t_p)
 
 

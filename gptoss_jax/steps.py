@@ -83,11 +83,14 @@ class DecodeBatch:
     fed_BS: jax.Array
 
 
-def _sampler(st: StepConfig):
+def _sampler(st: StepConfig, branchless: bool = False):
     """`sampling.sample_batch`, run per attention rank under a layout (rows are independent; the sampler's
     batch-wide shortcuts then stay inside a rank instead of gathering every rank's logits; the `SamplerState`,
-    indexed by slot, is the same on every rank)."""
-    fn = lambda logits_BV, pos_B, sb, state: sampling.sample_batch(logits_BV, pos_B, sb, st.num_top, state)  # noqa: E731
+    indexed by slot, is the same on every rank). `branchless` for prefill calls (`sampling.shortcut`)."""
+
+    def fn(logits_BV, pos_B, sb, state):
+        return sampling.sample_batch(logits_BV, pos_B, sb, st.num_top, state, branchless)
+
     return fn if st.layout is None else st.layout.per_rank(fn, ("rows", "rows", "rows", None), "rows")
 
 
@@ -105,7 +108,9 @@ def prefill(
         )
         last_x = jnp.take_along_axis(x, batch.last_B[:, None, None], axis=1)[:, 0]
         pos_B = jnp.take_along_axis(batch.positions_BT, batch.last_B[:, None], axis=1)[:, 0]
-        return _sampler(st)(model.unembed(params, last_x), pos_B, batch.sampling, state), cache, state
+        # Branchless: a conditional here would hold the host until the forward pass is done (`sampling.shortcut`).
+        sampled = _sampler(st, branchless=True)(model.unembed(params, last_x), pos_B, batch.sampling, state)
+        return sampled, cache, state
 
 
 @functools.partial(jax.jit, static_argnames=("st",), donate_argnames=("cache", "state"))

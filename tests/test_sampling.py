@@ -359,3 +359,47 @@ def test_recorded_counts_and_recent_tokens_match_the_sequence():
     recent = np.asarray(state.recent_SR[slot])
     assert [recent[p % L] for p in range(30 - L, 30)] == tokens[30 - L :]
     assert int(np.asarray(state.counts_SV)[0].sum()) == 0  # other slots untouched
+
+
+@pytest.mark.parametrize("mix", ["greedy", "plain", "filtered", "everything"])
+def test_branchless_sampler_equals_the_shortcuts_and_has_no_conditional(mix):
+    """`sample_batch(branchless=True)` (the prefill calls', whose conditionals would hold the host until the forward
+    pass is done) draws the same tokens and log-probabilities as the shortcut version for batches that skip every
+    shortcut, some, or none, and lowers without a conditional."""
+    rng = np.random.default_rng(3)
+    B, V, S = 5, 300, 8
+    logits = jnp.asarray(rng.standard_normal((B, V)) * 3, jnp.float32)
+    temp = {"greedy": 0.0, "plain": 0.8}.get(mix, 1.0)
+    top_k = np.array([0, 5, 0, 40, 0]) if mix in ("filtered", "everything") else np.zeros(B, int)
+    top_p = np.array([1, 1, 0.7, 0.9, 1]) if mix in ("filtered", "everything") else np.ones(B)
+    everything = mix == "everything"
+    proc = np.array([[sampling.USES_PENALTIES * everything, 0, 3, s] for s in range(B)])
+    masked = np.array([everything, False, everything, False, False])
+    mask = rng.integers(-(2**31), 2**31, (B, -(-V // 32)), dtype=np.int64).astype(np.int32)
+    sb = sampling.SamplingBatch(
+        jnp.full(B, temp, jnp.float32),
+        jnp.asarray(top_k, jnp.int32),
+        jnp.asarray(top_p, jnp.float32),
+        jnp.zeros(B, jnp.float32),
+        jnp.asarray(rng.integers(0, 2**31, (B, 2)), jnp.uint32),
+        jnp.asarray([everything] + [False] * (B - 1)),
+        jnp.asarray(masked),
+        jnp.asarray(mask),
+        jnp.tile(jnp.asarray([0.3, 0.2, 1.2], jnp.float32), (B, 1)),
+        jnp.asarray(proc, jnp.int32),
+    )
+    counts = jnp.asarray(rng.integers(0, 3, (S, V)), jnp.uint16)
+    state = sampling.SamplerState(
+        counts, jnp.zeros((S, sampling.MAX_BAD_WORD_TOKENS), jnp.int32), sampling.empty_lists(S, V, jnp)
+    )
+    pos = jnp.arange(B, dtype=jnp.int32) + 10
+
+    def run(branchless):
+        return jax.jit(lambda *a: sampling.sample_batch(*a, 4, state, branchless))(logits, pos, sb)
+
+    shortcuts, branchless = run(False), run(True)
+    for a, b in zip(jax.tree.leaves(shortcuts), jax.tree.leaves(branchless)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+    text = jax.jit(lambda *a: sampling.sample_batch(*a, 4, state, True)).lower(logits, pos, sb).as_text()
+    assert "stablehlo.case" not in text and "stablehlo.if" not in text
+    assert "stablehlo.case" in jax.jit(lambda *a: sampling.sample_batch(*a, 4, state)).lower(logits, pos, sb).as_text()
