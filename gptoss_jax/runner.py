@@ -383,9 +383,10 @@ class ModelRunner:
         return self.num_ranks * per, [r * per + i for r, i in where]
 
     def _put(self, x: np.ndarray) -> jax.Array:
-        """A host batch array onto the device(s): rows split over the attention ranks."""
+        """A host batch array onto the device(s): rows split over the attention ranks. A transfer, not `jnp.asarray`,
+        whose staging computation waited behind the calls in flight (a prefill's length: BENCHMARKS §12b)."""
         if self.layout is None:
-            return jnp.asarray(x)
+            return jax.device_put(x)
         return jax.device_put(x, self.layout.named(self.layout.batch_spec(x.ndim)))
 
     def _width(self, end_positions: list[int], buckets: tuple[int, ...] | None = None) -> int:
