@@ -88,8 +88,8 @@ def test_projection_arithmetic_by_hand():
 
 
 def test_rank_times_from_a_measurement_by_hand(tmp_path):
-    """fixed = 2 t2 - t4 and pair = t2 - fixed per batch (linear in batch, in context through the batch-64 pair),
-    plus every layer's MoE as dispatched minus as the single-device step emulated it."""
+    """t4 + 16 pairs (pair = t4 - t2) per batch, linear in batch and in context through the batch-64 pair, plus every
+    layer's MoE as dispatched minus as the single-device step emulated it, held at the last measured tokens."""
     config = dict(
         model="m",
         mode="max_throughput",
@@ -112,18 +112,73 @@ def test_rank_times_from_a_measurement_by_hand(tmp_path):
     path = tmp_path / "r.json"
     path.write_text(json.dumps(dict(configs=[config])))
     rt = ps.RankTimes(path)
-    assert rt.has("m", "max_throughput", 4) and not rt.has("m", "max_throughput", 8)
+    assert rt.has("m", "max_throughput", 4, "all_gather") and not rt.has("m", "max_throughput", 8, "all_gather")
+    assert not rt.has("m", "max_throughput", 4, "all_to_all")  # its MoE was not timed
     ms = 1e3 * rt.decode_s("m", "max_throughput", 4, 64, 1024, "all_gather")
     assert ms == pytest.approx(4 + 18 * 6 + 36 * 0.5)
     ms = 1e3 * rt.decode_s("m", "max_throughput", 4, 64, 4608, "all_gather")  # halfway to 8192: pair 6 -> 9.5
     assert ms == pytest.approx(4 + 18 * 9.5 + 36 * 0.5)
     ms = 1e3 * rt.decode_s("m", "max_throughput", 4, 1, 1024, "all_gather")  # fixed 3, pair 2
     assert ms == pytest.approx(3 + 18 * 2 + 36 * 0.1)
-    ms = 1e3 * rt.decode_s("m", "max_throughput", 4, 128, 1024, "all_gather")  # fixed held at 4, pair and MoE go on
-    assert ms == pytest.approx(4 + 18 * (6 + 64 * 4 / 63) + 36 * (0.5 + 64 * 0.4 / 63))
+    ms = 1e3 * rt.decode_s("m", "max_throughput", 4, 128, 1024, "all_gather")  # the step goes on, the MoE is held
+    assert ms == pytest.approx(112 + 64 * (112 - 39) / 63 + 36 * 0.5)
+    config["moe"] = config["moe"][1:]  # the emulated MoE at one token count only: no correction, no measured rank
+    path.write_text(json.dumps(dict(configs=[config])))
+    assert not ps.RankTimes(path).has("m", "max_throughput", 4, "all_gather")
+    config["moe"] = [dict(step="decode", kind="emulated", tokens=1, ms_per_layer=0.1)] + config["moe"]
     config["decode"] = [r for r in config["decode"] if (r["layers"], r["batch"]) != (4, 64)]  # no fixed part at 64
     path.write_text(json.dumps(dict(configs=[config])))
-    assert not ps.RankTimes(path).has("m", "max_throughput", 4)
+    assert not ps.RankTimes(path).has("m", "max_throughput", 4, "all_gather")
+
+
+def test_rank_times_floor_and_increment_by_hand(tmp_path):
+    """With the compute models: a layer pair (and its growth with context) is never faster than its bytes at the
+    run's copy bandwidth (the 2- and 4-layer steps both waiting on the host), and past the largest measured batch
+    the step grows by the model's increment instead of the line through the last two batches (which falls here)."""
+    cfg, mode, n = ps.config_lib.preset("gpt-oss-20b"), "max_throughput", 8
+    two = ps.dataclasses.replace(cfg, num_layers=2)
+    config = dict(
+        model="gpt-oss-20b",
+        mode=mode,
+        n=n,
+        layers_full=24,
+        decode=[
+            dict(layers=2, batch=1, context=1024, ms=1.00),
+            dict(layers=4, batch=1, context=1024, ms=0.99),  # host-bound: t4 < t2
+            dict(layers=2, batch=64, context=1024, ms=3.0),
+            dict(layers=4, batch=64, context=1024, ms=5.0),  # pair 2 ms, far above its bytes
+            dict(layers=2, batch=256, context=1024, ms=2.5),
+            dict(layers=4, batch=256, context=1024, ms=4.0),  # cheaper than at 64
+            dict(layers=2, batch=64, context=8192, ms=3.0),  # no growth measured: the KV bytes' floor
+        ],
+        moe=[
+            dict(step="decode", kind=k, tokens=t, ms_per_layer=ms)
+            for k, t, ms in (
+                ("emulated", 1, 0.1),
+                ("emulated", 64, 1.0),
+                ("all_gather", 1, 0.1),
+                ("all_gather", 64, 1.5),
+            )
+        ],
+    )
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(dict(ceilings=dict(copy_Bps=4e12), configs=[config])))
+    model = ps.ComputeModel(1e-3, 1e-12, 2e-12, 1e-15)
+    rt = ps.RankTimes(path, {"gpt-oss-20b": model})
+    w, kv, _ = ps.rank_work(two, mode, n, 1, 1024)
+    floor = (w - 2 * cfg.vocab_size * cfg.hidden_size + kv) / 4e12
+    assert 0.01e-3 < floor < 1e-3
+    assert rt.decode_s("gpt-oss-20b", mode, n, 1, 1024, "all_gather") == pytest.approx(0.99e-3 + 10 * floor)
+    assert rt.decode_s("gpt-oss-20b", mode, n, 64, 1024, "all_gather") == pytest.approx(25e-3 + 24 * 0.5e-3)
+    grow = (ps.rank_work(two, mode, n, 64, 8192)[1] - ps.rank_work(two, mode, n, 64, 1024)[1]) / 4e12
+    at_8k = rt.decode_s("gpt-oss-20b", mode, n, 64, 8192, "all_gather")
+    assert grow > 0 and at_8k == pytest.approx(25e-3 + 12 * grow + 24 * 0.5e-3)
+    inc = sum(model.parts(*ps.rank_work(cfg, mode, n, 640, 1024))) - sum(
+        model.parts(*ps.rank_work(cfg, mode, n, 256, 1024))
+    )
+    at_640 = rt.decode_s("gpt-oss-20b", mode, n, 640, 1024, "all_gather")
+    assert inc > 0 and at_640 == pytest.approx(4e-3 + 10 * 1.5e-3 + inc + 24 * 0.5e-3)
+    assert ps.RankTimes(path).decode_s("gpt-oss-20b", mode, n, 640, 1024, "all_gather") < at_640  # the falling line
 
 
 def test_validation_rows_cover_the_measured_runs():

@@ -2,6 +2,7 @@
 
     python -m tools.measure_rank_shapes --out docs/results/rank_shapes_h200.json     # one H200, < 8 min
     python -m tools.measure_rank_shapes --smoke --out /tmp/rank_shapes.json          # CPU, tiny model
+    python -m tools.measure_rank_shapes --models gpt-oss-120b --devices 2,4 --out rank_shapes_2_4_h200.json
 
 A rank of `(model, mode, n)` (n devices on the `model` axis, `sharding/rules.py`) holds `E_pad / n` experts and,
 in low_latency, `1/n` of the heads and of the vocabulary (max_throughput: all heads, the whole vocabulary). The
@@ -233,6 +234,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="JSON file to write (rewritten after each config)")
     ap.add_argument("--models", default="gpt-oss-120b,gpt-oss-20b", help="which models' configs to measure")
+    ap.add_argument("--devices", default=None, help="only the rank configs of these device counts, e.g. 2,4")
     ap.add_argument("--budget-s", type=float, default=400.0, help="start no measurement after this many seconds")
     ap.add_argument("--prefill-tokens", type=int, default=2048)
     ap.add_argument("--smoke", action="store_true", help="CPU check: a tiny model, the reference path, tiny shapes")
@@ -251,7 +253,8 @@ def main(argv=None) -> None:
     else:
         runtime.prepare()
         wanted = set(args.models.split(","))
-        configs = tuple(c for c in CONFIGS if c[0] in wanted)
+        devices = {int(x) for x in args.devices.split(",")} if args.devices else None
+        configs = tuple(c for c in CONFIGS if c[0] in wanted and (devices is None or c[2] in devices))
         models = {m: common.model_config(m) for m in wanted}
         timing = dict(warmup=1, reps=5, calls=3)
         kernels, dtype = common.resolved(KernelConfig()), jnp.bfloat16

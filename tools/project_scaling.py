@@ -42,7 +42,8 @@ import numpy as np
 
 from gptoss_jax import config as config_lib
 
-RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "docs" / "results"
 PLANS = RESULTS / "plan_mesh"
 RANK_SHAPES = RESULTS / "rank_shapes_h200.json"  # tools.measure_rank_shapes on one H200
 
@@ -250,17 +251,30 @@ def compute_models(era: str) -> dict[str, ComputeModel]:
 
 class RankTimes:
     """Decode step seconds of one rank on one H200 from `tools.measure_rank_shapes`' JSON, for the full layer count:
-    fixed(batch) + layers/2 x pair(batch, context) + layers x (MoE as dispatched - MoE as emulated), with
-    fixed = 2 t2 - t4 and pair = t2 - fixed at the first context, linear in batch between the measured ones, and
-    linear in context through the batch measured at a second context."""
+    t4 + (layers - 4) / 2 x pair + layers x (MoE as dispatched - MoE as emulated), at each measured batch with
+    pair = t4 - t2 at the first context, linear in batch between the measured ones, and linear in context through
+    the batch measured at a second context.
 
-    def __init__(self, path: Path):
-        self.data = json.loads(Path(path).read_text())
-        self.configs = {(c["model"], c["mode"], c["n"]): c for c in self.data["configs"] if self._usable(c)}
+    With `models` (the compute models, for presets): a layer pair is never faster than its bytes at the run's
+    copy bandwidth (where the 2- and 4-layer steps both wait on the host, t4 - t2 is noise: the H200 run of
+    2026-11-24 has t4 < t2 for 1 x 72), and past the largest measured batch the step grows by the model's
+    increment (more KV, FLOPs, experts touched) instead of the line through the last two batches (the one-GPU
+    120b step is cheaper at 256 than at 64: that line falls). The MoE correction is interpolated between the
+    measured token counts and held at the last one beyond (flat from 64 to 256 tokens at 8 GPUs); a dispatch
+    whose MoE was timed at fewer than two token counts has no correction and the rank falls back to the model."""
+
+    def __init__(self, paths: Path | str | list, models: dict[str, ComputeModel] | None = None):
+        """`paths`: one JSON or several (runs of `--devices` subsets); a config in a later file replaces one in an
+        earlier file; the copy bandwidth is the first file's."""
+        files = [json.loads(Path(p).read_text()) for p in (paths if isinstance(paths, list) else [paths])]
+        self.data = files[0]
+        self.configs = {(c["model"], c["mode"], c["n"]): c for f in files for c in f["configs"] if self._usable(c)}
+        self.models = models
+        self.copy_Bps = self.data.get("ceilings", {}).get("copy_Bps")
 
     @staticmethod
     def _usable(c: dict) -> bool:
-        """Every batch timed with 2 layers at the first context has its 4-layer step (its own fixed part)."""
+        """Every batch timed with 2 layers at the first context has its 4-layer step."""
         rows = c.get("decode", [])
         if not rows:
             return False
@@ -268,32 +282,67 @@ class RankTimes:
         at = {(r["layers"], r["batch"]) for r in rows if r["context"] == ctx0}
         return bool(at) and all((4, b) in at for lay, b in at if lay == 2)
 
-    def has(self, model: str, mode: str, n: int) -> bool:
-        key = (model, "low_latency" if n == 1 else mode, n)
-        return key in self.configs
-
-    def decode_s(self, model: str, mode: str, n: int, batch: int, context: int, dispatch: str) -> float:
-        c = self.configs[(model, "low_latency" if n == 1 else mode, n)]
-        d = {(r["layers"], r["batch"], r["context"]): r["ms"] / 1e3 for r in c["decode"]}
-        ctx0 = min(r["context"] for r in c["decode"])
-        batches = sorted(b for (lay, b, ctx) in d if lay == 2 and ctx == ctx0)
-        fixed_b = {b: max(0.0, 2 * d[(2, b, ctx0)] - d[(4, b, ctx0)]) for b in batches}
-        fixed = _interp_flat(sorted(fixed_b.items()), batch)
-        pair = _interp([(b, d[(2, b, ctx0)] - fixed_b[b]) for b in batches], batch)
-        longer = [(b, ctx, t) for (lay, b, ctx), t in d.items() if lay == 2 and ctx != ctx0 and b in fixed_b]
-        if longer:  # the attention's growth with context, per sequence
-            b1, ctx1, t1 = longer[0]
-            pair += (context - ctx0) / (ctx1 - ctx0) * (t1 - d[(2, b1, ctx0)]) * batch / b1
-        kind = "low_latency" if mode == "low_latency" else dispatch
-        moe = {}
+    def _moe(self, c: dict) -> dict[str, list[tuple[int, float]]]:
+        moe: dict[str, list] = {}
         for r in c["moe"]:
             if r["step"] == "decode":
                 moe.setdefault(r["kind"], []).append((r["tokens"], r["ms_per_layer"] / 1e3))
-        delta = 0.0
-        if n > 1 and kind in moe and "emulated" in moe:
-            delta = _interp(sorted(moe[kind]), batch) - _interp(sorted(moe["emulated"]), batch)
+        return {k: sorted(v) for k, v in moe.items()}
+
+    def has(self, model: str, mode: str, n: int, dispatch: str = "-") -> bool:
+        c = self.configs.get((model, "low_latency" if n == 1 else mode, n))
+        if c is None:
+            return False
+        if n == 1:
+            return True
+        moe = self._moe(c)
+        kind = "low_latency" if mode == "low_latency" else dispatch
+        return all(len(moe.get(k, [])) >= 2 for k in ("emulated", kind))
+
+    def _floor(self, model: str, mode: str, n: int, batch: int, ctx: int, ctx_from: int | None = None) -> float:
+        """Seconds of a layer pair's HBM bytes at the run's copy bandwidth: its weights and KV at context `ctx`, or
+        with `ctx_from` the KV it reads beyond that context; 0 where unknown."""
+        if self.models is None or not self.copy_Bps or model not in self.models:
+            return 0.0
+        cfg = dataclasses.replace(config_lib.preset(model), num_layers=2)
+        w, kv, _ = rank_work(cfg, mode, n, batch, ctx)
+        if ctx_from is not None:
+            return (kv - rank_work(cfg, mode, n, batch, ctx_from)[1]) / self.copy_Bps
+        return (w - _unembed_bytes(cfg, mode, n) + kv) / self.copy_Bps
+
+    def decode_s(self, model: str, mode: str, n: int, batch: int, context: int, dispatch: str) -> float:
+        c = self.configs[(model, "low_latency" if n == 1 else mode, n)]
         L = c["layers_full"]
-        return fixed + L / 2 * pair + L * delta
+        d = {(r["layers"], r["batch"], r["context"]): r["ms"] / 1e3 for r in c["decode"]}
+        ctx0 = min(r["context"] for r in c["decode"])
+        batches = sorted(b for (lay, b, ctx) in d if lay == 2 and ctx == ctx0)
+        pair_b = {b: max(d[(4, b, ctx0)] - d[(2, b, ctx0)], self._floor(model, mode, n, b, ctx0)) for b in batches}
+        full_b = [(b, d[(4, b, ctx0)] + (L - 4) / 2 * pair_b[b]) for b in batches]
+        last = batches[-1]
+        if self.models is not None and batch > last and model in self.models:  # the model's increment
+            cfg, m = config_lib.preset(model), self.models[model]
+            step = full_b[-1][1] + (
+                sum(m.parts(*rank_work(cfg, mode, n, batch, ctx0))) - sum(m.parts(*rank_work(cfg, mode, n, last, ctx0)))
+            )
+        else:
+            step = _interp(full_b, batch)
+        longer = [(b, ctx, t) for (lay, b, ctx), t in d.items() if lay == 2 and ctx != ctx0 and b in pair_b]
+        if longer:  # the attention's growth with context, per sequence
+            b1, ctx1, t1 = longer[0]
+            grow = max(t1 - d[(2, b1, ctx0)], self._floor(model, mode, n, b1, ctx1, ctx0))
+            step += L / 2 * (context - ctx0) / (ctx1 - ctx0) * grow * batch / b1
+        delta = 0.0
+        if n > 1 and self.has(model, mode, n, dispatch):
+            moe = self._moe(c)
+            kind = "low_latency" if mode == "low_latency" else dispatch
+            delta = _interp_flat(moe[kind], batch) - _interp_flat(moe["emulated"], batch)
+        return step + L * delta
+
+
+def _unembed_bytes(cfg: config_lib.ModelConfig, mode: str, n: int) -> float:
+    """The unembedding's bytes in `rank_work`'s weights (read once per step, not per layer)."""
+    tpv = n if mode == "low_latency" and cfg.vocab_size % n == 0 else 1
+    return 2 * cfg.vocab_size * cfg.hidden_size / tpv
 
 
 def _interp_flat(points: list[tuple[float, float]], x: float) -> float:
@@ -406,7 +455,7 @@ def step_seconds(compute: float, comm: float, overlap: float) -> float:
 def rank_compute(model, mode, n, batch, context, dispatch, target, models, rank_times=None) -> float:
     """Seconds of one GPU's own work in a decode step on `target` (None: the H200 measured on)."""
     parts = models[model].parts(*rank_work(config_lib.preset(model), mode, n, batch, context))
-    if rank_times is not None and rank_times.has(model, mode, n):  # measured: the MoE as dispatched included
+    if rank_times is not None and rank_times.has(model, mode, n, dispatch):  # measured: the MoE as dispatched included
         return rank_times.decode_s(model, mode, n, batch, context, dispatch) * scaled(parts, target) / sum(parts)
     return scaled(parts, target)
 
@@ -439,6 +488,9 @@ def project_job(
         target=target_name,
         job=f"{isl}/{osl}",
         batch_per_rank=batch,
+        compute_from="measured rank"
+        if rank_times is not None and rank_times.has(model, mode, n, dispatch)
+        else "model",
         compute_ms=compute * 1e3,
         comm_ms=c * 1e3,
         step_ms=step * 1e3,
@@ -526,13 +578,14 @@ def validate(s: Settings, era: str = "2026-11-22", fit: bool = True, rank_times=
         if comm is None:
             continue
         compute = rank_compute(r["preset"], mode, n, B, r["context"], dispatch, None, models, rank_times)
+        measured = rank_times is not None and rank_times.has(r["preset"], mode, n, dispatch)
         counts = dict.fromkeys(kinds, 0.0)
         for kind, c in comm.counts.items():  # in units of the 2-GPU latency: the hops beyond are known
             kind = _LATENCY_KIND.get(kind, kind)
             counts[kind] += c
         no_latency = Comm(comm.counts, comm.sent_per_token, comm.group)
         rest = no_latency.seconds(B, dataclasses.replace(s, latency=dict.fromkeys(kinds, 0.0)), target)
-        rows.append(dict(r, compute=compute, rest=rest, counts=counts))
+        rows.append(dict(r, compute=compute, rest=rest, counts=counts, measured_rank=measured))
     latency = dict(s.latency)
     if fit:
         train = [r for r in rows if _training(r)]
@@ -555,6 +608,7 @@ def validate(s: Settings, era: str = "2026-11-22", fit: bool = True, rank_times=
                 comm_ms=comm_s * 1e3,
                 error_pct=(pred - r["step_ms"]) / r["step_ms"] * 100,
                 fitted_on=fit and _training(r),
+                measured_rank=r["measured_rank"],
             )
         )
     source = "measured rank shapes (today's code)" if rank_times else f"the {era} calibration"
@@ -583,6 +637,7 @@ def _nonnegative_lstsq(X: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def markdown_validation(v: dict) -> str:
+    tag = v["compute"].startswith("measured")  # which rows had no measured rank
     lines = [
         "Per collective: "
         + ", ".join(f"{k} {t * 1e6:.1f} us" for k, t in v["latency_s"].items())
@@ -595,7 +650,7 @@ def markdown_validation(v: dict) -> str:
         lines.append(
             f"| {r['gpus']} | {r['mode']} | {r['dispatch']} | {r['batch_per_rank']} | {r['measured_ms']:.2f} ms | "
             f"{r['projected_ms']:.2f} ms ({r['compute_ms']:.2f} + {r['comm_ms']:.2f}) | {r['error_pct']:+.0f}%"
-            f"{' (fit)' if r['fitted_on'] else ''} |"
+            f"{' (fit)' if r['fitted_on'] else ''}{' (model)' if tag and not r['measured_rank'] else ''} |"
         )
     return "\n".join(lines)
 
@@ -603,15 +658,15 @@ def markdown_validation(v: dict) -> str:
 def markdown_projection(rows: list[dict]) -> str:
     lines = [
         "| model | mode | GPUs (mesh) | dispatch | target | job | batch/rank | step (compute + comm) | tok/s/user "
-        "| **tok/s/GPU** | comm share |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| **tok/s/GPU** | comm share | compute |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
             f"| {r['model'].removeprefix('gpt-oss-')} | {r['mode']} | {r['gpus']} ({r['mesh']}) | {r['dispatch']} | "
             f"{r['target']} | {r['job']} | {r['batch_per_rank']} | {r['step_ms']:.2f} ms ({r['compute_ms']:.2f} + "
             f"{r['comm_ms']:.2f}) | {r['tok_s_per_user']:,.0f} | **{r['tok_s_per_gpu']:,.0f}** | "
-            f"{r['comm_share'] * 100:.0f}% |"
+            f"{r['comm_share'] * 100:.0f}% | {r['compute_from']} |"
         )
     return "\n".join(lines)
 
@@ -628,11 +683,11 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--rank-shapes",
         default=str(RANK_SHAPES) if RANK_SHAPES.exists() else None,
-        help=f"tools.measure_rank_shapes JSON: measured rank compute (default {RANK_SHAPES.name} when it exists)",
+        help=f"tools.measure_rank_shapes JSON(s), comma-separated: measured rank compute (default {RANK_SHAPES.name})",
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    rank_times = RankTimes(Path(args.rank_shapes)) if args.rank_shapes else None
+    rank_times = RankTimes(args.rank_shapes.split(","), compute_models("today")) if args.rank_shapes else None
     if rank_times is not None and not rank_times.configs:
         print(f"{args.rank_shapes}: no rank config with a fixed part at every batch; compute from the model\n")
         rank_times = None
@@ -648,7 +703,9 @@ def main(argv=None) -> None:
     measured = None
     if rank_times is not None:  # today's code per rank against the 2026-11-22 runs: not the same kernels
         measured = validate(s, rank_times=rank_times)
-        print(f"\n### The same with the measured rank compute of {args.rank_shapes}\n")
+        usable = ", ".join(f"{m} {mode} n={n}" for m, mode, n in rank_times.configs)
+        print(f"\n### The same with the measured rank compute of {args.rank_shapes} (configs: {usable})\n")
+        print("Rows marked (model) have no measured rank (or no MoE correction) there: the model's compute.\n")
         print(markdown_validation(measured))
     s = dataclasses.replace(s, overlap=args.overlap, latency=dict(v["latency_s"]))
     jobs = tuple(tuple(int(x) for x in j.split("/")) for j in args.jobs.split(","))
@@ -666,7 +723,9 @@ def main(argv=None) -> None:
                     compute_models={
                         e: {m: dataclasses.asdict(c) for m, c in compute_models(e).items()} for e in CALIBRATIONS
                     },
-                    rank_shapes=args.rank_shapes,
+                    rank_shapes=[str(Path(p).resolve().relative_to(REPO)) for p in args.rank_shapes.split(",")]
+                    if args.rank_shapes
+                    else None,
                     validation=v,
                     validation_measured_ranks=measured,
                     projection=rows,
