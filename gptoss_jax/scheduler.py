@@ -116,7 +116,7 @@ class Scheduler:
                 continue
             if seq.num_pending and seq.constraint is not None and seq.constraint.gated:
                 continue  # its next mask waits for the token in flight
-            first, end = seq.decode_span(cfg.decode_steps_per_call)
+            first, end = seq.decode_span(cfg.decode_tokens_per_call())
             if seq.num_pending and end <= first:  # its last tokens are in flight: it ends by length
                 scheduled.add(id(seq))  # when they land, so no reservation may preempt it
                 continue
@@ -207,7 +207,7 @@ class Scheduler:
         pending. Sliding pages the window left behind go back to the pool only now, after the call that
         may still read them was enqueued (later calls run after it)."""
         K = self.config.decode_steps_per_call
-        for seq in work.decodes:
+        for seq in work.decodes if self.config.speculative_config is None else ():
             _, end = seq.decode_span(K)
             seq.num_pending += K
             self._advance(seq, end)
@@ -215,6 +215,11 @@ class Scheduler:
             if c.start + c.num_tokens == len(c.seq.token_ids):
                 c.seq.num_pending += 1
             self._advance(c.seq, c.start + c.num_tokens)
+
+    def settle(self, seq: Sequence, num_computed: int) -> None:
+        """With speculative decoding, whose decode calls compute a number of positions known only when the host reads
+        them (`launched` leaves their sequences alone): `num_computed` is the true count after the call."""
+        self._advance(seq, num_computed)
 
     def _advance(self, seq: Sequence, num_computed: int) -> None:
         seq.num_computed = num_computed
