@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import math
@@ -61,13 +62,10 @@ class ModelRunner:
         cap = ec.max_model_len or mc.max_position_embeddings
         self.drafter = None if spec is None else speculative.make_drafter(spec, mc.vocab_size, cap)
         self.st = steps.StepConfig(
-            mc,
-            kernels,
-            layout,
-            num_top=max(1, ec.max_logprobs),
-            num_steps=ec.decode_steps_per_call,
-            drafter=self.drafter,
+            mc, kernels, layout, num_top=max(1, ec.max_logprobs), num_steps=ec.decode_steps_per_call
         )
+        # Decode's settings: with speculation, the drafter too (prefill's programs stay those without it).
+        self.st_decode = dataclasses.replace(self.st, drafter=self.drafter)
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         # The logits processors' per-slot state (committed, as the cache below), allocated before the KV cache is
         # sized so that its memory is counted as in use (uint16 counts: 2 bytes x vocabulary per sequence slot).
@@ -283,6 +281,9 @@ class ModelRunner:
             return (self.params, self.draft_params), self.cache, (self._sampler_state, self._draft_state), batch
         return self.params, self.cache, self._sampler_state, batch
 
+    def _st(self, kind: str) -> steps.StepConfig:
+        return self.st_decode if kind == "decode" else self.st
+
     def _write_history(self, seqs: list[Sequence]) -> None:
         """The drafter history of sequences whose prompt is now complete: their last tokens (all the oracle's known
         continuation), one fixed-shape call of `max_prefill_seqs` rows."""
@@ -304,10 +305,10 @@ class ModelRunner:
         program = self._programs.get(key)
         if program is None:
             args = self._args(key[0], batch)
-            stored = self.store.key(key[0], self.st, args)
+            stored = self.store.key(key[0], self._st(key[0]), args)
             program = self.store.load(stored, self._devices)
             if program is None:
-                program = self.store.compile(step.lower(*args, st=self.st), stored)
+                program = self.store.compile(step.lower(*args, st=self._st(key[0])), stored)
             self._programs[key] = program
         return program
 
@@ -343,7 +344,9 @@ class ModelRunner:
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             work = {key: self._padding(key) for key in todo}
-            stored = {key: self.store.key(key[0], self.st, self._args(key[0], b)) for key, (_, b) in work.items()}
+            stored = {
+                key: self.store.key(key[0], self._st(key[0]), self._args(key[0], b)) for key, (_, b) in work.items()
+            }
             loads = {key: pool.submit(self.store.load, stored[key], self._devices) for key in todo}
             compiles = {}
             for i, key in enumerate(todo, 1):
@@ -353,7 +356,7 @@ class ModelRunner:
                     finished("loading programs", key, None)
                     continue
                 step, batch = work[key]
-                lowered = step.lower(*self._args(key[0], batch), st=self.st)
+                lowered = step.lower(*self._args(key[0], batch), st=self._st(key[0]))
                 report("tracing", i, n, self._label(key))
                 compiles[key] = pool.submit(self.store.compile, lowered, stored[key])
                 compiles[key].add_done_callback(functools.partial(finished, "compiling", key))
