@@ -80,7 +80,10 @@ class ModelRunner:
                 functools.partial(speculative.DraftState.empty, ec.max_num_seqs + 1, self.drafter.history_tokens),
                 out_shardings=one,
             )()
-        self.draft_params = None  # a drafter model's weights (none for the n-gram and test drafters)
+        # The drafter's device arrays (a drafter model's weights; the oracle's acceptance length), else None.
+        self.draft_params = None
+        if hasattr(self.drafter, "params"):
+            self.draft_params = jax.device_put(self.drafter.params(spec), one)
         self.num_pages_full, self.num_pages_sliding = self._pool_sizes()
         capacity = (self.num_pages_full - 1) * ec.page_size
         if ec.max_model_len and ec.max_model_len > capacity:

@@ -10,7 +10,8 @@ the accepted drafts; the K/V its rejected drafts left behind sit at positions pa
 never reads (it masks by position) and the next iteration overwrites. docs/engine.md has the design.
 
 A drafter is a frozen (hashable, static) object with `num_tokens` (k), `history_tokens` (columns of the per-slot
-`DraftState` it reads) and `propose(params, state, inputs) -> Draft`, traced into the decode step.
+`DraftState` it reads), `propose(params, state, inputs) -> Draft`, traced into the decode step, and optionally
+`params(spec)`: its device arrays (weights), passed to the step beside the target's (None without the method).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import math
 from typing import Any
 
 import jax
@@ -214,27 +214,29 @@ class NgramDrafter:
 @dataclasses.dataclass(frozen=True)
 class OracleDrafter:
     """Tests and benchmarks only: proposes the tokens the `DraftState` holds after the present (the host wrote the
-    request's known continuation there, `SpeculativeConfig.reference`). With `acceptance_length` L it corrupts
-    draft position n + 1 (n drawn per row and step: floor(L - 1), or one more with probability frac(L - 1)), so an
-    exact continuation is accepted for L - 1 drafts per step on average, L tokens per step."""
+    request's known continuation there, `SpeculativeConfig.reference`). Its `params` are the acceptance length L (a
+    f32 scalar on the device, so that every L shares one program): it corrupts draft position n + 1 (n drawn per row
+    and step: floor(L - 1), or one more with probability frac(L - 1)), so an exact continuation is accepted for
+    L - 1 drafts per step on average, L tokens per step (L = k + 1: nothing corrupted)."""
 
     num_tokens: int
     history_tokens: int
     vocab_size: int
-    acceptance_length: float | None = None
+
+    def params(self, spec: SpeculativeConfig) -> jax.Array:
+        length = spec.acceptance_length if spec.acceptance_length is not None else self.num_tokens + 1
+        return jnp.float32(length)
 
     def propose(self, params, state: DraftState, inp: DraftInputs) -> Draft:
         k, N = self.num_tokens, self.history_tokens
         pos = inp.pos_B[:, None] + jnp.arange(1, k + 1)[None, :]
         tokens = jnp.where(pos < N, state.history_SN[inp.slots_B[:, None], jnp.clip(pos, 0, N - 1)], 0)
         tokens = jnp.maximum(tokens, 0)
-        if self.acceptance_length is not None:
-            a = self.acceptance_length - 1
-            u = jax.vmap(jax.random.uniform)(inp.keys_B2)
-            n = jnp.floor(a).astype(jnp.int32) + (u < a - math.floor(a))
-            spoil = jnp.arange(k)[None, :] == n[:, None]
-            tokens = jnp.where(spoil, (tokens + 1) % self.vocab_size, tokens)
-        return Draft(tokens.astype(jnp.int32))
+        a = params - 1
+        u = jax.vmap(jax.random.uniform)(inp.keys_B2)
+        n = jnp.floor(a).astype(jnp.int32) + (u < a - jnp.floor(a))
+        spoil = jnp.arange(k)[None, :] == n[:, None]
+        return Draft(jnp.where(spoil, (tokens + 1) % self.vocab_size, tokens).astype(jnp.int32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,7 +260,7 @@ def make_drafter(spec: SpeculativeConfig, vocab_size: int, max_model_len: int):
         window = min(spec.lookup_window, max(max_model_len, spec.prompt_lookup_max + 1))
         return NgramDrafter(k, spec.prompt_lookup_min, spec.prompt_lookup_max, window)
     if spec.method == "oracle":
-        return OracleDrafter(k, max_model_len, vocab_size, spec.acceptance_length)
+        return OracleDrafter(k, max_model_len, vocab_size)
     if spec.method == "random":
         return RandomDrafter(k, vocab_size)
     raise ConfigError(

@@ -16,7 +16,7 @@ from gptoss_jax.sampling import SamplingBatch, SamplingParams
 from gptoss_jax.server.metrics import PREFIX, Metrics
 
 # 4-token pages and 13 full pages (48 tokens) so that the requests below preempt each other; one decode bucket, so
-# each engine compiles one decode program.
+# each engine compiles one decode program; two steps per decode call (the engines share their prefill programs).
 SMALL = dict(
     page_size=4,
     max_num_seqs=4,
@@ -28,6 +28,7 @@ SMALL = dict(
     min_context_bucket=256,
     max_logprobs=3,
     decode_batch_buckets=(4,),
+    decode_steps_per_call=2,
 )
 
 
@@ -90,26 +91,17 @@ def _oracle(baseline, length, k=3):
     return dict(method="oracle", num_speculative_tokens=k, acceptance_length=length, continuations=conts)
 
 
-@pytest.mark.parametrize(
-    "name,steps_per_call",
-    [("ngram", 1), ("random", 2), ("oracle_all", 1), ("oracle_none", 2), ("oracle_partial", 3)],
-)
-def test_greedy_outputs_identical_with_any_drafter(small_checkpoint, baseline, name, steps_per_call):
-    spec = {
-        "ngram": dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3),
-        "random": dict(method="random", num_speculative_tokens=2),
-        "oracle_all": _oracle(baseline, 4.0),
-        "oracle_none": _oracle(baseline, 1.0),
-        "oracle_partial": _oracle(baseline, 2.5),
-    }[name]
-    engine = _spec_engine(small_checkpoint, spec, decode_steps_per_call=steps_per_call)
-    got = run(engine, REQUESTS)
-    _same(got, baseline)
-    # and again: the shared prompts now come from the prefix cache
-    _same(run(engine, REQUESTS), baseline)
-    st = engine.stats()
-    assert st.num_preemptions > 0 and st.num_running == st.num_waiting == 0
-    k = spec["num_speculative_tokens"]
+NGRAM = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+
+
+@pytest.fixture(scope="module")
+def ngram_engine(small_checkpoint):
+    """Warmed up: serving compiles nothing. No prefix caching (the sampled test repeats a path exactly)."""
+    return _spec_engine(small_checkpoint, NGRAM, warmup=True, enable_prefix_caching=False)
+
+
+def _check_counters(st, k, name):
+    assert st.num_running == st.num_waiting == 0
     assert st.spec_decode_num_draft_tokens == k * st.spec_decode_num_drafts > 0
     assert sum(st.spec_decode_num_accepted_tokens_per_pos) == st.spec_decode_num_accepted_tokens
     per_step = 1 + st.spec_decode_num_accepted_tokens / st.spec_decode_num_drafts
@@ -123,26 +115,44 @@ def test_greedy_outputs_identical_with_any_drafter(small_checkpoint, baseline, n
         assert st.spec_decode_num_accepted_tokens > 0
 
 
-def test_warm_engine_compiles_nothing_while_serving(small_checkpoint, baseline):
-    engine = _spec_engine(
-        small_checkpoint, dict(method="ngram", num_speculative_tokens=2, prompt_lookup_min=2), warmup=True
-    )
+def test_ngram_greedy_outputs_identical_and_nothing_compiles(ngram_engine, baseline):
     with steps.compilations() as seen:
-        got = run(engine, REQUESTS)
+        got = run(ngram_engine, REQUESTS)
     assert seen == []
     _same(got, baseline)
+    assert ngram_engine.stats().num_preemptions > 0
+    _check_counters(ngram_engine.stats(), 3, "ngram")
 
 
-def test_sampled_outputs_are_reproducible(small_checkpoint):
+@pytest.mark.parametrize(
+    "name,steps_per_call",
+    # the oracle's acceptance length is a device value: its three engines share one compiled decode step
+    [("oracle_partial", 2), ("oracle_all", 2), ("oracle_none", 2), pytest.param("random", 1, marks=pytest.mark.slow)],
+)
+def test_greedy_outputs_identical_with_any_drafter(small_checkpoint, baseline, name, steps_per_call):
+    spec = {
+        "random": dict(method="random", num_speculative_tokens=2),
+        "oracle_all": _oracle(baseline, 4.0),
+        "oracle_none": _oracle(baseline, 1.0),
+        "oracle_partial": _oracle(baseline, 2.5),
+    }[name]
+    engine = _spec_engine(small_checkpoint, spec, decode_steps_per_call=steps_per_call)
+    got = run(engine, REQUESTS)
+    _same(got, baseline)
+    # and again for the prompts with a shared prefix, now in the prefix cache
+    shared = {rid: REQUESTS[rid] for rid in ("r4", "r5")}
+    _same(run(engine, shared), {rid: baseline[rid] for rid in shared})
+    assert engine.stats().num_preemptions > 0
+    _check_counters(engine.stats(), spec["num_speculative_tokens"], name)
+
+
+def test_sampled_outputs_are_reproducible(ngram_engine):
     """Seeded sampled requests repeat exactly along the same path. (Which tokens a seed gives depends on the drafts
     and on where the first token is drawn: a prompt whose last chunk is cached starts in prefill, not in a verify
     step; the distribution is the target's either way.)"""
-    engine = _spec_engine(
-        small_checkpoint, dict(method="random", num_speculative_tokens=3), enable_prefix_caching=False
-    )
     sp = SamplingParams(temperature=1.0, top_k=20, max_tokens=12, seed=7, stop_token_ids=[])
     reqs = {f"s{i}": (p, sp) for i, (p, _) in enumerate(list(REQUESTS.values())[:3])}
-    first, second = run(engine, reqs), run(engine, reqs)
+    first, second = run(ngram_engine, reqs), run(ngram_engine, reqs)
     assert first == second
     for tokens, reason, _ in first.values():
         assert len(tokens) == 12 and reason == "length" and all(0 <= t < 512 for t in tokens)
