@@ -50,6 +50,19 @@ def test_bench_throughput_smoke(tmp_path):
         assert job["host_s"].get("compiles", 0) == 0, job["host_s"]  # warm-up compiled every program it ran
 
 
+@pytest.mark.slow  # a tool run: three engines warmed up
+def test_bench_speculative_smoke(tmp_path):
+    """The speculative benchmark's whole path (verify steps, drafters, end to end with the oracle) on a tiny model."""
+    _run("bench_speculative", "--smoke", "--out", tmp_path / "spec.json")
+    result = json.loads((tmp_path / "spec.json").read_text())
+    assert [(r["k"], r["ms"] > 0) for r in result["verify"]] == [(0, True), (2, True)]
+    assert [r["method"] for r in result["drafter"]] == ["ngram", "oracle"]
+    plain, spec = result["e2e"]
+    assert plain["k"] == 0 and spec["k"] == 2 and spec["acceptance_length_target"] == 2.5
+    assert spec["identical_to_plain"] and 1.5 < spec["acceptance_length"] <= 2.5
+    assert spec["output_tokens"] == plain["output_tokens"] == 12
+
+
 @pytest.mark.slow  # a tool run on 8 simulated devices
 def test_bench_sharded_smoke(tmp_path):
     """The sharded benchmark on 8 simulated devices: random weights in the kernels' layout, both dispatches."""
