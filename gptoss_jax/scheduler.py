@@ -10,7 +10,9 @@ front of the queue to be recomputed later (its tokens and seeds are kept, so its
 A step is scheduled before the previous step's tokens reach the host (async scheduling): `launched`
 marks what a dispatched call will compute and sample (`num_pending` tokens still on device), so the
 next decode of a sequence feeds its pending last token from the device. Work for a sequence that
-turns out to have finished, or was preempted, is dropped when its results arrive (`epoch`).
+turns out to have finished, or was preempted, is dropped when its results arrive (`epoch`). With speculative
+decoding a decode call computes a number of positions known only when it is read: the engine reads each call before
+the next schedule and reports the true count (`settle`).
 """
 
 from __future__ import annotations

@@ -318,15 +318,15 @@ def verify(
         base = fold(jnp.repeat(sb.keys_B2[:, None], T, axis=1), pos_B[:, None] + jnp.arange(T)[None, :])
         salted = lambda salt: fold(base, jnp.full((B, T), salt, jnp.int32))  # noqa: E731
         p_x = jnp.take_along_axis(p_BTV[:, :k], d_BK[..., None], axis=-1)[..., 0]
-        if draft.q_BKV is None:
+        if draft.q_BKV is None:  # q one-hot: the residual is p without the draft (none at the last position)
             q_x = jnp.ones_like(p_x)
-            q_BTV = jax.nn.one_hot(d_BK, V, dtype=p_BTV.dtype)
+            ids = jax.lax.broadcasted_iota(jnp.int32, p_BTV.shape, 2)
+            residual = jnp.where(ids == jnp.pad(d_BK, ((0, 0), (0, 1)), constant_values=-1)[..., None], 0.0, p_BTV)
         else:
             q_x = jnp.take_along_axis(draft.q_BKV, d_BK[..., None], axis=-1)[..., 0]
-            q_BTV = draft.q_BKV
+            residual = jnp.maximum(p_BTV - jnp.pad(draft.q_BKV, ((0, 0), (0, 1), (0, 0))), 0.0)
         u = jax.vmap(jax.vmap(jax.random.uniform))(salted(ACCEPT_SALT)[:, :k])
         accept = u * q_x < p_x
-        residual = jnp.maximum(p_BTV - jnp.pad(q_BTV, ((0, 0), (0, 1), (0, 0))), 0.0)
         resample = jax.vmap(jax.vmap(lambda key, w: jax.random.categorical(key, jnp.log(w))))(
             salted(RESAMPLE_SALT), residual
         )

@@ -12,6 +12,7 @@ from gptoss_jax import cli, engine_config, serve, speculative, steps
 from gptoss_jax.async_engine import stats_dict
 from gptoss_jax.config import ConfigError
 from gptoss_jax.engine import Engine
+from gptoss_jax.llm import LLM
 from gptoss_jax.sampling import SamplingBatch, SamplingParams
 from gptoss_jax.server.metrics import PREFIX, Metrics
 
@@ -302,7 +303,7 @@ def test_config_from_the_command_line_and_eagle3_not_yet_available(small_checkpo
     eagle = dict(method="eagle3", model="some/drafter", num_speculative_tokens=3)
     assert engine_config.load(None, speculative_config=eagle).speculative_config.model == "some/drafter"
     with pytest.raises(ConfigError, match="EAGLE-3 drafter is not available"):
-        Engine(small_checkpoint, dtype="float32", progress=False, speculative_config=eagle, **SMALL)
+        LLM(small_checkpoint, dtype="float32", progress=False, speculative_config=eagle, **SMALL)
     with pytest.raises(ConfigError, match="one device"):
         engine_config.load(None, speculative_config=eagle, model_parallel=2)
 
