@@ -119,6 +119,26 @@ def test_inspect_kernels_lowers_the_decode_step_for_cuda_on_the_cpu():
     assert jax.default_backend() == "cpu"
 
 
+def test_speculative_step_lowers_for_cuda_on_the_cpu():
+    """The verify step (k + 1 tokens per row over the paged cache) through the GPU kernels, at the 20b shapes: the
+    flash attention kernel over the pages, the MoE and projection kernels of a 4-token batch."""
+    from gptoss_jax import speculative
+    from tools import common, inspect_kernels
+
+    cfg = common.model_config("gpt-oss-20b")
+    spec = speculative.SpeculativeConfig("oracle", 3)
+    drafter = speculative.make_drafter(spec, cfg.vocab_size, 2048)
+    kernels = inspect_kernels.BASE.for_device(inspect_kernels.H200)
+    shapes = common.param_shapes(cfg, "pallas")
+    step = common.speculative_step(
+        shapes, cfg, 1, 1024, kernels, drafter, num_steps=2, draft_params=drafter.params(spec)
+    )
+    found = []
+    with inspect_kernels.lowering_for_hopper(), inspect_kernels.capture_triton_modules(found):
+        step.lower(lowering_platforms=("cuda",))
+    assert {"paged_flash_attention", "moe_route", "mxfp4_gate_up_swiglu_gemv16"} <= {k["name"] for k in found}
+
+
 def test_resident_programs_follow_the_sm_limits():
     """Registers (per warp, in units of 256), warps, programs and shared memory each bound the programs an SM holds:
     the figures session 14's ncu report gave for the gate/up GEMV (64 registers, 128 threads: 8 programs)."""
