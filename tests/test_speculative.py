@@ -3,6 +3,8 @@ drafter (n-gram, random proposals, the oracle at full, no and partial acceptance
 preemption and prefix caching, single- and multi-step; exact rejection sampling (chi-square against the target's
 distribution); the acceptance counters in the engine stats and `/metrics`; config errors."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -311,3 +313,42 @@ def test_config_from_the_command_line_and_eagle3_not_yet_available(small_checkpo
 def test_engine_stats_have_the_counters(small_checkpoint):
     plain = stats_dict(Engine(small_checkpoint, dtype="float32", progress=False, **SMALL).stats())
     assert plain["spec_decode_num_drafts"] == 0 and plain["spec_decode_num_accepted_tokens_per_pos"] == []
+
+
+@pytest.mark.slow  # the demo model (the real vocabulary): its engine compiles for a minute on two cores
+def test_structured_and_free_rows_beside_drafting_rows(tmp_path, monkeypatch):
+    """Structured-output rows (which do not draft, and whose rejected tokens roll the cache back) in the same calls as
+    drafting rows: the constrained answer is valid and a free greedy row is exactly the target's greedy chain."""
+    pytest.importorskip("llguidance")
+    from gptoss_jax.structured import StructuredOutputsParams as SO
+
+    monkeypatch.setenv("GPTOSS_JAX_HOME", str(tmp_path))
+    ngram = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2)
+    with LLM(
+        dtype="float32",
+        progress=False,
+        max_num_seqs=4,
+        decode_batch_buckets=[4],
+        max_model_len=128,
+        min_context_bucket=128,
+        prefill_chunk_size=32,
+        min_prefill_bucket=32,
+        max_num_batched_tokens=32,
+        max_prefill_seqs=1,
+        decode_steps_per_call=2,
+        speculative_config=ngram,
+    ) as llm:
+        enc = llm.engine.tokenizer
+        chat = enc.encode("<|start|>user<|message|>hi<|end|><|start|>assistant", allowed_special="all")
+        free = SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[])
+        regex = SamplingParams(
+            temperature=0.8, seed=2, max_tokens=24, structured_outputs=SO(regex=r"[0-9]{3}-[a-z]{2}")
+        )
+        outs = llm.generate(prompt_token_ids=[chat, chat], sampling_params=[free, regex], use_tqdm=False)
+        seq = list(chat)
+        for tok in outs[0].outputs[0].token_ids:
+            assert tok == int(np.argmax(llm.engine.prompt_logits(seq)[-1]))
+            seq.append(tok)
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", enc.decode(outs[1].outputs[0].token_ids).split("<|message|>", 1)[1])
+        assert outs[1].outputs[0].finish_reason == "stop"
+        assert llm.engine.stats().spec_decode_num_drafts > 0
