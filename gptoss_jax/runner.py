@@ -212,8 +212,8 @@ class ModelRunner:
         T = bucket(max(c.num_tokens for c in chunks), ec.prefill_token_buckets())
         width = self._width([c.start + c.num_tokens for c in chunks], self._prefill_widths)
         out = self._prefill(chunks, rows, row_of, T, width)
-        if self.drafter is not None:
-            self._write_history([c.seq for c in chunks if c.start + c.num_tokens == len(c.seq.token_ids)])
+        if self.drafter is not None:  # prompts now complete, or but for a last token that decode feeds
+            self._write_history([c.seq for c in chunks if c.start + c.num_tokens >= len(c.seq.token_ids) - 1])
         return out, row_of
 
     def decode(self, seqs: list[Sequence]) -> tuple[Sampled, list[int]]:
@@ -288,8 +288,8 @@ class ModelRunner:
         return self.st_decode if kind == "decode" else self.st
 
     def _write_history(self, seqs: list[Sequence]) -> None:
-        """The drafter history of sequences whose prompt is now complete: their last tokens (all the oracle's known
-        continuation), one fixed-shape call of `max_prefill_seqs` rows."""
+        """The drafter history of sequences whose prompt is (all but) computed: their last tokens (and the rest of the
+        oracle's known continuation), one fixed-shape call of `max_prefill_seqs` rows."""
         if not seqs:
             return
         spec, N = self.config.speculative_config, self.drafter.history_tokens
