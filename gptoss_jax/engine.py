@@ -340,8 +340,7 @@ class Engine:
         if in_flight is not None:  # read while `call` runs on the device
             outputs += self._collect(in_flight)
         if call is not None:
-            # Speculative decode calls produce a number of tokens per row known only when read: they run synchronously.
-            if self.config.async_scheduling and self.config.speculative_config is None:
+            if self.config.async_scheduling:
                 self._in_flight = call
             else:
                 outputs += self._collect(call)
@@ -425,10 +424,13 @@ class Engine:
         tokens the request took (a step after its end is not counted)."""
         T = self.config.speculative_config.num_speculative_tokens + 1
         valid = [k for k in range(sampled[0].shape[0]) if sampled[0][k, row] >= 0]
-        seq.num_computed = len(seq.token_ids) - 1 + len(valid)
+        seq.num_pending -= sampled[0].shape[0]  # launched counted the most the call could give
+        seq.spec_in_flight -= 1
+        # All but the last token have K/V, and a call in flight computes what it counted (as `launched` says).
+        seq.num_computed = min(len(seq.token_ids) + len(valid) - 1 + seq.num_pending, seq.max_len - 1)
         outputs = self._append_or_fail(seq, lambda: [_pick(sampled, (k, row)) for k in valid])
         if self._requests.get(seq.request_id) is seq:
-            self.scheduler.settle(seq, seq.num_computed)
+            self.scheduler.settle(seq)
         if runner_drafts(seq):
             out = outputs[0] if outputs else None
             taken = 0 if out is None or out.finish_reason == "error" else len(out.new_token_ids)
@@ -486,7 +488,7 @@ class Engine:
                 break
         self._generation_tokens += len(new)
         if reason is None and rollback is not None:
-            seq.num_computed, seq.num_pending = min(seq.num_computed, rollback), 0
+            seq.num_computed, seq.num_pending, seq.spec_in_flight = min(seq.num_computed, rollback), 0, 0
             seq.epoch += 1
         if reason is None:
             self.kv.register(seq.pages, seq.token_ids, seq.num_computed)  # pages its new tokens completed

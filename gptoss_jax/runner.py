@@ -149,7 +149,8 @@ class ModelRunner:
             mc.sliding_window,
             ec.page_size,
             ec.max_num_seqs,
-            max(ec.prefill_chunk_size, ec.decode_tokens_per_call()),
+            # with speculation, a call in flight and the next may each hold that many positions past the last known
+            max(ec.prefill_chunk_size, ec.decode_tokens_per_call() * (2 if ec.speculative_config else 1)),
             kv_bytes,
             full_tokens,
         )
@@ -254,9 +255,10 @@ class ModelRunner:
         batch = steps.DecodeBatch(tokens, self._put(positions), tables, self._sampling(seqs, rows, row_of))
         if self.drafter is None:
             return batch
-        drafting = np.zeros((rows,), bool)
+        drafting, resume = np.zeros((rows,), bool), np.zeros((rows,), bool)
         drafting[row_of] = [drafts(s) for s in seqs]
-        return steps.SpeculativeBatch(batch, self._put(drafting))
+        resume[row_of] = [s.spec_in_flight > 0 for s in seqs]
+        return steps.SpeculativeBatch(batch, self._put(drafting), self._put(resume))
 
     def _prefill(self, chunks: list[PrefillChunk], rows: int, row_of: list[int], T: int, width: int) -> Sampled:
         seqs = [c.seq for c in chunks]
@@ -269,7 +271,7 @@ class ModelRunner:
     def _decode(self, seqs: list[Sequence], rows: int, row_of: list[int], width: int) -> Sampled:
         slots = self._slots(seqs, rows, row_of)
         batch = self._decode_batch(seqs, rows, row_of, width, slots)
-        if self.drafter is not None:  # synchronous (the engine reads each call before the next): no last-token table
+        if self.drafter is not None:  # the step keeps each slot's next token and position in its `DraftState`
             program = self._program(("decode", rows, width), steps.decode_speculative, batch)
             out, self.cache, (self._sampler_state, self._draft_state) = program(*self._args("decode", batch))
             return out

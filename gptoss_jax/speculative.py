@@ -141,17 +141,22 @@ class DraftState:
     is complete (`steps.write_history`), the decode step each token it feeds or emits."""
 
     history_SN: jax.Array  # i32
+    # Where each slot's sequence stands after the last speculative call: its next input token and position (the host
+    # learns them only when it reads the call, so the next call, dispatched before, resumes from these).
+    next_token_S: jax.Array  # i32
+    next_pos_S: jax.Array  # i32
 
     @staticmethod
     def empty(num_slots: int, history_tokens: int) -> DraftState:
-        return DraftState(jnp.full((num_slots, history_tokens), -1, jnp.int32))
+        zeros = jnp.zeros(num_slots, jnp.int32)
+        return DraftState(jnp.full((num_slots, history_tokens), -1, jnp.int32), zeros, zeros - 1)
 
     def record(self, slots_B: jax.Array, tokens_BT: jax.Array, positions_BT: jax.Array) -> DraftState:
         """Tokens at positions (-1: nothing) into the rows' slots."""
         S, N = self.history_SN.shape
         s = jnp.where(positions_BT >= 0, slots_B[:, None], S)  # out of range: dropped
         hist = self.history_SN.at[s, jnp.maximum(positions_BT, 0) % N].set(tokens_BT, mode="drop")
-        return DraftState(hist)
+        return self.replace(history_SN=hist)
 
 
 @struct.dataclass

@@ -135,10 +135,13 @@ def decode(
 @struct.dataclass
 class SpeculativeBatch:
     """A decode batch with speculation: `drafting_B` marks the rows that draft (the others, e.g. rows with logits
-    processors or structured outputs, take one token per step as without speculation)."""
+    processors or structured outputs, take one token per step as without speculation); `resume_B` the rows whose
+    last call was speculative and still in flight when this one was built: their input token and position are the
+    `DraftState`'s (the decode batch's are the host's guess)."""
 
     decode: DecodeBatch
     drafting_B: jax.Array  # bool
+    resume_B: jax.Array  # bool
 
 
 @functools.partial(jax.jit, static_argnames=("st",), donate_argnames=("cache", "state"))
@@ -195,8 +198,15 @@ def decode_speculative(
         return (cache, sstate, dstate, next_B, next_pos), Sampled(out_BT, *lp)
 
     sstate, dstate = state
-    carry = (cache, sstate, dstate, d.tokens_B, d.positions_B)
-    (cache, sstate, dstate, _, _), outs = jax.lax.scan(one, carry, jnp.arange(st.num_steps))
+    tok_B = jnp.where(batch.resume_B, dstate.next_token_S[slots_B], d.tokens_B)
+    pos_B = jnp.where(batch.resume_B, dstate.next_pos_S[slots_B], d.positions_B)
+    carry = (cache, sstate, dstate, tok_B, pos_B)
+    (cache, sstate, dstate, tok_B, pos_B), outs = jax.lax.scan(one, carry, jnp.arange(st.num_steps))
+    real = jnp.where(d.positions_B >= 0, slots_B, dstate.next_pos_S.shape[0])  # padding rows: dropped
+    dstate = dstate.replace(
+        next_token_S=dstate.next_token_S.at[real].set(tok_B, mode="drop"),
+        next_pos_S=dstate.next_pos_S.at[real].set(pos_B, mode="drop"),
+    )
     # [steps, B, T, ...] -> [steps * T, B, ...]: token i of step s at index s * T + i, as the host reads them
     outs = jax.tree.map(lambda a: jnp.swapaxes(a, 1, 2).reshape(-1, a.shape[1], *a.shape[3:]), outs)
     return outs, cache, (sstate, dstate)
@@ -207,7 +217,7 @@ def write_history(state: speculative.DraftState, slots_B: jax.Array, rows_BN: ja
     """Replace the drafter history of the rows' slots (padding rows point at a spare slot): a sequence's tokens, and
     the oracle's known continuation, when its prompt is complete."""
     TRACES["write_history"] += 1
-    return speculative.DraftState(state.history_SN.at[slots_B].set(rows_BN))
+    return state.replace(history_SN=state.history_SN.at[slots_B].set(rows_BN))
 
 
 @functools.partial(jax.jit, donate_argnames=("table_S",))

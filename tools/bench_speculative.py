@@ -64,7 +64,7 @@ def drafter_times(cfg, k: int, batch: int, context: int) -> list[dict]:
     for spec in specs:
         drafter = speculative.make_drafter(spec, cfg.vocab_size, context + k + 2)
         hist = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch + 1, drafter.history_tokens), np.int32)
-        state = speculative.DraftState(jax.device_put(hist))
+        state = speculative.DraftState(jax.device_put(hist), *jax.device_put(np.zeros((2, batch + 1), np.int32)))
         inp = speculative.DraftInputs(
             jax.device_put(hist[:batch, 0]),
             jax.device_put(np.full(batch, context, np.int32)),

@@ -307,9 +307,10 @@ def speculative_step(
     proc[:, 3] = np.arange(batch)  # each row its own slot of the drafter's history
     decode = decode.replace(sampling=decode.sampling.replace(proc_B4=put(proc)))
     history = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch + 1, drafter.history_tokens), np.int32)
-    state = (_sampler_state(put, cfg, batch), speculative.DraftState(put(history)))
+    draft = speculative.DraftState(put(history), put(np.zeros(batch + 1, np.int32)), put(np.zeros(batch + 1, np.int32)))
+    state = (_sampler_state(put, cfg, batch), draft)
     st = steps.StepConfig(cfg, resolved(kernels), None, num_top=NUM_TOP, num_steps=num_steps, drafter=drafter)
-    batch_ = steps.SpeculativeBatch(decode, put(np.ones(batch, bool)))
+    batch_ = steps.SpeculativeBatch(decode, put(np.ones(batch, bool)), put(np.zeros(batch, bool)))
     return Step(steps.decode_speculative, (params, draft_params), cache, batch_, st, pages, state)
 
 
