@@ -394,7 +394,7 @@ class ModelRunner:
             if key[0] == "decode":
                 steps.load_tokens(self._last_tokens, slots, self._put(np.zeros(key[1], np.int32)))
             if key[0] == "decode" and self.drafter is not None:
-                continue  # speculative decode calls do not use the last-token table
+                continue  # speculative decode calls do not write the last-token table (their `DraftState` has it)
             sampled = jax.device_put(np.zeros(tokens.shape, tokens.dtype), placed)  # `Sampled.tokens`
             self._last_tokens = steps.store_tokens(self._last_tokens, slots, sampled)
         jax.block_until_ready(self._last_tokens)
