@@ -305,7 +305,11 @@ def speculative_step(
     cache, tables, pages = _paged_state(cfg, batch, context, T, params.embed.dtype, put)
     tokens_B = np.random.default_rng(batch).choice(cfg.vocab_size, batch, replace=False).astype(np.int32)
     decode = steps.DecodeBatch(
-        put(tokens_B), put(np.full(batch, context, np.int32)), tables, _sampling(put, batch, cfg.vocab_size)
+        put(tokens_B),
+        put(np.full(batch, context, np.int32)),
+        tables,
+        _sampling(put, batch, cfg.vocab_size),
+        put(np.full((batch, num_steps), -1, np.int32)),
     )
     proc = np.zeros((batch, 4), np.int32)
     proc[:, 3] = np.arange(batch)  # each row its own slot of the drafter's history
