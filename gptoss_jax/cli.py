@@ -22,6 +22,7 @@ ENGINE_FLAGS = {
     "data_parallel_size": "replicas",
     "enable_prefix_caching": "enable_prefix_caching",
     "kv_cache_dtype": "kv_cache_dtype",
+    "speculative_config": "speculative_config",
 }
 
 
@@ -91,6 +92,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=sorted(KV_CACHE_DTYPES),
         help="KV cache: 'auto' (the model's dtype) or 'fp8' (e4m3 with a scale per token and KV head: half the "
         "bytes, about twice the pages) (kv_cache_dtype)",
+    )
+    g.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 3, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (docs/engine.md; speculative_config)',
     )
     g.add_argument("--seed", type=int, help="seed of the engine's generator for requests without a seed (default: 0)")
     g.add_argument(

@@ -33,6 +33,7 @@ from gptoss_jax.config import ModelConfig
 from gptoss_jax.engine_config import EngineConfig
 from gptoss_jax.program_store import ProgramStore
 from gptoss_jax.runner import ModelRunner
+from gptoss_jax.runner import drafts as runner_drafts
 from gptoss_jax.sampling import (
     EOS_TOKEN_IDS,
     MAX_BAD_WORD_TOKENS,
@@ -73,6 +74,12 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     num_compiles: int  # process-wide compiled step programs
+    # Speculative decoding (vLLM's spec_decode counters): verify steps of drafting rows, draft tokens they checked,
+    # drafts accepted, and accepted drafts by position (index i: the (i + 1)-th draft of a step).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -173,6 +180,9 @@ class Engine:
         self._aborted: list[StepOutput] = []
         self._rng = np.random.default_rng(seed)
         self._prompt_tokens = self._generation_tokens = 0
+        spec = ec.speculative_config
+        self._spec_counts = [0, 0, 0]  # drafts, draft tokens, accepted tokens
+        self._spec_per_pos = [0] * (spec.num_speculative_tokens if spec is not None else 0)
         if ec.warmup:
             self.warmup()
 
@@ -234,6 +244,7 @@ class Engine:
         seed = sp.seed if sp.seed is not None else int(self._rng.integers(2**31))
         key = ((seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF)
         seq = Sequence(request_id, ids, len(ids), sp, key, min(len(ids) + sp.max_tokens, self.max_model_len))
+        seq.feeds_forced = self.config.speculative_config is None
         seq.constraint = self._constraint(request_id, sp, ids, seq.max_len)
         seq.bad_words_ids = self.bad_words_ids(sp.bad_words)
         self._requests[request_id] = seq
@@ -310,6 +321,8 @@ class Engine:
             self._prompt_tokens,
             self._generation_tokens,
             sum(steps.TRACES.values()),
+            *self._spec_counts,
+            list(self._spec_per_pos),
         )
 
     # ---- the step --------------------------------------------------------------------------------
@@ -397,9 +410,44 @@ class Engine:
                 return outputs + self._fail([s for s, *_ in call.decodes], e)
             K = sampled[0].shape[0]
             for seq, row, epoch, fed in call.decodes:
-                if seq.epoch == epoch and fed < K:  # (all steps fed: the call computed forced tokens only)
+                if seq.epoch != epoch:
+                    continue
+                if self.config.speculative_config is not None:
+                    outputs += self._collect_speculative(seq, row, sampled)
+                    continue
+                if fed < K:  # (all steps fed: the call computed forced tokens only)
                     seq.num_pending -= K - fed
                     outputs += self._append_or_fail(seq, lambda: [_pick(sampled, (k, row)) for k in range(fed, K)])
+        return outputs
+
+    def _collect_speculative(self, seq: Sequence, row: int, sampled: tuple[np.ndarray, ...]) -> list[StepOutput]:
+        """One row of a speculative decode call: its valid tokens (-1 pads each step's `k + 1` slots), the positions
+        the call computed (all but the last token: `num_computed`), and the acceptance counters of the steps whose
+        tokens the request took (a step after its end is not counted)."""
+        T = self.config.speculative_config.num_speculative_tokens + 1
+        valid = [k for k in range(sampled[0].shape[0]) if sampled[0][k, row] >= 0]
+        seq.num_pending -= sampled[0].shape[0]  # launched counted the most the call could give
+        seq.spec_in_flight -= 1
+        # All but the last token have K/V, and a call in flight computes what it counted (as `launched` says).
+        seq.num_computed = min(len(seq.token_ids) + len(valid) - 1 + seq.num_pending, seq.max_len - 1)
+        outputs = self._append_or_fail(seq, lambda: [_pick(sampled, (k, row)) for k in valid])
+        if self._requests.get(seq.request_id) is seq:
+            self.scheduler.settle(seq)
+        if runner_drafts(seq):
+            out = outputs[0] if outputs else None
+            taken = 0 if out is None or out.finish_reason == "error" else len(out.new_token_ids)
+            taken += out is not None and isinstance(out.stop_reason, int) and out.finish_reason == "stop"
+            before = 0
+            for s in range(sampled[0].shape[0] // T):
+                n = int(np.sum(sampled[0][s * T : (s + 1) * T, row] >= 0))
+                if n == 0 or before >= taken:
+                    break
+                before += n
+                self._spec_counts[0] += 1
+                self._spec_counts[1] += T - 1
+                self._spec_counts[2] += n - 1
+                for i in range(n - 1):
+                    self._spec_per_pos[i] += 1
         return outputs
 
     def _append_or_fail(self, seq: Sequence, picks: Callable[[], list]) -> list[StepOutput]:
@@ -444,7 +492,7 @@ class Engine:
                 break
         self._generation_tokens += len(new)
         if reason is None and rollback is not None:
-            seq.num_computed, seq.num_pending = min(seq.num_computed, rollback), 0
+            seq.num_computed, seq.num_pending, seq.spec_in_flight = min(seq.num_computed, rollback), 0, 0
             seq.epoch += 1
         if reason is None:
             self.kv.register(seq.pages, seq.token_ids, seq.num_computed)  # pages its new tokens completed

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from gptoss_jax.config import PRESETS_DIR, ConfigError
+from gptoss_jax.speculative import SpeculativeConfig
 from pallas_kernels import KernelConfig, kv_quant
 
 
@@ -53,8 +54,12 @@ class EngineConfig:
     expert_dispatch: str = "all_gather"
     # Which kernels run and their launch settings (`pallas_kernels.choice.KernelConfig`; YAML: a `kernels:` mapping).
     kernels: KernelConfig = KernelConfig()
+    # Speculative decoding (`speculative.SpeculativeConfig`, vLLM's `speculative_config`: a mapping or JSON string
+    # such as {"method": "ngram", "num_speculative_tokens": 3}); None: off. docs/engine.md.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if isinstance(self.kernels, dict):
             try:
                 object.__setattr__(self, "kernels", KernelConfig.from_dict(self.kernels, "EngineConfig.kernels"))
@@ -111,9 +116,20 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.parallel_mode={self.parallel_mode!r}: 'low_latency' or 'max_throughput'")
         if self.expert_dispatch not in ("all_gather", "all_to_all"):
             raise ConfigError(f"EngineConfig.expert_dispatch={self.expert_dispatch!r}: 'all_gather' or 'all_to_all'")
+        if self.speculative_config is not None and self.model_parallel * self.replicas > 1:
+            raise ConfigError(
+                "EngineConfig.speculative_config: speculative decoding runs on one device for now "
+                f"(model_parallel={self.model_parallel}, replicas={self.replicas})"
+            )
         for name in ("enable_prefix_caching", "warmup", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"EngineConfig.{name}={getattr(self, name)!r}: must be true or false")
+
+    def decode_tokens_per_call(self) -> int:
+        """The most positions one decode call computes per sequence: one per step, or with speculation the last token
+        and the drafts of each step."""
+        spec = self.speculative_config
+        return self.decode_steps_per_call * (1 + (spec.num_speculative_tokens if spec is not None else 0))
 
     # ---- buckets -------------------------------------------------------------------------------
     def decode_buckets(self) -> tuple[int, ...]:

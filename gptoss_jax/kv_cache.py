@@ -298,5 +298,5 @@ def activation_bytes(mc, ec, itemsize: int) -> int:
     qkv = (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim
     per_token = 4 * (6 * h + qkv + mc.experts_per_token * (3 * i + h))
     experts = mc.num_experts * 3 * h * i * max(itemsize, 2)
-    logits = ec.max_num_seqs * ec.decode_steps_per_call * mc.vocab_size * 4 * 2
+    logits = ec.max_num_seqs * ec.decode_tokens_per_call() * mc.vocab_size * 4 * 2
     return 2 * (ec.max_num_batched_tokens * per_token + experts + logits)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import math
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from gptoss_jax import kv_cache, model, runtime, sampling, steps, structured
+from gptoss_jax import kv_cache, model, runtime, sampling, speculative, steps, structured
 from gptoss_jax.config import ModelConfig
 from gptoss_jax.engine_config import EngineConfig, bucket
 from gptoss_jax.program_store import ProgramStore
@@ -57,9 +58,14 @@ class ModelRunner:
         self.num_ranks = layout.num_ranks if layout is not None else 1
         self.dtype = params.embed.dtype
         self.kv_dtype = kv_quant.DTYPES[ec.kv_cache_dtype] or self.dtype  # the pools' (FP8: with scales)
+        spec = ec.speculative_config
+        cap = ec.max_model_len or mc.max_position_embeddings
+        self.drafter = None if spec is None else speculative.make_drafter(spec, mc.vocab_size, cap)
         self.st = steps.StepConfig(
             mc, kernels, layout, num_top=max(1, ec.max_logprobs), num_steps=ec.decode_steps_per_call
         )
+        # Decode's settings: with speculation, the drafter too (prefill's programs stay those without it).
+        self.st_decode = dataclasses.replace(self.st, drafter=self.drafter)
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         # The logits processors' per-slot state (committed, as the cache below), allocated before the KV cache is
         # sized so that its memory is counted as in use (uint16 counts: 2 bytes x vocabulary per sequence slot).
@@ -67,6 +73,17 @@ class ModelRunner:
             functools.partial(SamplerState.zeros, ec.max_num_seqs + 1, mc.vocab_size),
             out_shardings=one if layout is None else layout.named(P()),
         )()
+        # The drafter's per-slot history (`speculative.DraftState`), with speculation only.
+        self._draft_state = None
+        if self.drafter is not None:
+            self._draft_state = jax.jit(
+                functools.partial(speculative.DraftState.empty, ec.max_num_seqs + 1, self.drafter.history_tokens),
+                out_shardings=one,
+            )()
+        # The drafter's device arrays (a drafter model's weights; the oracle's acceptance length), else None.
+        self.draft_params = None
+        if hasattr(self.drafter, "params"):
+            self.draft_params = jax.device_put(self.drafter.params(spec), one)
         self.num_pages_full, self.num_pages_sliding = self._pool_sizes()
         capacity = (self.num_pages_full - 1) * ec.page_size
         if ec.max_model_len and ec.max_model_len > capacity:
@@ -132,7 +149,8 @@ class ModelRunner:
             mc.sliding_window,
             ec.page_size,
             ec.max_num_seqs,
-            max(ec.prefill_chunk_size, ec.decode_steps_per_call),
+            # with speculation, a call in flight and the next may each hold that many positions past the last known
+            max(ec.prefill_chunk_size, ec.decode_tokens_per_call() * (2 if ec.speculative_config else 1)),
             kv_bytes,
             full_tokens,
         )
@@ -177,7 +195,9 @@ class ModelRunner:
     def close(self, params: bool = False) -> None:
         """Free the KV cache's device memory now, and the parameters' with `params` (a new engine in the same
         process sizes its cache from the device's memory, so it must not wait for garbage collection)."""
-        bufs = (self.cache, self._last_tokens, self._sampler_state) + ((self.params,) if params else ())
+        bufs = (self.cache, self._last_tokens, self._sampler_state, self._draft_state) + (
+            (self.params,) if params else ()
+        )
         for buf in jax.tree.leaves(bufs):
             if not buf.is_deleted():
                 buf.delete()
@@ -192,11 +212,14 @@ class ModelRunner:
         rows, row_of = self._rows([c.seq for c in chunks], ec.prefill_row_buckets())
         T = bucket(max(c.num_tokens for c in chunks), ec.prefill_token_buckets())
         width = self._width([c.start + c.num_tokens for c in chunks], self._prefill_widths)
-        return self._prefill(chunks, rows, row_of, T, width), row_of
+        out = self._prefill(chunks, rows, row_of, T, width)
+        if self.drafter is not None:  # prompts now complete, or but for a last token that decode feeds
+            self._write_history([c.seq for c in chunks if c.start + c.num_tokens >= len(c.seq.token_ids) - 1])
+        return out, row_of
 
     def decode(self, seqs: list[Sequence]) -> tuple[Sampled, list[int]]:
         """Dispatch one (multi-step) decode call for `seqs` -> (its sampled tokens `[steps, rows]`, each row)."""
-        K = self.config.decode_steps_per_call
+        K = self.config.decode_tokens_per_call()
         rows, row_of = self._rows(seqs, self.config.decode_buckets())
         width = self._width([s.decode_span(K)[0] + K for s in seqs])
         return self._decode(seqs, rows, row_of, width), row_of
@@ -225,7 +248,7 @@ class ModelRunner:
     def _decode_batch(self, seqs: list[Sequence], rows: int, row_of: list[int], width: int, slots: jax.Array):
         K = self.config.decode_steps_per_call
         positions = np.full((rows,), -1, np.int32)
-        positions[row_of] = [s.decode_span(K)[0] for s in seqs]
+        positions[row_of] = [s.decode_span(1)[0] for s in seqs]
         host = np.zeros((rows,), np.int32)  # -1: the input token is still on the device
         fed = np.full((rows, K), -1, np.int32)  # later steps' inputs from the host (-1: the step before's sample)
         for i, s in zip(row_of, seqs):
@@ -234,9 +257,15 @@ class ModelRunner:
             fed[i, 1:n] = s.token_ids[s.num_computed + 1 : s.num_computed + min(n, K)]
         tokens = steps.load_tokens(self._last_tokens, slots, self._put(host))
         tables = self._tables(seqs, rows, width, row_of)
-        return steps.DecodeBatch(
+        batch = steps.DecodeBatch(
             tokens, self._put(positions), tables, self._sampling(seqs, rows, row_of), self._put(fed)
         )
+        if self.drafter is None:
+            return batch
+        drafting, resume = np.zeros((rows,), bool), np.zeros((rows,), bool)
+        drafting[row_of] = [drafts(s) for s in seqs]
+        resume[row_of] = [s.spec_in_flight > 0 for s in seqs]
+        return steps.SpeculativeBatch(batch, self._put(drafting), self._put(resume))
 
     def _prefill(self, chunks: list[PrefillChunk], rows: int, row_of: list[int], T: int, width: int) -> Sampled:
         seqs = [c.seq for c in chunks]
@@ -249,21 +278,49 @@ class ModelRunner:
     def _decode(self, seqs: list[Sequence], rows: int, row_of: list[int], width: int) -> Sampled:
         slots = self._slots(seqs, rows, row_of)
         batch = self._decode_batch(seqs, rows, row_of, width, slots)
+        if self.drafter is not None:  # the step keeps each slot's next token and position in its `DraftState`
+            program = self._program(("decode", rows, width), steps.decode_speculative, batch)
+            out, self.cache, (self._sampler_state, self._draft_state) = program(*self._args("decode", batch))
+            return out
         program = self._program(("decode", rows, width), steps.decode, batch)
         out, self.cache, self._sampler_state = program(self.params, self.cache, self._sampler_state, batch)
         self._last_tokens = steps.store_tokens(self._last_tokens, slots, out.tokens)
         return out
+
+    def _args(self, kind: str, batch) -> tuple:
+        """A step's arguments: with speculation, decode takes the drafter's weights and state beside the target's."""
+        if kind == "decode" and self.drafter is not None:
+            return (self.params, self.draft_params), self.cache, (self._sampler_state, self._draft_state), batch
+        return self.params, self.cache, self._sampler_state, batch
+
+    def _st(self, kind: str) -> steps.StepConfig:
+        return self.st_decode if kind == "decode" else self.st
+
+    def _write_history(self, seqs: list[Sequence]) -> None:
+        """The drafter history of sequences whose prompt is (all but) computed: their last tokens (and the rest of the
+        oracle's known continuation), one fixed-shape call of `max_prefill_seqs` rows."""
+        if not seqs:
+            return
+        spec, N = self.config.speculative_config, self.drafter.history_tokens
+        rows = np.full((self.config.max_prefill_seqs, N), -1, np.int32)
+        slots = np.full((self.config.max_prefill_seqs,), self._spare_slot, np.int32)
+        for i, s in enumerate(seqs):
+            ids = spec.reference(s.token_ids) if spec.method == "oracle" else s.token_ids
+            start = max(0, len(ids) - N)
+            rows[i, np.arange(start, len(ids)) % N] = ids[start:]
+            slots[i] = s.slot
+        self._draft_state = steps.write_history(self._draft_state, self._put(slots), self._put(rows))
 
     def _program(self, key: tuple, step, batch):
         """The compiled `step` for a bucket: from warm-up, else from the program store, else compiled now (and kept,
         in memory and in the store)."""
         program = self._programs.get(key)
         if program is None:
-            args = (self.params, self.cache, self._sampler_state, batch)
-            stored = self.store.key(key[0], self.st, args)
+            args = self._args(key[0], batch)
+            stored = self.store.key(key[0], self._st(key[0]), args)
             program = self.store.load(stored, self._devices)
             if program is None:
-                program = self.store.compile(step.lower(*args, st=self.st), stored)
+                program = self.store.compile(step.lower(*args, st=self._st(key[0])), stored)
             self._programs[key] = program
         return program
 
@@ -287,7 +344,7 @@ class ModelRunner:
         all-padding batch through the same dispatch code as serving, so that no kernel loads at a first request.
         Reports `on_progress(stage, done, total, detail)` as programs are loaded, traced, compiled and run (stages
         "loading programs", "tracing", "compiling", "first run")."""
-        report = on_progress or (lambda *a: None)
+        report, ec = on_progress or (lambda *a: None), self.config
         todo = [k for k in self.buckets() if k not in self._programs]
         t0, n = time.perf_counter(), len(todo)
         lock, done = threading.Lock(), collections.Counter()
@@ -300,8 +357,7 @@ class ModelRunner:
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             work = {key: self._padding(key) for key in todo}
             stored = {
-                key: self.store.key(key[0], self.st, (self.params, self.cache, self._sampler_state, b))
-                for key, (_, b) in work.items()
+                key: self.store.key(key[0], self._st(key[0]), self._args(key[0], b)) for key, (_, b) in work.items()
             }
             loads = {key: pool.submit(self.store.load, stored[key], self._devices) for key in todo}
             compiles = {}
@@ -312,12 +368,18 @@ class ModelRunner:
                     finished("loading programs", key, None)
                     continue
                 step, batch = work[key]
-                lowered = step.lower(self.params, self.cache, self._sampler_state, batch, st=self.st)
+                lowered = step.lower(*self._args(key[0], batch), st=self._st(key[0]))
                 report("tracing", i, n, self._label(key))
                 compiles[key] = pool.submit(self.store.compile, lowered, stored[key])
                 compiles[key].add_done_callback(functools.partial(finished, "compiling", key))
             for key, future in compiles.items():
                 self._programs[key] = future.result()
+        if self.drafter is not None:
+            self._draft_state = steps.write_history(
+                self._draft_state,
+                self._put(np.full(ec.max_prefill_seqs, self._spare_slot, np.int32)),
+                self._put(np.full((ec.max_prefill_seqs, self.drafter.history_tokens), -1, np.int32)),
+            )
         if self.kernels.device.platform != "gpu":
             return self._warm_helpers()  # nothing compiles at a first run here, where each costs real time
         for i, key in enumerate(self.buckets(), 1):
@@ -338,6 +400,8 @@ class ModelRunner:
             slots = self._slots([], key[1], [])
             if key[0] == "decode":
                 steps.load_tokens(self._last_tokens, slots, self._put(np.zeros(key[1], np.int32)))
+            if key[0] == "decode" and self.drafter is not None:
+                continue  # speculative decode calls do not write the last-token table (their `DraftState` has it)
             sampled = jax.device_put(np.zeros(tokens.shape, tokens.dtype), placed)  # `Sampled.tokens`
             self._last_tokens = steps.store_tokens(self._last_tokens, slots, sampled)
         jax.block_until_ready(self._last_tokens)
@@ -351,7 +415,8 @@ class ModelRunner:
         """The step of a bucket and an all-padding batch of its shape."""
         kind, rows, size = key[:3]
         if kind == "decode":
-            return steps.decode, self._decode_batch([], rows, [], size, self._slots([], rows, []))
+            step = steps.decode if self.drafter is None else steps.decode_speculative
+            return step, self._decode_batch([], rows, [], size, self._slots([], rows, []))
         return steps.prefill, self._prefill_batch([], rows, [], size, key[3])
 
     def run(self, step_fn, *args) -> Any:
@@ -479,6 +544,13 @@ class ModelRunner:
         for i, s in zip(row_of, seqs):
             slots[i] = s.slot
         return self._put(slots)
+
+
+def drafts(seq: Sequence) -> bool:
+    """Whether a sequence drafts under speculative decoding: not with structured outputs (the grammar's mask holds
+    for one token per call) nor with logits processors (penalties, bad words, min_tokens, logit bias, allowed tokens:
+    their per-slot state advances one token at a time); those rows take one token per step."""
+    return seq.constraint is None and not seq.params.uses_processors
 
 
 def _flags(p) -> int:

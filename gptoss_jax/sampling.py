@@ -506,6 +506,21 @@ def _filtered_draw(logits, max_B, greedy, keys_B, temperature_B, top_k_B, top_p_
     """The filtered draw of the rows with temperature > 0. The scaled logits and the weights are
     recomputed where they are read (the block-sum reduction, the chosen block, the drawn token) rather
     than stored: each `[B, V]` array written would cost a pass of its own."""
+    temp_B, top0, threshold = _threshold(logits, max_B, temperature_B, top_k_B, top_p_B, min_p_B, branchless)
+
+    def weight(logits_BX):  # unnormalised probabilities of the tokens the filters keep, 0 elsewhere
+        scaled = logits_BX / temp_B[:, None]
+        return jnp.where(scaled >= threshold[:, None], jnp.exp(scaled - top0[:, None]), 0.0)
+
+    drawn = _inverse_cdf(logits, weight, jax.vmap(lambda key: jax.random.uniform(key))(keys_B))
+    kept = weight(jnp.take_along_axis(logits, drawn[:, None], axis=-1))[:, 0] > 0
+    drawn = jnp.where(kept, drawn, greedy)  # u landed on a zero-width edge
+    return jnp.where(temperature_B > 0, drawn, greedy).astype(jnp.int32)
+
+
+def _threshold(logits, max_B, temperature_B, top_k_B, top_p_B, min_p_B, branchless=False):
+    """(clamped temperature, top scaled logit, threshold): the filters keep the tokens whose scaled logit is at
+    least the threshold."""
     B, V = logits.shape
     temp_B = jnp.maximum(temperature_B, 1e-6)
     top0 = max_B / temp_B
@@ -517,16 +532,17 @@ def _filtered_draw(logits, max_B, greedy, keys_B, temperature_B, top_k_B, top_p_
         branchless,
     )
     t_min_p = jnp.where(min_p_B > 0, top0 + jnp.log(jnp.maximum(min_p_B, 1e-30)), -jnp.inf)
-    threshold = jnp.minimum(jnp.maximum(t, t_min_p), top0)  # the most likely token always survives
+    return temp_B, top0, jnp.minimum(jnp.maximum(t, t_min_p), top0)  # the most likely token always survives
 
-    def weight(logits_BX):  # unnormalised probabilities of the tokens the filters keep, 0 elsewhere
-        scaled = logits_BX / temp_B[:, None]
-        return jnp.where(scaled >= threshold[:, None], jnp.exp(scaled - top0[:, None]), 0.0)
 
-    drawn = _inverse_cdf(logits, weight, jax.vmap(lambda key: jax.random.uniform(key))(keys_B))
-    kept = weight(jnp.take_along_axis(logits, drawn[:, None], axis=-1))[:, 0] > 0
-    drawn = jnp.where(kept, drawn, greedy)  # u landed on a zero-width edge
-    return jnp.where(temperature_B > 0, drawn, greedy).astype(jnp.int32)
+def filtered_probs(logits_BV, temperature_B, top_k_B, top_p_B, min_p_B) -> jax.Array:
+    """The distribution `sample` draws from at temperature > 0, `[B, V]` (f32): softmax of the tempered logits over
+    the tokens top-k, top-p and min-p keep (speculative decoding tests drafts against it)."""
+    logits = logits_BV.astype(jnp.float32)
+    temp_B, top0, threshold = _threshold(logits, jnp.max(logits, axis=-1), temperature_B, top_k_B, top_p_B, min_p_B)
+    scaled = logits / temp_B[:, None]
+    w = jnp.where(scaled >= threshold[:, None], jnp.exp(scaled - top0[:, None]), 0.0)
+    return w / jnp.sum(w, axis=-1, keepdims=True)
 
 
 def _rank_threshold(scaled, top_k_B, top_p_B, branchless=False):

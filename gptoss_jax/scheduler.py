@@ -10,7 +10,10 @@ front of the queue to be recomputed later (its tokens and seeds are kept, so its
 A step is scheduled before the previous step's tokens reach the host (async scheduling): `launched`
 marks what a dispatched call will compute and sample (`num_pending` tokens still on device), so the
 next decode of a sequence feeds its pending last token from the device. Work for a sequence that
-turns out to have finished, or was preempted, is dropped when its results arrive (`epoch`).
+turns out to have finished, or was preempted, is dropped when its results arrive (`epoch`). With speculative
+decoding a decode call computes a number of positions known only when it is read: `launched` counts the most it
+can (pages are reserved for that), the device keeps each sequence's next position and token, and the engine
+corrects the counts when it reads the call (`settle`).
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ class Sequence:
     max_len: int  # total tokens at which the request ends with "length"
     pages: SequencePages = dataclasses.field(default_factory=SequencePages)
     num_computed: int = 0  # positions whose K/V a dispatched call writes
-    num_pending: int = 0  # tokens sampled by dispatched calls, not yet in token_ids
+    num_pending: int = 0  # tokens sampled by dispatched calls, not yet in token_ids (with speculation: at most)
+    spec_in_flight: int = 0  # speculative decode calls in flight: its next position and token are the device's
     slot: int = -1  # its entry in the engine's on-device last-token table
     epoch: int = 0  # bumped when it leaves the running batch: in-flight work is void
     full_cached: int = 0  # positions below come from prefix-cached full-layer pages
@@ -45,6 +49,7 @@ class Sequence:
     text_bytes: bytearray = dataclasses.field(default_factory=bytearray)  # for stop strings
     constraint: Any = None  # `structured.Constraint` of a structured-output request
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # `params.bad_words` tokenized (the engine does it)
+    feeds_forced: bool = True  # forced tokens go to its decode calls (not under speculation: its step takes none)
 
     @property
     def num_uncomputed(self) -> int:
@@ -61,7 +66,8 @@ class Sequence:
         """Decode inputs the host gives its next call: 1, or, after tokens forced onto a generated sequence (a
         structured output's), those tokens one per step, so that they need no prefill call."""
         u = self.num_uncomputed
-        return u if u > 1 and not self.num_pending and self.num_computed >= self.num_prompt_tokens - 1 else 1
+        after_prompt = self.num_computed >= self.num_prompt_tokens - 1
+        return u if u > 1 and self.feeds_forced and not self.num_pending and after_prompt else 1
 
     @property
     def num_output_tokens(self) -> int:
@@ -111,7 +117,7 @@ class Scheduler:
     def _leave(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._free_slots.append(seq.slot)
-        seq.slot, seq.num_pending = -1, 0
+        seq.slot, seq.num_pending, seq.spec_in_flight = -1, 0, 0
         seq.epoch += 1
 
     def schedule(self) -> SchedulerOutput:
@@ -122,7 +128,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq not in self.running:
                 continue
-            first, end = seq.decode_span(cfg.decode_steps_per_call)
+            first, end = seq.decode_span(cfg.decode_tokens_per_call())
             if seq.num_pending and end <= first:  # its last tokens are in flight: it ends by length
                 scheduled.add(id(seq))  # when they land, so no reservation may preempt it
                 continue
@@ -212,20 +218,32 @@ class Scheduler:
         """`work` is on the device: its K/V positions count as computed and its sampled tokens as
         pending. Sliding pages the window left behind go back to the pool only now, after the call that
         may still read them was enqueued (later calls run after it)."""
-        K = self.config.decode_steps_per_call
+        K = self.config.decode_tokens_per_call()
         for seq in work.decodes:
             _, end = seq.decode_span(K)
-            seq.num_pending += max(0, K + 1 - seq.fed_tokens)  # the steps after its last fed token sample
-            self._advance(seq, end)
+            if self.config.speculative_config is None:
+                seq.num_pending += max(0, K + 1 - seq.fed_tokens)  # the steps after its last fed token sample
+                self._advance(seq, end)
+            else:  # at most K tokens: sliding pages stay for the least progress, the last token known now
+                seq.num_pending += K
+                seq.spec_in_flight += 1
+                self._advance(seq, end, len(seq.token_ids) - 1)
         for c in work.prefills:
             if c.start + c.num_tokens == len(c.seq.token_ids):
                 c.seq.num_pending += 1
             self._advance(c.seq, c.start + c.num_tokens)
 
-    def _advance(self, seq: Sequence, num_computed: int) -> None:
+    def settle(self, seq: Sequence) -> None:
+        """With speculative decoding, after the engine read a decode call of `seq` and set `num_computed` from its
+        true token count: release the sliding pages no call from its last known token on can see."""
+        self._advance(seq, seq.num_computed, len(seq.token_ids) - 1)
+
+    def _advance(self, seq: Sequence, num_computed: int, next_query: int | None = None) -> None:
+        """`num_computed` positions are (or will be, by calls in flight) computed; the sliding pages before the
+        window of `next_query` (default `num_computed`), the least position a later query can have, go back."""
         seq.num_computed = num_computed
         # A structured-output sequence may drop up to two calls' tokens (its reasoning cut, an answer token the grammar
         # rejects: the engine rolls `num_computed` back): its sliding pages stay that much longer.
         margin = 2 * self.config.decode_steps_per_call if seq.constraint is not None else 0
-        self.kv.slide(seq.pages, num_computed - margin)
+        self.kv.slide(seq.pages, (num_computed if next_query is None else next_query) - margin)
         self.kv.register(seq.pages, seq.token_ids, num_computed)

@@ -19,7 +19,7 @@ from flax import struct
 from jax import monitoring
 from jax._src import dispatch  # the name of XLA's compile event
 
-from gptoss_jax import model, sampling
+from gptoss_jax import model, sampling, speculative
 from gptoss_jax.config import ModelConfig
 from gptoss_jax.sampling import Sampled, SamplerState, SamplingBatch, SamplingLists
 from pallas_kernels import KernelConfig
@@ -56,6 +56,7 @@ class StepConfig:
     layout: object = None  # `sharding.rules.Layout`, or None on one device
     num_top: int = 1  # log-probability alternatives sampled along
     num_steps: int = 1  # decode tokens per call, fed back on device
+    drafter: object = None  # with speculative decoding: the drafter (`speculative.make_drafter`), else None
 
 
 @struct.dataclass
@@ -140,6 +141,94 @@ def decode(
     carry = (cache, state, batch.tokens_B, batch.positions_B)
     (cache, state, _, _), outs = jax.lax.scan(one, carry, jnp.arange(st.num_steps))
     return outs, cache, state
+
+
+@struct.dataclass
+class SpeculativeBatch:
+    """A decode batch with speculation: `drafting_B` marks the rows that draft (the others, e.g. rows with logits
+    processors or structured outputs, take one token per step as without speculation); `resume_B` the rows whose
+    last call was speculative and still in flight when this one was built: their input token and position are the
+    `DraftState`'s (the decode batch's are the host's guess)."""
+
+    decode: DecodeBatch
+    drafting_B: jax.Array  # bool
+    resume_B: jax.Array  # bool
+
+
+@functools.partial(jax.jit, static_argnames=("st",), donate_argnames=("cache", "state"))
+def decode_speculative(
+    params: tuple[Params, object],
+    cache: model.PagedKVCache,
+    state: tuple[SamplerState, speculative.DraftState],
+    batch: SpeculativeBatch,
+    *,
+    st: StepConfig,
+) -> tuple[Sampled, model.PagedKVCache, tuple[SamplerState, speculative.DraftState]]:
+    """`decode` with speculation: `st.num_steps` iterations, each drafting k tokens per row (`st.drafter`), verifying
+    them with the row's last token in one target forward of k + 1 tokens, accepting on device
+    (`speculative.verify`) and continuing from the row's true next token and position. `params` are the target's
+    and the drafter's (None for drafters without weights). Outputs `[steps * (k + 1), B]`: each step's accepted
+    drafts and the target's token after them, -1 where a step produced fewer."""
+    TRACES["decode_speculative"] += 1
+    target, draft_params = params
+    d = batch.decode
+    slots_B = d.sampling.proc_B4[:, 3]
+    no_logprobs = jnp.zeros_like(d.sampling.want_logprobs_B)
+
+    def one(carry, it):
+        cache, sstate, dstate, tok_B, pos_B = carry
+        drafting_B = batch.drafting_B & (pos_B >= 0)
+        with jax.named_scope("draft"):
+            dstate = dstate.record(slots_B, tok_B[:, None], pos_B[:, None])
+            keys_B2 = jax.vmap(jax.random.fold_in)(
+                jax.vmap(jax.random.fold_in)(d.sampling.keys_B2, pos_B), jnp.full_like(pos_B, speculative.DRAFT_SALT)
+            )
+            draft = st.drafter.propose(draft_params, dstate, speculative.DraftInputs(tok_B, pos_B, slots_B, keys_B2))
+            tokens_BT, positions_BT = speculative.drafts(tok_B, draft, pos_B, drafting_B)
+        x_BTD, cache, _ = model.forward(
+            target, cache, tokens_BT, positions_BT, d.tables, st.cfg, st.kernels, layout=st.layout
+        )
+        with jax.named_scope("verify"):
+            logits_BTV = model.unembed(target, x_BTD)
+            sstate = sampling.record_input(sstate, d.sampling, tok_B, pos_B)
+            sb = d.sampling.replace(masked_B=d.sampling.masked_B & (it == 0), want_logprobs_B=no_logprobs)
+            first_B = _sampler(st)(logits_BTV[:, 0], pos_B, sb, sstate).tokens
+            out_BT, n_B = speculative.verify(logits_BTV, draft, drafting_B, first_B, pos_B, d.sampling)
+            B, T, V = logits_BTV.shape
+            empty = (jnp.zeros(B * T), jnp.zeros((B * T, st.num_top), jnp.int32), jnp.zeros((B * T, st.num_top)))
+            lp = jax.lax.cond(
+                jnp.any(d.sampling.want_logprobs_B),
+                lambda: sampling.logprobs(logits_BTV.reshape(B * T, V), jnp.maximum(out_BT, 0).reshape(-1), st.num_top),
+                lambda: empty,
+            )
+            lp = jax.tree.map(lambda a: a.reshape(B, T, *a.shape[1:]), lp)
+            emitted = jnp.where(out_BT >= 0, pos_B[:, None] + 1 + jnp.arange(T)[None, :], -1)
+            dstate = dstate.record(slots_B, out_BT, emitted)
+        next_B = jnp.take_along_axis(out_BT, n_B[:, None], axis=1)[:, 0]
+        next_pos = jnp.where(pos_B >= 0, pos_B + n_B + 1, -1)
+        return (cache, sstate, dstate, next_B, next_pos), Sampled(out_BT, *lp)
+
+    sstate, dstate = state
+    tok_B = jnp.where(batch.resume_B, dstate.next_token_S[slots_B], d.tokens_B)
+    pos_B = jnp.where(batch.resume_B, dstate.next_pos_S[slots_B], d.positions_B)
+    carry = (cache, sstate, dstate, tok_B, pos_B)
+    (cache, sstate, dstate, tok_B, pos_B), outs = jax.lax.scan(one, carry, jnp.arange(st.num_steps))
+    real = jnp.where(d.positions_B >= 0, slots_B, dstate.next_pos_S.shape[0])  # padding rows: dropped
+    dstate = dstate.replace(
+        next_token_S=dstate.next_token_S.at[real].set(tok_B, mode="drop"),
+        next_pos_S=dstate.next_pos_S.at[real].set(pos_B, mode="drop"),
+    )
+    # [steps, B, T, ...] -> [steps * T, B, ...]: token i of step s at index s * T + i, as the host reads them
+    outs = jax.tree.map(lambda a: jnp.swapaxes(a, 1, 2).reshape(-1, a.shape[1], *a.shape[3:]), outs)
+    return outs, cache, (sstate, dstate)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def write_history(state: speculative.DraftState, slots_B: jax.Array, rows_BN: jax.Array) -> speculative.DraftState:
+    """Replace the drafter history of the rows' slots (padding rows point at a spare slot): a sequence's tokens, and
+    the oracle's known continuation, when its prompt is complete."""
+    TRACES["write_history"] += 1
+    return state.replace(history_SN=state.history_SN.at[slots_B].set(rows_BN))
 
 
 @functools.partial(jax.jit, donate_argnames=("table_S",))

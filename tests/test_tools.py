@@ -50,6 +50,19 @@ def test_bench_throughput_smoke(tmp_path):
         assert job["host_s"].get("compiles", 0) == 0, job["host_s"]  # warm-up compiled every program it ran
 
 
+@pytest.mark.slow  # a tool run: three engines warmed up
+def test_bench_speculative_smoke(tmp_path):
+    """The speculative benchmark's whole path (verify steps, drafters, end to end with the oracle) on a tiny model."""
+    _run("bench_speculative", "--smoke", "--out", tmp_path / "spec.json")
+    result = json.loads((tmp_path / "spec.json").read_text())
+    assert [(r["k"], r["ms"] > 0) for r in result["verify"]] == [(0, True), (2, True)]
+    assert [r["method"] for r in result["drafter"]] == ["ngram", "oracle"]
+    plain, spec = result["e2e"]
+    assert plain["k"] == 0 and spec["k"] == 2 and spec["acceptance_length_target"] == 2.5
+    assert spec["identical_to_plain"] and 1.5 < spec["acceptance_length"] <= 2.5
+    assert spec["output_tokens"] == plain["output_tokens"] == 12
+
+
 @pytest.mark.slow  # a tool run on 8 simulated devices
 def test_bench_sharded_smoke(tmp_path):
     """The sharded benchmark on 8 simulated devices: random weights in the kernels' layout, both dispatches."""
@@ -104,6 +117,26 @@ def test_inspect_kernels_lowers_the_decode_step_for_cuda_on_the_cpu():
     assert gate_up["grid"][0] == 2 and gate_up["num_warps"] == 4 and "tt.load" in gate_up["ir"]  # one row per pair
     assert len(by_name["paged_decode_attention_new_token"]) == 2  # sliding and full layers differ
     assert jax.default_backend() == "cpu"
+
+
+def test_speculative_step_lowers_for_cuda_on_the_cpu():
+    """The verify step (k + 1 tokens per row over the paged cache) through the GPU kernels, at the 20b shapes: the
+    flash attention kernel over the pages, the MoE and projection kernels of a 4-token batch."""
+    from gptoss_jax import speculative
+    from tools import common, inspect_kernels
+
+    cfg = common.model_config("gpt-oss-20b")
+    spec = speculative.SpeculativeConfig("oracle", 3)
+    drafter = speculative.make_drafter(spec, cfg.vocab_size, 2048)
+    kernels = inspect_kernels.BASE.for_device(inspect_kernels.H200)
+    shapes = common.param_shapes(cfg, "pallas")
+    step = common.speculative_step(
+        shapes, cfg, 1, 1024, kernels, drafter, num_steps=2, draft_params=drafter.params(spec)
+    )
+    found = []
+    with inspect_kernels.lowering_for_hopper(), inspect_kernels.capture_triton_modules(found):
+        step.lower(lowering_platforms=("cuda",))
+    assert {"paged_flash_attention", "moe_route", "mxfp4_gate_up_swiglu_gemv16"} <= {k["name"] for k in found}
 
 
 def test_resident_programs_follow_the_sm_limits():

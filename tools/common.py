@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from gptoss_jax import checkpoint, config, kv_cache, model, random_weights, sampling, steps, structured
+from gptoss_jax import checkpoint, config, kv_cache, model, random_weights, sampling, speculative, steps, structured
 from gptoss_jax.engine_config import EngineConfig
 from gptoss_jax.sampling import SamplerState, SamplingBatch
 from pallas_kernels import KernelConfig, kv_quant
@@ -292,6 +292,34 @@ def decode_step(
     )
     st = steps.StepConfig(cfg, resolved(kernels), layout, num_top=num_top, num_steps=num_steps)
     return Step(steps.decode, params, cache, inputs, st, pages, _sampler_state(put, cfg, B))
+
+
+def speculative_step(
+    params, cfg, batch: int, context: int, kernels: KernelConfig, drafter, *, num_steps: int = 1, draft_params=None
+) -> Step:
+    """`steps.decode_speculative` as the engine calls it with `drafter` (`speculative.make_drafter`): `batch` greedy
+    rows at position `context`, every row drafting, each verify step `drafter.num_tokens + 1` tokens; the drafter's
+    history holds random tokens up to the position. One device."""
+    put = _Placer.of(params, None)
+    T = num_steps * (drafter.num_tokens + 1)
+    cache, tables, pages = _paged_state(cfg, batch, context, T, params.embed.dtype, put)
+    tokens_B = np.random.default_rng(batch).choice(cfg.vocab_size, batch, replace=False).astype(np.int32)
+    decode = steps.DecodeBatch(
+        put(tokens_B),
+        put(np.full(batch, context, np.int32)),
+        tables,
+        _sampling(put, batch, cfg.vocab_size),
+        put(np.full((batch, num_steps), -1, np.int32)),
+    )
+    proc = np.zeros((batch, 4), np.int32)
+    proc[:, 3] = np.arange(batch)  # each row its own slot of the drafter's history
+    decode = decode.replace(sampling=decode.sampling.replace(proc_B4=put(proc)))
+    history = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch + 1, drafter.history_tokens), np.int32)
+    draft = speculative.DraftState(put(history), put(np.zeros(batch + 1, np.int32)), put(np.zeros(batch + 1, np.int32)))
+    state = (_sampler_state(put, cfg, batch), draft)
+    st = steps.StepConfig(cfg, resolved(kernels), None, num_top=NUM_TOP, num_steps=num_steps, drafter=drafter)
+    batch_ = steps.SpeculativeBatch(decode, put(np.ones(batch, bool)), put(np.zeros(batch, bool)))
+    return Step(steps.decode_speculative, (params, draft_params), cache, batch_, st, pages, state)
 
 
 def prefill_step(

@@ -164,6 +164,17 @@ class Metrics:
         metric("num_preemptions_total", "counter", "Preempted requests.", stats.get("num_preemptions", 0))
         metric("prompt_tokens_total", "counter", "Prefilled prompt tokens.", stats.get("prompt_tokens_total", 0))
         metric("generation_tokens_total", "counter", "Generated tokens.", stats.get("generation_tokens_total", 0))
+        if stats.get("spec_decode_num_accepted_tokens_per_pos"):  # with speculative decoding (vLLM's names)
+            for name, doc in (
+                ("num_drafts", "Verify steps of drafting requests."),
+                ("num_draft_tokens", "Draft tokens verified."),
+                ("num_accepted_tokens", "Draft tokens accepted."),
+            ):
+                metric(f"spec_decode_{name}_total", "counter", doc, stats.get(f"spec_decode_{name}", 0))
+            name = f"{p}:spec_decode_num_accepted_tokens_per_pos"
+            lines += [f"# HELP {name}_total Accepted draft tokens by position.", f"# TYPE {name}_total counter"]
+            for i, n in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
+                lines.append(f'{name}_total{{{L},position="{i}"}} {n}')
         if "num_compiles" in stats:
             metric("num_compiles", "gauge", "XLA compilations of engine steps so far.", stats["num_compiles"])
         with self.lock:

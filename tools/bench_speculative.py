@@ -1,0 +1,214 @@
+"""Speculative decoding benchmarks on random weights at the real shapes (so real acceptance means nothing: the oracle
+drafter proposes the known greedy continuation and is forced to a chosen acceptance length).
+
+1. verify: one `steps.decode_speculative` call (k drafts + 1 token per row, oracle drafter) against one plain decode
+   step (k = 0), k = 1..7, at batch 1 (and `--verify-batches`), context `--input-len`;
+2. drafters: the cost of the n-gram and oracle drafters' `propose` alone, per call;
+3. end to end: `--concurrency` requests at once (1, 8, 32) of `--input-len` random prompt tokens and `--output-len`
+   greedy output tokens, without speculation (its outputs become the oracle's continuations), then with the oracle
+   at each `--acceptance-lengths` (2.5, 3.0, 3.5), k = `--k`: output tok/s and the measured acceptance length.
+
+    python -m tools.bench_speculative --preset gpt-oss-20b --out $OUT/spec.json
+    python -m tools.bench_speculative --preset gpt-oss-120b --skip verify --concurrency 1
+    python -m tools.bench_speculative --smoke                       # tiny model, CPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from gptoss_jax import config, runtime, speculative
+from gptoss_jax.engine import Engine
+from gptoss_jax.sampling import SamplingParams
+from pallas_kernels import KernelConfig
+from tools.bench_throughput import SMOKE
+from tools.common import decode_step, random_params, resolved, speculative_step, timeit
+
+
+def verify_times(params, cfg, kernels, ks, batches, context) -> list[dict]:
+    """Per batch: the plain decode step (k = 0) and the verify step of each k, ms per call (median)."""
+    rows = []
+    for B in batches:
+        step = decode_step(params, cfg, B, context, kernels)
+        plain = timeit(step) * 1e3
+        step.free()
+        rows.append({"batch": B, "k": 0, "ms": plain})
+        print(f"[verify] batch {B}: plain decode step {plain:.3f} ms", flush=True)
+        for k in ks:
+            spec = speculative.SpeculativeConfig("oracle", k)
+            drafter = speculative.make_drafter(spec, cfg.vocab_size, context + k + 2)
+            step = speculative_step(params, cfg, B, context, kernels, drafter, draft_params=drafter.params(spec))
+            ms = timeit(step) * 1e3
+            step.free()
+            rows.append({"batch": B, "k": k, "ms": ms})
+            print(f"[verify] batch {B}: k={k} verify step {ms:.3f} ms ({ms / plain:.2f}x)", flush=True)
+    return rows
+
+
+def drafter_times(cfg, k: int, batch: int, context: int) -> list[dict]:
+    """The drafters' `propose` alone (jit, ms per call) on a random history."""
+    out = []
+    specs = [
+        speculative.SpeculativeConfig("ngram", k, prompt_lookup_min=2, prompt_lookup_max=4),
+        speculative.SpeculativeConfig("oracle", k),
+    ]
+    for spec in specs:
+        drafter = speculative.make_drafter(spec, cfg.vocab_size, context + k + 2)
+        hist = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch + 1, drafter.history_tokens), np.int32)
+        state = speculative.DraftState(jax.device_put(hist), *jax.device_put(np.zeros((2, batch + 1), np.int32)))
+        inp = speculative.DraftInputs(
+            jax.device_put(hist[:batch, 0]),
+            jax.device_put(np.full(batch, context, np.int32)),
+            jax.device_put(np.arange(batch, dtype=np.int32)),
+            jax.device_put(np.zeros((batch, 2), np.uint32)),
+        )
+        params = drafter.params(spec) if hasattr(drafter, "params") else None
+        fn = jax.jit(lambda s, i, p, d=drafter: d.propose(p, s, i).tokens_BK)
+        ms = timeit(lambda: fn(state, inp, params).block_until_ready()) * 1e3
+        out.append({"method": spec.method, "k": k, "batch": batch, "ms": ms})
+        print(f"[drafter] {spec.method} k={k} batch {batch}: {ms:.3f} ms per call", flush=True)
+    return out
+
+
+def run(engine: Engine, prompts: list[list[int]], output_len: int) -> tuple[list[list[int]], float]:
+    """All prompts at once, greedy -> (outputs, seconds)."""
+    sp = SamplingParams(temperature=0, max_tokens=output_len, stop_token_ids=[])
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, sp)
+    out = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    return [out[str(i)] for i in range(len(prompts))], time.perf_counter() - t0
+
+
+def end_to_end(params, cfg, args, overrides: dict) -> list[dict]:
+    rows = []
+    rng = np.random.default_rng(0)
+    for n in args.concurrency:
+        prompts = [rng.integers(0, cfg.vocab_size, args.input_len).tolist() for _ in range(n)]
+        max_len = args.input_len + args.output_len
+        settings = {
+            **overrides,
+            "max_num_seqs": max(n, overrides.get("max_num_seqs", 1)),
+            "max_model_len": max_len,
+            "min_context_bucket": max_len,
+            "min_prefill_bucket": min(args.input_len, 512),
+            "warmup": True,
+        }
+        conts = None
+        for length in [None, *args.acceptance_lengths]:
+            spec = None
+            if length is not None:
+                spec = dict(
+                    method="oracle", num_speculative_tokens=args.k, acceptance_length=length, continuations=conts
+                )
+            t0 = time.perf_counter()
+            engine = Engine(
+                loaded=(cfg, params),
+                config=args.config,
+                impl=args.impl,
+                progress=False,
+                speculative_config=spec,
+                **settings,
+            )
+            warm = time.perf_counter() - t0
+            outs, seconds = run(engine, prompts, args.output_len)
+            st = engine.stats()
+            n_out = sum(map(len, outs))
+            row = {
+                "concurrency": n,
+                "acceptance_length_target": length,
+                "k": args.k if length is not None else 0,
+                "output_tokens": n_out,
+                "seconds": seconds,
+                "output_tok_s": n_out / seconds,
+                "warmup_s": warm,
+            }
+            if length is None:
+                conts = [p + o for p, o in zip(prompts, outs)]
+                base = outs
+            else:
+                row["acceptance_length"] = 1 + st.spec_decode_num_accepted_tokens / max(st.spec_decode_num_drafts, 1)
+                row["identical_to_plain"] = outs == base
+            rows.append(row)
+            acc = ""
+            if length is not None:
+                acc = f", acceptance length {row['acceptance_length']:.2f}, same tokens: {row['identical_to_plain']}"
+            print(
+                f"[e2e] concurrency {n}, {'no speculation' if length is None else f'oracle L={length} k={args.k}'}: "
+                f"{row['output_tok_s']:.1f} output tok/s{acc} (warm-up {warm:.1f}s)",
+                flush=True,
+            )
+            engine.close()
+            del engine
+            gc.collect()
+    return rows
+
+
+def main() -> None:
+    runtime.prepare()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="gpt-oss-20b")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, short jobs: a CPU check of the script")
+    ap.add_argument("--ks", default="1,2,3,4,5,6,7", help="draft lengths of the verify-step timing")
+    ap.add_argument("--verify-batches", default="1", help="batch sizes of the verify-step timing")
+    ap.add_argument("--k", type=int, default=3, help="draft length of the end-to-end runs")
+    ap.add_argument("--acceptance-lengths", default="2.5,3.0,3.5")
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--config", default="low_latency", help="engine profile of the end-to-end runs")
+    ap.add_argument("--impl", choices=["pallas", "reference"], default=None, help="default: pallas on GPU")
+    ap.add_argument("--skip", action="append", default=[], choices=["verify", "drafter", "e2e"])
+    ap.add_argument("--out", default="speculative.json")
+    args = ap.parse_args()
+    overrides = {}
+    if args.smoke:
+        cfg = config.from_hf_dict(SMOKE)
+        args.ks, args.verify_batches, args.acceptance_lengths, args.concurrency = "2", "1", "2.5", "1"
+        args.k, args.input_len, args.output_len = 2, 24, 12
+        overrides = dict(max_num_seqs=2, prefill_chunk_size=16, max_num_batched_tokens=64, page_size=4)
+        overrides.update(kv_cache_tokens=1024, decode_steps_per_call=2)
+    else:
+        cfg = config.preset(args.preset)
+    args.acceptance_lengths = [float(x) for x in args.acceptance_lengths.split(",")]
+    args.concurrency = [int(x) for x in args.concurrency.split(",")]
+    ks = [int(x) for x in args.ks.split(",")]
+    batches = [int(x) for x in args.verify_batches.split(",")]
+    kernels = resolved(KernelConfig(impl=args.impl or "auto"))
+    commit = (
+        os.environ.get("GPTOSS_JAX_COMMIT")
+        or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    )
+    result = {
+        "preset": "smoke" if args.smoke else args.preset,
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "commit": commit or "unknown",
+        "impl": kernels.impl,
+        "note": "random weights: acceptance is forced by the oracle drafter, not measured on real text",
+    }
+    params = random_params(cfg, kernels)
+    jax.block_until_ready(params)
+    if "verify" not in args.skip:
+        result["verify"] = verify_times(params, cfg, kernels, ks, batches, args.input_len)
+    if "drafter" not in args.skip:
+        result["drafter"] = drafter_times(cfg, args.k, max(batches), args.input_len)
+    if "e2e" not in args.skip:
+        result["e2e"] = end_to_end(params, cfg, args, overrides)
+    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
