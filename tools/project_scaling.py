@@ -45,7 +45,8 @@ from gptoss_jax import config as config_lib
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "docs" / "results"
 PLANS = RESULTS / "plan_mesh"
-RANK_SHAPES = RESULTS / "rank_shapes_h200.json"  # tools.measure_rank_shapes on one H200
+# tools.measure_rank_shapes on one H200: the 1-, 8- and 72-GPU ranks, and gpt-oss-120b's 2- and 4-GPU ranks
+RANK_SHAPES = (RESULTS / "rank_shapes_h200.json", RESULTS / "rank_shapes_2_4_h200.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -682,8 +683,10 @@ def main(argv=None) -> None:
     ap.add_argument("--jobs", default="1024/1024,8192/1024", help="ISL/OSL, comma-separated")
     ap.add_argument(
         "--rank-shapes",
-        default=str(RANK_SHAPES) if RANK_SHAPES.exists() else None,
-        help=f"tools.measure_rank_shapes JSON(s), comma-separated: measured rank compute (default {RANK_SHAPES.name})",
+        default=",".join(str(p) for p in RANK_SHAPES if p.exists()) or None,
+        help="tools.measure_rank_shapes JSON(s), comma-separated: measured rank compute (default: "
+        + ", ".join(p.name for p in RANK_SHAPES)
+        + ")",
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
