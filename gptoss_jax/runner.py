@@ -101,6 +101,7 @@ class ModelRunner:
         # Per row count, the all-zero token mask of calls without a structured-output row: on the device once.
         self._no_mask: dict[int, tuple[jax.Array, jax.Array]] = {}
         self._no_lists: dict[int, sampling.SamplingLists] = {}  # rows -> empty processor lists on the device
+        self._no_fed: dict[int, jax.Array] = {}  # rows -> decode's host-fed inputs when no row has any (all -1)
         self.store = store or ProgramStore(None)
         self._devices = [jax.devices()[0]] if layout is None else list(layout.mesh.devices.flat)
         R, n_full, n_sliding = self.num_ranks, self.num_pages_full, self.num_pages_sliding
@@ -204,6 +205,7 @@ class ModelRunner:
         self._programs.clear()
         self._no_mask.clear()
         self._no_lists.clear()
+        self._no_fed.clear()
 
     # ---- the steps ---------------------------------------------------------------------------------------------
     def prefill(self, chunks: list[PrefillChunk]) -> tuple[Sampled, list[int]]:
@@ -257,9 +259,13 @@ class ModelRunner:
             fed[i, 1:n] = s.token_ids[s.num_computed + 1 : s.num_computed + min(n, K)]
         tokens = steps.load_tokens(self._last_tokens, slots, self._put(host))
         tables = self._tables(seqs, rows, width, row_of)
-        batch = steps.DecodeBatch(
-            tokens, self._put(positions), tables, self._sampling(seqs, rows, row_of), self._put(fed)
-        )
+        if (fed < 0).all():  # the usual call: no forced tokens, nothing more to upload
+            if rows not in self._no_fed:
+                self._no_fed[rows] = self._put(fed)
+            fed_BS = self._no_fed[rows]
+        else:
+            fed_BS = self._put(fed)
+        batch = steps.DecodeBatch(tokens, self._put(positions), tables, self._sampling(seqs, rows, row_of), fed_BS)
         if self.drafter is None:
             return batch
         drafting, resume = np.zeros((rows,), bool), np.zeros((rows,), bool)
@@ -449,7 +455,7 @@ class ModelRunner:
 
     def _put(self, x: np.ndarray) -> jax.Array:
         """A host batch array onto the device(s): rows split over the attention ranks. A transfer, not `jnp.asarray`,
-        whose staging computation waited behind the calls in flight (a prefill's length: BENCHMARKS §12b)."""
+        whose staging computation waited behind the calls in flight (a prefill's length: BENCHMARKS §12c)."""
         if self.layout is None:
             return jax.device_put(x)
         return jax.device_put(x, self.layout.named(self.layout.batch_spec(x.ndim)))
