@@ -31,7 +31,7 @@ from gptoss_jax.engine import Engine
 from gptoss_jax.sampling import SamplingParams
 from pallas_kernels import KernelConfig
 from tools.bench_throughput import SMOKE
-from tools.common import decode_step, random_params, resolved, speculative_step, timeit
+from tools.common import copy_bandwidth, decode_step, random_params, resolved, speculative_step, timeit
 
 
 def verify_times(params, cfg, kernels, ks, batches, context) -> list[dict]:
@@ -92,20 +92,22 @@ def run(engine: Engine, prompts: list[list[int]], output_len: int) -> tuple[list
     return [out[str(i)] for i in range(len(prompts))], time.perf_counter() - t0
 
 
-def end_to_end(params, cfg, args, overrides: dict) -> list[dict]:
+def end_to_end(params, cfg, args, overrides: dict, save) -> list[dict]:
+    """Every engine has the same settings (room for the largest concurrency), so all of them compile the same
+    programs: the first engine with and without speculation compiles, the others load from the compilation cache."""
     rows = []
     rng = np.random.default_rng(0)
+    max_len = args.input_len + args.output_len
+    settings = {
+        **overrides,
+        "max_num_seqs": max(*args.concurrency, overrides.get("max_num_seqs", 1)),
+        "max_model_len": max_len,
+        "min_context_bucket": max_len,
+        "min_prefill_bucket": min(args.input_len, 512),
+        "warmup": True,
+    }
     for n in args.concurrency:
         prompts = [rng.integers(0, cfg.vocab_size, args.input_len).tolist() for _ in range(n)]
-        max_len = args.input_len + args.output_len
-        settings = {
-            **overrides,
-            "max_num_seqs": max(n, overrides.get("max_num_seqs", 1)),
-            "max_model_len": max_len,
-            "min_context_bucket": max_len,
-            "min_prefill_bucket": min(args.input_len, 512),
-            "warmup": True,
-        }
         conts = None
         for length in [None, *args.acceptance_lengths]:
             spec = None
@@ -142,6 +144,7 @@ def end_to_end(params, cfg, args, overrides: dict) -> list[dict]:
                 row["acceptance_length"] = 1 + st.spec_decode_num_accepted_tokens / max(st.spec_decode_num_drafts, 1)
                 row["identical_to_plain"] = outs == base
             rows.append(row)
+            save(rows)
             acc = ""
             if length is not None:
                 acc = f", acceptance length {row['acceptance_length']:.2f}, same tokens: {row['identical_to_plain']}"
@@ -199,15 +202,24 @@ def main() -> None:
         "impl": kernels.impl,
         "note": "random weights: acceptance is forced by the oracle drafter, not measured on real text",
     }
+    if jax.devices()[0].platform == "gpu":
+        result["copy_bandwidth_tb_s"] = copy_bandwidth(warmup=1) / 1e12
+        print(f"copy bandwidth {result['copy_bandwidth_tb_s']:.2f} TB/s", flush=True)
+
+    def save(rows=None, key="e2e"):
+        if rows is not None:
+            result[key] = rows
+        Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+
     params = random_params(cfg, kernels)
     jax.block_until_ready(params)
     if "verify" not in args.skip:
-        result["verify"] = verify_times(params, cfg, kernels, ks, batches, args.input_len)
+        save(verify_times(params, cfg, kernels, ks, batches, args.input_len), "verify")
     if "drafter" not in args.skip:
-        result["drafter"] = drafter_times(cfg, args.k, max(batches), args.input_len)
+        save(drafter_times(cfg, args.k, max(batches), args.input_len), "drafter")
     if "e2e" not in args.skip:
-        result["e2e"] = end_to_end(params, cfg, args, overrides)
-    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+        end_to_end(params, cfg, args, overrides, save)
+    save()
 
 
 if __name__ == "__main__":
