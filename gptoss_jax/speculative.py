@@ -41,8 +41,10 @@ class SpeculativeConfig:
     and the tokens that followed it), 'eagle3' (a drafter model, `model`), and for tests and benchmarks only:
     'oracle' (proposes a known continuation: the request's prompt followed by one of `continuations`, full token lists
     computed beforehand, e.g. the greedy outputs; `acceptance_length` forces the mean tokens per verify step by
-    corrupting one draft position per step) and 'random' (uniform random drafts, their distribution q passed to the
-    rejection sampler)."""
+    corrupting one draft position per step; `force_acceptance` accepts by that schedule without comparing the drafts to
+    the target's tokens: timing only, on random weights, whose near-tied bf16 logits make a verify step's argmax
+    differ from a one-token step's, so that no continuation computed beforehand survives) and 'random' (uniform
+    random drafts, their distribution q passed to the rejection sampler)."""
 
     method: str
     num_speculative_tokens: int
@@ -52,6 +54,7 @@ class SpeculativeConfig:
     lookup_window: int = 1024
     acceptance_length: float | None = None
     continuations: tuple[tuple[int, ...], ...] = ()
+    force_acceptance: bool = False
 
     def __post_init__(self):
         def bad(name, why):
@@ -100,6 +103,10 @@ class SpeculativeConfig:
             ):
                 bad("continuations", "a list of token-id lists")
             object.__setattr__(self, "continuations", tuple(tuple(c) for c in self.continuations))
+        if not isinstance(self.force_acceptance, bool):
+            bad("force_acceptance", "true or false")
+        if self.force_acceptance and self.method != "oracle":
+            bad("force_acceptance", "only for method 'oracle'")
 
     @classmethod
     def parse(cls, value: Any) -> SpeculativeConfig | None:
@@ -173,10 +180,12 @@ class DraftInputs:
 @struct.dataclass
 class Draft:
     """k proposed tokens per row and, for drafters that sample them, the distribution they were drawn from
-    (`q_BKV`, rows summing to 1); None means deterministic proposals (q one-hot at the token)."""
+    (`q_BKV`, rows summing to 1); None means deterministic proposals (q one-hot at the token). `accept_BK` (the
+    forced oracle only) decides acceptance in place of the target."""
 
     tokens_BK: jax.Array
     q_BKV: jax.Array | None = None
+    accept_BK: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,11 +231,13 @@ class OracleDrafter:
     request's known continuation there, `SpeculativeConfig.reference`). Its `params` are the acceptance length L (a
     f32 scalar on the device, so that every L shares one program): it corrupts draft position n + 1 (n drawn per row
     and step: floor(L - 1), or one more with probability frac(L - 1)), so an exact continuation is accepted for
-    L - 1 drafts per step on average, L tokens per step (L = k + 1: nothing corrupted)."""
+    L - 1 drafts per step on average, L tokens per step (L = k + 1: nothing corrupted). With `force` the first n
+    drafts are accepted as they are (`SpeculativeConfig.force_acceptance`)."""
 
     num_tokens: int
     history_tokens: int
     vocab_size: int
+    force: bool = False
 
     def params(self, spec: SpeculativeConfig) -> jax.Array:
         length = spec.acceptance_length if spec.acceptance_length is not None else self.num_tokens + 1
@@ -240,6 +251,8 @@ class OracleDrafter:
         a = params - 1
         u = jax.vmap(jax.random.uniform)(inp.keys_B2)
         n = jnp.floor(a).astype(jnp.int32) + (u < a - jnp.floor(a))
+        if self.force:
+            return Draft(tokens.astype(jnp.int32), accept_BK=jnp.arange(k)[None, :] < n[:, None])
         spoil = jnp.arange(k)[None, :] == n[:, None]
         return Draft(jnp.where(spoil, (tokens + 1) % self.vocab_size, tokens).astype(jnp.int32))
 
@@ -265,7 +278,7 @@ def make_drafter(spec: SpeculativeConfig, vocab_size: int, max_model_len: int):
         window = min(spec.lookup_window, max(max_model_len, spec.prompt_lookup_max + 1))
         return NgramDrafter(k, spec.prompt_lookup_min, spec.prompt_lookup_max, window)
     if spec.method == "oracle":
-        return OracleDrafter(k, max_model_len, vocab_size)
+        return OracleDrafter(k, max_model_len, vocab_size, spec.force_acceptance)
     if spec.method == "random":
         return RandomDrafter(k, vocab_size)
     raise ConfigError(
@@ -340,6 +353,8 @@ def verify(
     off = (jnp.zeros((B, k), bool), jnp.zeros((B, T), jnp.int32))
     accept_s, token_s = jax.lax.cond(jnp.any(sampled_B), rejection, lambda: off)
     accept = jnp.where(sampled_B[:, None], accept_s, d_BK == greedy_BT[:, :k]) & drafting_B[:, None]
+    if draft.accept_BK is not None:
+        accept = draft.accept_BK & drafting_B[:, None]
     token_BT = jnp.where(sampled_B[:, None], token_s, greedy_BT)
     n_B = jnp.sum(jnp.cumprod(accept, axis=1), axis=1).astype(jnp.int32)
     last = jnp.where(drafting_B, jnp.take_along_axis(token_BT, n_B[:, None], axis=1)[:, 0], first_B)

@@ -248,6 +248,27 @@ def test_greedy_verify_accepts_the_argmax_prefix():
     assert np.asarray(out).tolist() == [[1, 2, 3, -1], [1, -1, -1, -1], [4, -1, -1, -1]]
 
 
+def test_forced_oracle_accepts_its_schedule_whatever_the_target_says():
+    """Benchmarks on random weights: acceptance follows L, not the logits (which here agree with no draft)."""
+    k, B, L = 3, 64, 2.5
+    drafter = speculative.OracleDrafter(k, 16, 50, force=True)
+    state = speculative.DraftState.empty(B, 16).record(
+        jnp.arange(B), jnp.tile(jnp.arange(10, 18), (B, 1)), jnp.tile(jnp.arange(8), (B, 1))
+    )
+    keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(B))
+    pos = jnp.full(B, 3)
+    draft = drafter.propose(jnp.float32(L), state, speculative.DraftInputs(jnp.full(B, 13), pos, jnp.arange(B), keys))
+    assert np.all(np.asarray(draft.tokens_BK) == [14, 15, 16])  # the known continuation, not corrupted
+    logits = jnp.zeros((B, k + 1, 50)).at[:, :, 0].set(1.0)  # the target's argmax is token 0 everywhere
+    drafting = jnp.arange(B) > 0
+    out, n = speculative.verify(logits, draft, drafting, jnp.full(B, 7), pos, _sampling(B, 0.0))
+    n, out = np.asarray(n), np.asarray(out)
+    assert set(n[1:].tolist()) == {1, 2} and 1.25 < 1 + n[1:].mean() < 2.75 and n[0] == 0
+    for row in range(1, B):
+        assert out[row].tolist() == [14, 15, 16, 0][: n[row]] + [0] + [-1] * (k - n[row])
+    assert out[0].tolist() == [7, -1, -1, -1]
+
+
 def test_ngram_drafter_proposes_what_followed_the_longest_match():
     drafter = speculative.NgramDrafter(num_tokens=3, lookup_min=1, lookup_max=3, history_tokens=16)
     state = speculative.DraftState.empty(3, 16)
@@ -289,6 +310,8 @@ def test_metrics_expose_the_acceptance_counters():
         ({"method": "oracle", "num_speculative_tokens": 3, "acceptance_length": 5}, "acceptance_length"),
         ({"method": "ngram", "num_speculative_tokens": 3, "acceptance_length": 2}, "acceptance_length"),
         ({"method": "ngram", "num_speculative_tokens": 3, "num_spec_tokens": 2}, "num_spec_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 3, "force_acceptance": True}, "force_acceptance"),
+        ({"method": "oracle", "num_speculative_tokens": 3, "force_acceptance": 1}, "force_acceptance"),
         ({"method": "ngram"}, "num_speculative_tokens"),
         ("{not json", "invalid JSON"),
         ([1, 2], "mapping"),
