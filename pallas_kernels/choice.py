@@ -55,7 +55,7 @@ class KernelConfig:
     # "pallas" (the kernels), "reference" (pure JAX), or "auto": the kernels on GPUs, the reference elsewhere (the
     # Pallas-Triton kernels only lower for GPUs; anywhere else they would run interpreted).
     impl: str = "auto"
-    # The Mosaic GPU kernels (projections from 2 rows, mid-batch MoE, the 20b prefill's grouped GEMMs): None = where
+    # The Mosaic GPU kernels (projections from 8 rows, mid-batch MoE, the 20b prefill's grouped GEMMs): None = where
     # the device is Hopper; false runs the Pallas-Triton kernels at every batch size.
     mosaic: bool | None = None
 
@@ -73,12 +73,12 @@ class KernelConfig:
     flash_warps: int = 4
     flash_stages: int = 3
 
-    # Projections. One row runs the Triton GEMV (the Mosaic kernel pads to 8 token rows, which cost a batch-1
-    # step); from `linear_mosaic_rows` to 256 rows the Mosaic kernel runs every weight in one launch (Hopper,
-    # BENCHMARKS §4f); else the Triton GEMV up to `linear_gemv_rows` (at most `linear_decode.MAX_ROWS`), with q, k
+    # Projections. Up to 7 rows run the Triton GEMV (the Mosaic kernel pads to 8 token rows: at 2 and 4 rows the
+    # step was 8-11% slower with it, 20b and 120b, BENCHMARKS §13b; at 8 the same); from `linear_mosaic_rows` to 256
+    # rows the Mosaic kernel runs every weight in one launch (Hopper, BENCHMARKS §4f); else the Triton GEMV up to `linear_gemv_rows` (at most `linear_decode.MAX_ROWS`), with q, k
     # and v in one launch up to `linear_fuse_rows` rows (small weights cost launch latency, not bytes; the 3
     # branches' pipelines fit shared memory); beyond, XLA's GEMM amortises its copy of the layer slice.
-    linear_mosaic_rows: int = 2
+    linear_mosaic_rows: int = 8
     linear_gemv_rows: int = 64
     linear_fuse_rows: int = 16
     # The GEMV's launch (BENCHMARKS §7d, 20b and 120b batch-1 step): ~1,056 programs of 128-wide K steps beat 528 of
@@ -91,9 +91,10 @@ class KernelConfig:
 
     # MoE. Up to `moe_route_max_tokens` tokens of a bf16 model (while experts average <= 2 routed rows) the block
     # is one front-end kernel (norm, router, GEMV operand), the routed half-precision GEMVs and one back-end kernel
-    # (expert sum, residual add, next norm): 12-14% faster at 1 token and 8-9% at 4; at 16, where each of ~10^4
-    # GEMV programs routes its pair, 0-4% slower (BENCHMARKS §7b).
-    moe_route_max_tokens: int = 4
+    # (expert sum, residual add, next norm): 12-14% faster at 1 token and 8-9% at 4 (BENCHMARKS §7b), 8-10% at 8
+    # (§13b: 20b and 120b; a speculative verify step of k = 7 has 8 rows); at 16, 6% faster for 20b in §13b but 0-4%
+    # slower in §7b, so not yet taken.
+    moe_route_max_tokens: int = 8
     moe_route_experts_per_program: int = 4
     moe_back_warps: int = 8  # 4 and 8 time the same (BENCHMARKS §7f)
     # At 1 token, that many extra programs in the routed gate/up launch (rounded down to a multiple of the k pairs)

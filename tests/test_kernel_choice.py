@@ -25,7 +25,7 @@ def _choices(op, preset, device, dtype=jnp.bfloat16, kernels=PALLAS, shape=None)
 
 @pytest.mark.parametrize("device", [H100, H200], ids=["h100", "h200"])
 def test_moe_on_hopper(device):
-    """bf16 on Hopper: the fused decode block to 4 tokens, the half-precision GEMV while experts average <= 2 rows,
+    """bf16 on Hopper: the fused decode block to 8 tokens, the half-precision GEMV while experts average <= 2 rows,
     the Mosaic kernels to 32 rows per expert, then dequantized dense GEMMs (the 20b's 32 experts on the grouped
     Mosaic GEMMs, the 120b's 128 in Triton groups)."""
     assert _choices("moe", "gpt-oss-20b", device) == ["route", "route", "gemv16", "mosaic", "mosaic", "grouped"]
@@ -63,15 +63,15 @@ def test_reference_everywhere_off_gpu_by_default():
 
 @pytest.mark.parametrize("preset", ["gpt-oss-20b", "gpt-oss-120b"])
 def test_projections(preset):
-    """q/k/v (one input, three weights) and o: one row on the Triton GEMV (q, k and v in one launch), 2-256 rows
-    on the Mosaic kernel on Hopper, else the GEMV to 64 rows (fused to 16) and XLA's GEMM beyond."""
+    """q/k/v (one input, three weights) and o: up to 7 rows on the Triton GEMV (q, k and v in one launch), 8-256
+    rows on the Mosaic kernel on Hopper, else the GEMV to 64 rows (fused to 16) and XLA's GEMM beyond."""
     c = config.preset(preset)
     qkv = (c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim)
     o = (c.num_heads * c.head_dim, c.hidden_size)
     for shape in (qkv, o):
         assert _choices("projection", None, H200, shape=shape) == [
             "gemv",
-            "mosaic",
+            "gemv",
             "mosaic",
             "mosaic",
             "mosaic",
@@ -86,6 +86,7 @@ def test_projections(preset):
             "reference",
         ]
     fused = [choose("projection", T, qkv, jnp.bfloat16, CPU, PALLAS).kw["fuse"] for T in (1, 16, 17, 64)]
+    assert [choose("projection", T, qkv, jnp.bfloat16, H200, PALLAS).kernel for T in (7, 8)] == ["gemv", "mosaic"]
     assert fused == [True, True, False, False]
     # the Mosaic launch: one wave of the device's SMs, within shared memory (`linear_mosaic.config`)
     launch = choose("projection", 256, qkv, jnp.bfloat16, H200, PALLAS).kw
