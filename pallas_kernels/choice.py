@@ -18,7 +18,6 @@ from pallas_kernels import linear_decode, linear_mosaic, moe_dense, moe_mosaic
 
 IMPLS = ("reference", "pallas")
 OPS = ("attention", "projection", "moe", "experts")
-OFF_AT_ZERO = ("moe_down_l2_programs",)  # KernelConfig fields other than `*_rows`, `*_tokens` that 0 turns off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +49,7 @@ H200 = Device("gpu", "9.0", 132)
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """The kernel switches and launch settings of an engine (`EngineConfig.kernels`). Row and token limits
-    (`*_rows`, `*_tokens`) may be 0: that kernel then never runs; so may the fields in `OFF_AT_ZERO`."""
+    (`*_rows`, `*_tokens`) may be 0: that kernel then never runs."""
 
     # "pallas" (the kernels), "reference" (pure JAX), or "auto": the kernels on GPUs, the reference elsewhere (the
     # Pallas-Triton kernels only lower for GPUs; anywhere else they would run interpreted).
@@ -97,13 +96,6 @@ class KernelConfig:
     moe_route_max_tokens: int = 8
     moe_route_experts_per_program: int = 4
     moe_back_warps: int = 8  # 4 and 8 time the same (BENCHMARKS §7f)
-    # At 1 token, that many extra programs in the routed gate/up launch (rounded down to a multiple of the k pairs)
-    # read the pairs' down weights into L2 (17.6 MB for 20b, of the H200's 50 MB) for the down kernel that follows,
-    # `moe_down_l2_loads` 16-byte loads a thread in flight. Off (0) until measured: UNMEASURED, awaiting its A/B
-    # (issue 35; predicted: down from ~9.6 to ~5 us a layer if gate/up slows by < 2 us; 180 = one more row of the
-    # launch).
-    moe_down_l2_programs: int = 0
-    moe_down_l2_loads: int = 4  # 4 or fewer kept gate/up at <= 64 registers (inspect_kernels, 20b and 120b); 8 did not
     # From `moe_dense_rows` routed rows per expert (on average) the experts are dequantized and run as dense GEMMs
     # (best of the H200 sweep at 8,192 tokens, BENCHMARKS §2d); bf16 models of up to 32 experts on Hopper take
     # jax's Mosaic GPU ragged dot for them (§4g).
@@ -122,7 +114,7 @@ class KernelConfig:
         if self.mosaic not in (None, True, False):
             raise ValueError(f"kernels.mosaic={self.mosaic!r}: true, false or null (Hopper decides)")
         for f in dataclasses.fields(self):
-            v, least = getattr(self, f.name), 0 if f.name.endswith(("_rows", "_tokens")) or f.name in OFF_AT_ZERO else 1
+            v, least = getattr(self, f.name), 0 if f.name.endswith(("_rows", "_tokens")) else 1
             if f.type == "int" and (not isinstance(v, int) or isinstance(v, bool) or v < least):
                 raise ValueError(
                     f"kernels.{f.name}={v!r}: must be an integer >= {least}" + (" (0: never)" if least == 0 else "")
@@ -236,11 +228,7 @@ def choose(op: str, rows: int, shape: tuple[int, ...], dtype, device: Device, co
             "route",
             experts_per_program=c.moe_route_experts_per_program,
             back_warps=c.moe_back_warps,
-            gemv=dict(
-                _gemv16(rows)[1],
-                l2_programs=c.moe_down_l2_programs if rows == 1 else 0,
-                l2_loads=c.moe_down_l2_loads,
-            ),
+            gemv=_gemv16(rows)[1],
         )
     if pairs >= c.moe_dense_rows * E:
         if half and mosaic and moe_dense.grouped_fits(D, I, E, pairs):

@@ -185,38 +185,25 @@ def _routed_pair(logits_ref, layer_ref, s, k: int, E: int):
     return layer_ref[0] * E + chosen, jnp.exp(value - top) / total
 
 
-def _slot_program(slot_refs, route, bm: int, body, routed_out=(), l2=None):
+def _slot_program(slot_refs, route, bm: int, body, routed_out=()):
     """Run `body(e, r0, rows, tok, weight)` for this program's slot (`tok(r)`, `weight(r)`: row r's token and
     routing weight). From `dispatch`'s slot arrays, `slot_refs` = (expert, start, rows, per-pair operand: the
     token for gate/up, the weight for down, so both callables read it); with `route` = (k, E) and `slot_refs` =
     (logits, layer), one pair per program (bm = 1), routed in-kernel, the program of feature tile 0 storing the
-    pair's expert and weight in `routed_out`; with `route` = "pairs", `slot_refs` = those two arrays.
-    Routed, `l2` = (pairs S, programs per pair M, `read(e, p)`): the grid rows past the pairs' are L2 programs,
-    program p (row-major over those rows) reading a share of pair p // M's expert (those past S * M idle), and
-    running `body` with 0 rows."""
+    pair's expert and weight in `routed_out`; with `route` = "pairs", `slot_refs` = those two arrays."""
     s = pl.program_id(0)
     if route == "pairs":
         w = slot_refs[1][s]
         return body(slot_refs[0][s], s, 1, lambda r: s, lambda r: w)
     if route is not None:
-        pair, rows, first = s, 1, pl.program_id(1) == 0
-        if l2 is not None:
-            S, per_pair, read = l2
-            p = (s - S) * pl.num_programs(1) + pl.program_id(1)
-            pair = jnp.where(s < S, s, jnp.minimum(p // per_pair, S - 1))
-            rows, first = (s < S).astype(jnp.int32), first & (s < S)
-        # One route for both kinds of program, and `body` outside any branch: a route in each branch, or `body`
-        # under one, took gate/up from 64 to 70-71 registers (tools/inspect_kernels.py).
-        e, w = _routed_pair(*slot_refs, pair, *route)
-        if l2 is not None:
-            pl.when((s >= S) & (p < S * per_pair))(lambda: read(e, p))
+        e, w = _routed_pair(*slot_refs, s, *route)
 
-        @pl.when(first)
+        @pl.when(pl.program_id(1) == 0)
         def _():
             routed_out[0][s] = e
             routed_out[1][s] = w
 
-        return body(e, pair, rows, lambda r: pair // route[0], lambda r: w)
+        return body(e, s, 1, lambda r: s // route[0], lambda r: w)
     slot_e_ref, slot_start_ref, slot_rows_ref, pair_ref = slot_refs
     rows = slot_rows_ref[s]
 
@@ -226,34 +213,9 @@ def _slot_program(slot_refs, route, bm: int, body, routed_out=(), l2=None):
         body(slot_e_ref[s], r0, rows, lambda r: pair_ref[r0 + r], lambda r: pair_ref[r0 + r])
 
 
-def _l2_max(ref, e, start, size: int, loads: int, block_bytes: int):
-    """Max of `ref[e, start : start + size]` (clipped to the row), read with the `evict_last` hint so that the lines
-    stay in L2 for the kernel after this one; `loads` loads of `block_bytes` an iteration, all issued before their
-    values are used (Triton does not pipeline this loop)."""
-    n, total = block_bytes // jnp.dtype(ref.dtype).itemsize, ref.shape[1]
-
-    def step(i, acc):
-        j = [(i * loads + u) * n + jnp.arange(n) for u in range(loads)]
-        vals = [
-            plt.load(
-                ref.at[e, pl.ds(start + (i * loads + u) * n, n)],
-                mask=(j[u] < size) & (start + j[u] < total),
-                other=0,
-                eviction_policy="evict_last",
-            )
-            for u in range(loads)
-        ]
-        return functools.reduce(jnp.maximum, vals, acc)
-
-    return jnp.max(jax.lax.fori_loop(0, pl.cdiv(size, loads * n), step, jnp.zeros((n,), ref.dtype)))
-
-
-def _gate_up_gemv_kernel(*refs, route, bm, bn, nb, G, I, f16, limit, alpha, a_shift, prefetch, interpret, l2=None):
-    n_out = 1 if route is None else 3 + (l2 is not None)  # routed: the pairs' experts and weights, for the down kernel
+def _gate_up_gemv_kernel(*refs, route, bm, bn, nb, G, I, f16, limit, alpha, a_shift, prefetch, interpret):
+    n_out = 1 if route is None else 3  # routed: the pairs' experts and weights too, for the down kernel
     ins, (a_ref, *routed_out) = refs[:-n_out], refs[-n_out:]
-    if l2 is not None:  # the down words and scales (flat per expert) to read into L2; what each L2 program read
-        *ins, dw_ref, ds_ref = ins
-        *routed_out, max_ref = routed_out
     slot_refs, (xs_ref, x_ref, wq_ref, ws_ref, bias_ref) = ins[:-5], ins[-5:]
     n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
 
@@ -289,8 +251,7 @@ def _gate_up_gemv_kernel(*refs, route, bm, bn, nb, G, I, f16, limit, alpha, a_sh
             return out
 
         zero = jnp.zeros((bn, nb), jnp.float32)
-        steps = pl.cdiv(G, nb) * (1 if l2 is None else rows)  # L2 programs (0 rows) skip the loop
-        acc = _gemv_steps(load, steps, compute, [[zero] * bm, [zero] * bm], prefetch)
+        acc = _gemv_steps(load, pl.cdiv(G, nb), compute, [[zero] * bm, [zero] * bm], prefetch)
         bg = bias_ref[e, jnp.int32(0), pl.ds(n0, bn)].astype(jnp.float32)
         bu = bias_ref[e, jnp.int32(1), pl.ds(n0, bn)].astype(jnp.float32)
         if f16:  # phase-order row c goes to f16 column 2 (c mod I/2) + (c >= I/2): u32 pairs of phases (j, j + 4)
@@ -305,20 +266,7 @@ def _gate_up_gemv_kernel(*refs, route, bm, bn, nb, G, I, f16, limit, alpha, a_sh
             )
             plt.store(a_ref.at[r0 + r, cols], (act * 2.0**a_shift).astype(a_ref.dtype), mask=jnp.full((bn,), r < rows))
 
-    if l2 is None:
-        return _slot_program(slot_refs, route, bm, program, routed_out)
-    S, per_pair, loads, block_bytes = l2
-    share = pl.cdiv(32 * G, per_pair)  # down rows (of D = 32 G) an L2 program reads
-
-    def read_down(e, p):
-        """Rows [c share, (c + 1) share) of expert e's down words and scales, c = p % per_pair; the maxima of what
-        it read are stored (nothing reads them: the store keeps Triton from dropping the loads)."""
-        c = p % per_pair
-        for j, ref in enumerate((dw_ref, ds_ref)):
-            size = share * (ref.shape[1] // (32 * G))
-            max_ref[p, j] = _l2_max(ref, e, c * size, size, loads, block_bytes).astype(jnp.uint32)
-
-    _slot_program(slot_refs, route, bm, program, routed_out, l2=(S, per_pair, read_down))
+    _slot_program(slot_refs, route, bm, program, routed_out)
 
 
 def _down_gemv_kernel(*refs, route, bm, bn, nb, G, f16, out_scale, prefetch, interpret):
@@ -376,15 +324,11 @@ def _run_gemv(
     prefetch,
     prefetch_down,
     interpret,
-    l2=None,
 ):
     """The two GEMV kernels over S slots (`_slot_program`: `gate_slots` / `down_slots` are their slot operands;
     routed, the down kernel reads the pairs the gate/up kernel routed) and the activation operand (`x` words,
     per-token factors `xs`: `half_pairs` for f16, f32 phases and 2^14 otherwise); returns y [R, D] f32 in slot
-    order, and the maxima the L2 programs read (None without them).
-    Routed, `l2` = (programs, loads, warps) adds grid rows of L2 programs to the gate/up launch: `programs` // S of
-    them per pair (at least one) read a share of the pair's down weights and scales into L2 (`_l2_max`, `loads`
-    16-byte loads a thread in flight), so that the down kernel finds them there."""
+    order."""
     E, _, I, _ = kexp.gu_words.shape
     D = kexp.dn_words.shape[1]
     bm = block_m
@@ -394,14 +338,6 @@ def _run_gemv(
     out_shape = [jax.ShapeDtypeStruct((R, I), a_dtype)]
     if route is not None:
         out_shape += [jax.ShapeDtypeStruct((S,), jnp.int32), jax.ShapeDtypeStruct((S,), jnp.float32)]
-    l2_rows, l2_kern, l2_in = 0, None, ()
-    if l2 is not None:
-        programs, loads, warps = l2
-        per_pair = max(programs // S, 1)
-        l2_rows, l2_kern = pl.cdiv(S * per_pair, I // bn), (S, per_pair, loads, 16 * 32 * warps)
-        l2_in = (kexp.dn_words.reshape(E, -1), kexp.dn_scales.reshape(E, -1))
-        # an output of the same launch as the activation, which the down kernel reads: XLA runs the launch whole
-        out_shape.append(jax.ShapeDtypeStruct((S * per_pair, 2), jnp.uint32))
     a, *pairs = call(
         functools.partial(
             _gate_up_gemv_kernel,
@@ -414,19 +350,17 @@ def _run_gemv(
             a_shift=a_shift,
             route=route,
             prefetch=prefetch,
-            l2=l2_kern,
             **kern,
         ),
-        grid=(S + l2_rows, I // bn),
+        grid=(S, I // bn),
         out_shape=out_shape,
         name="mxfp4_gate_up_swiglu_gemv16" if f16 else "mxfp4_gate_up_swiglu_gemv",
-    )(*gate_slots, xs, x, kexp.gu_words.reshape(E, 2, I, D // 32, 4), kexp.gu_scales, kexp.gu_bias, *l2_in)
-    maxima = pairs.pop() if l2 is not None else None
+    )(*gate_slots, xs, x, kexp.gu_words.reshape(E, 2, I, D // 32, 4), kexp.gu_scales, kexp.gu_bias)
     if f16:
         a = jax.lax.bitcast_convert_type(a.reshape(R, I // 2, 2), jnp.uint32).reshape(R, 4, I // 32, 4)
     else:
         a = a.reshape(R, 8, I // 32, 4)
-    y = call(
+    return call(
         functools.partial(
             _down_gemv_kernel,
             bn=bn2,
@@ -441,15 +375,9 @@ def _run_gemv(
         out_shape=jax.ShapeDtypeStruct((R, D), jnp.float32),
         name="mxfp4_down_gemv16" if f16 else "mxfp4_down_gemv",
     )(*(pairs or down_slots), a, kexp.dn_words.reshape(E, D, I // 32, 4), kexp.dn_scales, kexp.dn_bias)
-    return y, maxima
 
 
-def run_routed(*args, **kwargs) -> jax.Array:
-    """y of `routed` (without the L2 programs' maxima)."""
-    return routed(*args, **kwargs)[0]
-
-
-def routed(
+def run_routed(
     words,
     xs,
     logits_TE,
@@ -466,17 +394,12 @@ def routed(
     num_stages,
     prefetch,
     prefetch_down,
-    l2_programs=0,
-    l2_loads=4,
     interpret=None,
 ):
     """The `gemv16` kernels routing in-kernel (`_routed_pair`): one program row per (token, k-th best expert)
     pair, read from the router logits `[T, E]` of layer `layer` (traced) of the flat `[L * E]` experts by the
     gate/up kernel, which hands each pair's expert and weight to the down kernel; `words`, `xs`: `half_pairs` of
-    the normed tokens. `l2_programs` > 0 adds that many programs (rounded down to a multiple of the pairs, at least
-    one per pair) to the gate/up launch, which read the pairs' down weights into L2 with `l2_loads` loads in flight
-    (`_run_gemv`). Returns y `[T * k, D]` f32, pairs in token order, and the maxima the L2 programs read
-    (`[programs, 2]`: words, scales; None without them)."""
+    the normed tokens. Returns y `[T * k, D]` f32, pairs in token order."""
     T, E = logits_TE.shape
     P = T * top_k
     if interpret is None:
@@ -507,7 +430,6 @@ def routed(
         prefetch=prefetch,
         prefetch_down=prefetch_down,
         interpret=interpret,
-        l2=(l2_programs, l2_loads, num_warps) if l2_programs else None,
     )
 
 
@@ -576,7 +498,7 @@ def experts(
             jnp.full(x_TD.shape[:1], 2.0**F16_SHIFT, jnp.float32),
         )
     )
-    y, _ = _run_gemv(
+    y = _run_gemv(
         call,
         *operand,
         (slot_e, slot_start, slot_rows, pad(tok)),
