@@ -433,7 +433,7 @@ class Engine:
         outputs = self._append_or_fail(seq, lambda: [_pick(sampled, (k, row)) for k in valid])
         if self._requests.get(seq.request_id) is seq:
             self.scheduler.settle(seq)
-        if runner_drafts(seq):
+        if runner_drafts(seq) and self.runner.drafts_at(sampled[0].shape[1]):
             out = outputs[0] if outputs else None
             taken = 0 if out is None or out.finish_reason == "error" else len(out.new_token_ids)
             taken += out is not None and isinstance(out.stop_reason, int) and out.finish_reason == "stop"

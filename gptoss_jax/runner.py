@@ -66,6 +66,7 @@ class ModelRunner:
         )
         # Decode's settings: with speculation, the drafter too (prefill's programs stay those without it).
         self.st_decode = dataclasses.replace(self.st, drafter=self.drafter)
+        self.st_no_draft = dataclasses.replace(self.st_decode, draft=False)  # buckets past `disable_by_batch_size`
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         # The logits processors' per-slot state (committed, as the cache below), allocated before the KV cache is
         # sized so that its memory is counted as in use (uint16 counts: 2 bytes x vocabulary per sequence slot).
@@ -299,8 +300,15 @@ class ModelRunner:
             return (self.params, self.draft_params), self.cache, (self._sampler_state, self._draft_state), batch
         return self.params, self.cache, self._sampler_state, batch
 
-    def _st(self, kind: str) -> steps.StepConfig:
-        return self.st_decode if kind == "decode" else self.st
+    def _st(self, key: tuple) -> steps.StepConfig:
+        if key[0] != "decode":
+            return self.st
+        return self.st_decode if self.drafter is None or self.drafts_at(key[1]) else self.st_no_draft
+
+    def drafts_at(self, rows: int) -> bool:
+        """Whether a speculative decode call of `rows` rows drafts (`speculative_config.disable_by_batch_size`)."""
+        limit = self.config.speculative_config.disable_by_batch_size
+        return limit is None or rows <= limit
 
     def _write_history(self, seqs: list[Sequence]) -> None:
         """The drafter history of sequences whose prompt is (all but) computed: their last tokens (and the rest of the
@@ -323,10 +331,10 @@ class ModelRunner:
         program = self._programs.get(key)
         if program is None:
             args = self._args(key[0], batch)
-            stored = self.store.key(key[0], self._st(key[0]), args)
+            stored = self.store.key(key[0], self._st(key), args)
             program = self.store.load(stored, self._devices)
             if program is None:
-                program = self.store.compile(step.lower(*args, st=self._st(key[0])), stored)
+                program = self.store.compile(step.lower(*args, st=self._st(key)), stored)
             self._programs[key] = program
         return program
 
@@ -362,9 +370,7 @@ class ModelRunner:
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             work = {key: self._padding(key) for key in todo}
-            stored = {
-                key: self.store.key(key[0], self._st(key[0]), self._args(key[0], b)) for key, (_, b) in work.items()
-            }
+            stored = {key: self.store.key(key[0], self._st(key), self._args(key[0], b)) for key, (_, b) in work.items()}
             loads = {key: pool.submit(self.store.load, stored[key], self._devices) for key in todo}
             compiles = {}
             for i, key in enumerate(todo, 1):
@@ -374,7 +380,7 @@ class ModelRunner:
                     finished("loading programs", key, None)
                     continue
                 step, batch = work[key]
-                lowered = step.lower(*self._args(key[0], batch), st=self._st(key[0]))
+                lowered = step.lower(*self._args(key[0], batch), st=self._st(key))
                 report("tracing", i, n, self._label(key))
                 compiles[key] = pool.submit(self.store.compile, lowered, stored[key])
                 compiles[key].add_done_callback(functools.partial(finished, "compiling", key))

@@ -55,6 +55,9 @@ class SpeculativeConfig:
     acceptance_length: float | None = None
     continuations: tuple[tuple[int, ...], ...] = ()
     force_acceptance: bool = False
+    # vLLM's name: decode calls of more rows than this run without drafting (one token per row), for batches where
+    # verifying k + 1 tokens per row costs more than it gains (BENCHMARKS §13). None: always draft.
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self):
         def bad(name, why):
@@ -103,6 +106,10 @@ class SpeculativeConfig:
             ):
                 bad("continuations", "a list of token-id lists")
             object.__setattr__(self, "continuations", tuple(tuple(c) for c in self.continuations))
+        if self.disable_by_batch_size is not None and (
+            not is_int(self.disable_by_batch_size) or self.disable_by_batch_size < 1
+        ):
+            bad("disable_by_batch_size", "a positive integer (decode batches larger than it do not draft), or null")
         if not isinstance(self.force_acceptance, bool):
             bad("force_acceptance", "true or false")
         if self.force_acceptance and self.method != "oracle":

@@ -57,6 +57,7 @@ class StepConfig:
     num_top: int = 1  # log-probability alternatives sampled along
     num_steps: int = 1  # decode tokens per call, fed back on device
     drafter: object = None  # with speculative decoding: the drafter (`speculative.make_drafter`), else None
+    draft: bool = True  # False: a speculative decode bucket too large to draft in (one token per row)
 
 
 @struct.dataclass
@@ -175,15 +176,21 @@ def decode_speculative(
     slots_B = d.sampling.proc_B4[:, 3]
     no_logprobs = jnp.zeros_like(d.sampling.want_logprobs_B)
 
+    k = st.drafter.num_tokens
+
     def one(carry, it):
         cache, sstate, dstate, tok_B, pos_B = carry
-        drafting_B = batch.drafting_B & (pos_B >= 0)
+        drafting_B = batch.drafting_B & (pos_B >= 0) & st.draft
         with jax.named_scope("draft"):
             dstate = dstate.record(slots_B, tok_B[:, None], pos_B[:, None])
             keys_B2 = jax.vmap(jax.random.fold_in)(
                 jax.vmap(jax.random.fold_in)(d.sampling.keys_B2, pos_B), jnp.full_like(pos_B, speculative.DRAFT_SALT)
             )
-            draft = st.drafter.propose(draft_params, dstate, speculative.DraftInputs(tok_B, pos_B, slots_B, keys_B2))
+            if st.draft:
+                inp = speculative.DraftInputs(tok_B, pos_B, slots_B, keys_B2)
+                draft = st.drafter.propose(draft_params, dstate, inp)
+            else:  # one token per row; the history and the next token and position are kept as with drafts
+                draft = speculative.Draft(jnp.zeros((tok_B.shape[0], 0), jnp.int32))
             tokens_BT, positions_BT = speculative.drafts(tok_B, draft, pos_B, drafting_B)
         x_BTD, cache, _ = model.forward(
             target, cache, tokens_BT, positions_BT, d.tables, st.cfg, st.kernels, layout=st.layout
@@ -202,7 +209,10 @@ def decode_speculative(
                 lambda: empty,
             )
             lp = jax.tree.map(lambda a: a.reshape(B, T, *a.shape[1:]), lp)
-            emitted = jnp.where(out_BT >= 0, pos_B[:, None] + 1 + jnp.arange(T)[None, :], -1)
+            if not st.draft:  # the outputs keep the k + 1 columns of a drafting call (-1: no token)
+                out_BT = jnp.pad(out_BT, ((0, 0), (0, k)), constant_values=-1)
+                lp = jax.tree.map(lambda a: jnp.pad(a, [(0, 0), (0, k)] + [(0, 0)] * (a.ndim - 2)), lp)
+            emitted = jnp.where(out_BT >= 0, pos_B[:, None] + 1 + jnp.arange(k + 1)[None, :], -1)
             dstate = dstate.record(slots_B, out_BT, emitted)
         next_B = jnp.take_along_axis(out_BT, n_B[:, None], axis=1)[:, 0]
         next_pos = jnp.where(pos_B >= 0, pos_B + n_B + 1, -1)

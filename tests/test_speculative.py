@@ -152,6 +152,25 @@ def test_greedy_outputs_identical_with_any_drafter(small_checkpoint, baseline, n
     _check_counters(engine.stats(), spec["num_speculative_tokens"], name)
 
 
+def test_calls_past_disable_by_batch_size_do_not_draft(small_checkpoint, baseline):
+    """Calls of more rows than `disable_by_batch_size` run one token per row (their own compiled program, made at
+    warm-up) and count no drafts; a call within it drafts again from the history the others kept."""
+    spec = {**_oracle(baseline, 4.0), "disable_by_batch_size": 1}
+    engine = _spec_engine(small_checkpoint, spec, decode_batch_buckets=(1, 4), warmup=True)
+    alone = {"r6": REQUESTS["r6"]}
+    with steps.compilations() as seen:
+        rest = {rid: r for rid, r in REQUESTS.items() if rid != "r6"}
+        _same(run(engine, rest), {rid: baseline[rid] for rid in rest})
+        st = engine.stats()
+        _same(run(engine, alone), {"r6": baseline["r6"]})
+    assert seen == []
+    after = engine.stats()
+    assert after.spec_decode_num_drafts > st.spec_decode_num_drafts
+    assert after.spec_decode_num_accepted_tokens - st.spec_decode_num_accepted_tokens > 0
+    # all but the last few steps of the full batch ran 2-4 rows: far fewer drafts than steps
+    assert st.spec_decode_num_drafts < sum(len(baseline[rid][0]) for rid in REQUESTS if rid != "r6") / 4
+
+
 def test_sampled_outputs_are_reproducible(ngram_engine):
     """Seeded sampled requests repeat exactly along the same path. (Which tokens a seed gives depends on the drafts
     and on where the first token is drawn: a prompt whose last chunk is cached starts in prefill, not in a verify
@@ -311,6 +330,7 @@ def test_metrics_expose_the_acceptance_counters():
         ({"method": "ngram", "num_speculative_tokens": 3, "acceptance_length": 2}, "acceptance_length"),
         ({"method": "ngram", "num_speculative_tokens": 3, "num_spec_tokens": 2}, "num_spec_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 3, "force_acceptance": True}, "force_acceptance"),
+        ({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 0}, "disable_by_batch_size"),
         ({"method": "oracle", "num_speculative_tokens": 3, "force_acceptance": 1}, "force_acceptance"),
         ({"method": "ngram"}, "num_speculative_tokens"),
         ("{not json", "invalid JSON"),

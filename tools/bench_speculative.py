@@ -122,6 +122,7 @@ def end_to_end(params, cfg, args, overrides: dict, save) -> list[dict]:
                     acceptance_length=length,
                     continuations=conts,
                     force_acceptance=args.force_acceptance,
+                    disable_by_batch_size=args.disable_by_batch_size,
                 )
             t0 = time.perf_counter()
             engine = Engine(
@@ -186,6 +187,7 @@ def main() -> None:
         "bf16 weights near-tied logits make the verify step's argmax differ from a one-token step's, and no "
         "continuation computed beforehand survives)",
     )
+    ap.add_argument("--disable-by-batch-size", type=int, default=None, help="speculative_config's (default: none)")
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--config", default="low_latency", help="engine profile of the end-to-end runs")
