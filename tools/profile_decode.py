@@ -11,6 +11,7 @@ separate runs:
     XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true python -m tools.profile_decode --label dsf
     python -m tools.profile_decode --prefill 8x1024,2x1024
     python -m tools.profile_decode --variant triton:mosaic=false --batch 64
+    python -m tools.profile_decode --speculative 3      # verify steps of 3 oracle drafts per row
 
 `--hlo-dump DIR` names each kernel's source: run with `XLA_FLAGS=--xla_dump_to=DIR` (plus
 `--xla_dump_hlo_module_re=decode`) and the optimized HLO there gives each XLA fusion's shape and the JAX
@@ -32,7 +33,7 @@ from pathlib import Path
 
 import jax
 
-from gptoss_jax import runtime
+from gptoss_jax import runtime, speculative
 from pallas_kernels import KernelConfig
 from tools.common import (
     decode_step,
@@ -41,6 +42,7 @@ from tools.common import (
     prefill_step,
     random_params,
     resolved,
+    speculative_step,
     summarize_trace,
     timeit,
 )
@@ -97,6 +99,12 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="every row's sampling temperature (0: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--prefill", default="", help="comma-separated ROWSxTOKENS prefill calls to trace instead")
+    ap.add_argument(
+        "--speculative",
+        type=int,
+        default=0,
+        help="trace verify steps of this many oracle drafts per row (steps.decode_speculative) instead",
+    )
     ap.add_argument("--label", default="baseline")
     ap.add_argument("--out", default="profile.json")
     ap.add_argument("--hlo-dump", default="", help="XLA dump directory: name each kernel's HLO source")
@@ -126,6 +134,23 @@ def main() -> None:
             results.append(profile(step, 1, f"prefill {rows}x{T}", "call", dict(rows=rows, tokens=T), args))
     else:
         for B in [int(b) for b in args.batch.split(",")]:
+            if args.speculative:
+                spec = speculative.SpeculativeConfig("oracle", args.speculative)
+                drafter = speculative.make_drafter(spec, cfg.vocab_size, args.context + args.steps * 8 + 8)
+                step = speculative_step(
+                    params,
+                    cfg,
+                    B,
+                    args.context,
+                    kernels,
+                    drafter,
+                    num_steps=args.steps,
+                    draft_params=drafter.params(spec),
+                )
+                what = f"B={B} ctx={args.context} verify k={args.speculative}"
+                meta = dict(batch=B, context=args.context, steps=args.steps, speculative=args.speculative)
+                results.append(profile(step, args.steps, what, "verify_step", meta, args))
+                continue
             step = decode_step(
                 params,
                 cfg,
