@@ -633,7 +633,7 @@ def propose(
             recent, ids, hidden, pos = carry
             pos = jnp.where(pos >= 0, pos + 1, -1)
             tok = to_target(params, ids)[:, None]
-            out = step(params, cfg, kv, tok, hidden[:, None], pos[:, None], pages, recent, write=False)
+            out = step(params, cfg, first.kv, tok, hidden[:, None], pos[:, None], pages, recent, write=False)
             rk, rv, rp = recent
             recent = (rk.at[:, j - 1].set(out.k[:, 0]), rv.at[:, j - 1].set(out.v[:, 0]), rp.at[:, j - 1].set(pos))
             nxt, probs = _draw(out.logits[:, 0], temperature_B, key_at(j))

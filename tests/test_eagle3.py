@@ -315,7 +315,8 @@ def test_step_matches_reference_across_calls(drafter_dir, drafter):
 
 def test_propose_greedy_matches_reference_loop(drafter_dir, drafter):
     """Greedy drafts: the first from the last verified row, each next one from the drafter's own pre-norm output
-    and drafted token one position on (EAGLE-3's loop), mapped through d2t; the reference recomputes every row."""
+    and drafted token one position on (EAGLE-3's loop), mapped through d2t; the reference recomputes every row.
+    Sampled drafts: each step's distribution is the reference's over the drafts drawn before it."""
     cfg, p = drafter
     f, d2t = _np_params(drafter_dir)
     k, T = 4, 6
@@ -346,6 +347,18 @@ def test_propose_greedy_matches_reference_loop(drafter_dir, drafter):
     assert out.tokens.shape == (1, k) and out.draft_ids.shape == (1, k) and out.probs.shape == (1, k, 128)
     assert np.asarray(out.tokens[0]).tolist() == want
     np.testing.assert_array_equal(np.asarray(out.probs[0]), np.eye(128)[np.asarray(out.draft_ids[0])])
+    # sampled: each step's distribution is softmax(logits) of the reference fed the drafts actually drawn
+    out_s = propose(p, cfg, kv, *args[:4], jnp.ones((1,), jnp.float32), _keys(1, 3), num_tokens=k)
+    drawn = np.asarray(out_s.tokens[0]).tolist()
+    fed = []  # the hidden states the draft steps fed back
+    for j in range(k):
+        rows = list(tokens) + drawn[:j]
+        logits, h2 = _ref_layer(
+            f, cfg, np.array(rows), np.array(list(hidden) + fed), np.arange(len(rows), dtype=float), 1 << 20
+        )
+        fed.append(h2[-1])
+        e = np.exp(logits[-1] - logits[-1].max())
+        np.testing.assert_allclose(np.asarray(out_s.probs[0, j]), e / e.sum(), rtol=1e-4, atol=1e-6)
     # the pool holds the verified rows (positions 0-5: pages 1 and 2) only; the drafted ones stayed in the call
     written = np.abs(np.asarray(out.kv.k)).sum((2, 3)) > 0
     assert [4 * (page - 1) + slot for page, slot in zip(*written.nonzero())] == list(range(T))
