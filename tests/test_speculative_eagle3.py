@@ -1,0 +1,181 @@
+"""EAGLE-3 speculative decoding in the engine (`speculative.Eagle3Drafter`, `steps.prefill_drafting`): a random
+drafter in the published layout (`random_weights.write_eagle3_drafter`) on the tiny fp32 model. Greedy outputs are
+token-identical with and without it under continuous batching, chunked prefill, prefix caching and preemption, with
+nothing compiled while serving; the drafts the engine keeps equal `eagle3.propose` run directly on the whole
+sequence (so the drafter's K/V was filled at prefill, prefix-cache hits and verify steps alike); loading and errors
+through `Engine`, `LLM` and `--speculative-config`."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_speculative import REQUESTS, SMALL, _check_counters, run
+
+from gptoss_jax import checkpoint, cli, eagle3, model, random_weights, serve, steps
+from gptoss_jax.async_engine import stats_dict
+from gptoss_jax.checkpoint import CheckpointError
+from gptoss_jax.config import ConfigError
+from gptoss_jax.engine import Engine
+from gptoss_jax.llm import LLM
+from gptoss_jax.server.metrics import PREFIX, Metrics
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def target_hf(small_checkpoint):
+    return json.loads((small_checkpoint / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory, target_hf):
+    """A drafter for the small target (two layers: aux layers 0, 1 and 2) with its own embedding."""
+    path = tmp_path_factory.mktemp("eagle3-small")
+    return random_weights.write_eagle3_drafter(path, random_weights.eagle3_config(target_hf), target_hf, seed=5)
+
+
+def _spec(path, k=K):
+    return dict(method="eagle3", model=str(path), num_speculative_tokens=k)
+
+
+@pytest.fixture(scope="module")
+def eagle_engine(small_checkpoint, drafter_dir):
+    """Warmed up (serving compiles nothing), one decode step per call."""
+    return Engine(
+        small_checkpoint,
+        dtype="float32",
+        progress=False,
+        speculative_config=_spec(drafter_dir),
+        warmup=True,
+        **{**SMALL, "decode_steps_per_call": 1, "max_prefill_seqs": 1},  # two programs to compile
+    )
+
+
+T, S = 40, 4  # SMALL's max_model_len and page size
+
+
+@pytest.fixture(scope="module")
+def target(small_checkpoint):
+    return checkpoint.load_params(small_checkpoint, jnp.float32, progress=False)
+
+
+def _whole(cfg, n):
+    """Positions (the first `n` of `T`), an empty cache and its tables, to run a padded sequence from scratch."""
+    table = jnp.arange(1, T // S + 1, dtype=jnp.int32)[None]
+    pos = jnp.where(jnp.arange(T) < n, jnp.arange(T), -1)[None]
+    cache = model.PagedKVCache.zeros(cfg, T // S + 1, T // S + 1, S, jnp.float32)
+    return pos, cache, model.PageTables(table, table, jnp.zeros(1, jnp.int32))
+
+
+@pytest.fixture(scope="module")
+def baseline(target):
+    """rid -> the target's greedy continuation of each prompt up to max_model_len, each token the argmax after the
+    whole sequence so far run from scratch (the drafts check needs the tokens the device ran ahead to)."""
+    cfg, params = target
+
+    @jax.jit
+    def next_token(tokens_T, n):
+        pos, cache, tables = _whole(cfg, n)
+        x, *_ = model.forward(params, cache, tokens_T[None], pos, tables, cfg)
+        return jnp.argmax(model.unembed(params, x[0, n - 1]))
+
+    out = {}
+    for rid, (prompt, _) in REQUESTS.items():
+        seq = np.zeros(T, np.int32)
+        seq[: len(prompt)] = prompt
+        for n in range(len(prompt), T):
+            seq[n] = int(next_token(jnp.asarray(seq), n))
+        out[rid] = seq[len(prompt) :].tolist()
+    return out
+
+
+def _want(baseline, rid):
+    return baseline[rid][: REQUESTS[rid][1].max_tokens], "length"
+
+
+@pytest.mark.slow  # an EAGLE-3 engine warmed up and a baseline: ~40 s on two cores
+def test_greedy_outputs_identical_and_nothing_compiles(eagle_engine, baseline):
+    """Mixed lengths in one batch, a 17-token prompt in chunks of 8, two prompts sharing a prefix (again once
+    cached), a row with a logits processor (does not draft), preemption; `/metrics` counts the drafts."""
+    with steps.compilations() as seen:
+        got = run(eagle_engine, REQUESTS)
+        again = run(eagle_engine, {rid: REQUESTS[rid] for rid in ("r4", "r5")})
+    assert seen == []
+    assert {rid: out[:2] for rid, out in got.items()} == {rid: _want(baseline, rid) for rid in REQUESTS}
+    assert {rid: out[:2] for rid, out in again.items()} == {rid: _want(baseline, rid) for rid in ("r4", "r5")}
+    st = eagle_engine.stats()
+    assert st.num_preemptions > 0
+    _check_counters(st, K, "eagle3")
+    text = Metrics("m").render(stats_dict(st))
+    assert f'{PREFIX}:spec_decode_num_draft_tokens_total{{model_name="m"}} {st.spec_decode_num_draft_tokens}' in text
+
+
+@pytest.mark.slow  # shares the warmed-up engine above
+def test_engine_drafts_equal_propose_on_the_whole_sequence(eagle_engine, baseline, target, drafter_dir):
+    """After each request, the drafts its slot holds for its next step equal `eagle3.propose` over the whole
+    sequence from scratch (the target's aux states at every position, the drafter's K/V written by one pass). The
+    engine built that K/V piecewise: in prefill chunks (the 17-token prompt), from shared prefix-cache pages (the
+    second of two prompts with a common prefix) and in verify steps; a position it missed changes the drafts."""
+    cfg_t, params = target
+    dcfg, dparams = eagle3.load(drafter_dir, cfg_t, jnp.float32)
+
+    @jax.jit
+    def reference(tokens_T, n):
+        """Drafts after position n (token n known) of the sequence `tokens_T` (padded to T)."""
+        pos, cache, tables = _whole(cfg_t, n)
+        *_, aux = model.forward(params, cache, tokens_T[None], pos, tables, cfg_t, aux_layers=dcfg.aux_layer_ids)
+        nxt = jnp.roll(tokens_T, -1)[None]  # row p's token is p + 1's
+        kv = eagle3.DraftKV.zeros(dcfg, T // S + 1, S, jnp.float32)
+        pages = eagle3.Pages(tables.full_BM, jnp.zeros(1, jnp.int32))
+        keys = jnp.zeros((1, 2), jnp.uint32)
+        return eagle3.propose(dparams, dcfg, kv, nxt, aux, pos, pages, jnp.zeros(1), keys, num_tokens=K).tokens[0]
+
+    engine = eagle_engine
+    checked = 0
+    for rids in (("r1", "r3"), ("r4",), ("r5",)):  # r1: 17 prompt tokens (chunked); r5 shares r4's prefix
+        reqs = {rid: REQUESTS[rid] for rid in rids}
+        for rid, (prompt, sp) in reqs.items():
+            engine.add_request(rid, prompt, sp)
+        slots, cached = {}, {}
+        while engine.has_unfinished_requests():
+            slots.update({s.request_id: s.slot for s in engine.scheduler.running if s.slot >= 0})
+            cached.update({s.request_id: s.full_cached for s in engine.scheduler.running})
+            engine.step()
+        if "r5" in reqs:
+            assert cached["r5"] > 0  # r5 read r4's prefix pages: its drafter K/V there is r4's
+        state = engine.runner._draft_state
+        for rid, (prompt, _) in reqs.items():
+            full = prompt + baseline[rid]
+            slot = slots[rid]
+            n = int(state.next_pos_S[slot])  # the device's next input position, its token `next_token_S`
+            assert int(state.next_token_S[slot]) == full[n], rid
+            tokens = np.zeros(T, np.int32)
+            tokens[: len(full)] = full
+            want = np.asarray(reference(jnp.asarray(tokens), n)).tolist()
+            assert np.asarray(state.drafts_SK[slot]).tolist() == want, rid
+            checked += 1
+    assert checked == 4
+
+
+def test_eagle3_through_llm_and_the_command_line(small_checkpoint, drafter_dir, tmp_path):
+    """`--speculative-config` carries the method and model; the drafter is checked against the target at start-up,
+    each error naming `speculative_config.model`, the file and the field or tensor."""
+    spec = json.dumps(_spec(drafter_dir))
+    ec = cli.resolve(serve.parse_args(["--model", str(small_checkpoint), "--speculative-config", spec]))[1]
+    assert (ec.speculative_config.method, ec.speculative_config.model) == ("eagle3", str(drafter_dir))
+    with pytest.raises(CheckpointError, match=r"speculative_config.model='/nonexistent/drafter'.*not found"):
+        LLM(small_checkpoint, dtype="float32", progress=False, speculative_config=_spec("/nonexistent/drafter"))
+    hf = json.loads((drafter_dir / "config.json").read_text())
+    bad = tmp_path / "wide"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({**hf, "hidden_size": 32}))
+    with pytest.raises(ConfigError, match=r"speculative_config.model=.*config.json: field 'hidden_size' is 32"):
+        LLM(small_checkpoint, dtype="float32", progress=False, speculative_config=_spec(bad))
+    (bad / "config.json").write_text(json.dumps({**hf, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 5]}}))
+    with pytest.raises(ConfigError, match=r"eagle_aux_hidden_state_layer_ids' is \[0, 5\].*in 0\.\.2"):
+        LLM(small_checkpoint, dtype="float32", progress=False, speculative_config=_spec(bad))
+    (bad / "config.json").write_text(json.dumps(hf))  # the config fits, the folder has no weights
+    with pytest.raises(CheckpointError, match=r"speculative_config.model=.*wide"):
+        LLM(small_checkpoint, dtype="float32", progress=False, speculative_config=_spec(bad))
