@@ -1,9 +1,9 @@
 """EAGLE-3 speculative decoding in the engine (`speculative.Eagle3Drafter`, `steps.prefill_drafting`): a random
 drafter in the published layout (`random_weights.write_eagle3_drafter`) on the tiny fp32 model. Greedy outputs are
 token-identical with and without it under continuous batching, chunked prefill, prefix caching and preemption, with
-nothing compiled while serving; the drafts the engine keeps equal `eagle3.propose` run directly on the whole
-sequence (so the drafter's K/V was filled at prefill, prefix-cache hits and verify steps alike); loading and errors
-through `Engine`, `LLM` and `--speculative-config`."""
+nothing compiled while serving; a drafter built to predict well gets its drafts accepted; the drafts the engine keeps
+equal `eagle3.propose` run directly on the whole sequence (so the drafter's K/V was filled at prefill, prefix-cache
+hits and verify steps alike); loading and errors through `Engine`, `LLM` and `--speculative-config`."""
 
 import json
 
@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 from test_speculative import REQUESTS, SMALL, _check_counters, run
 
-from gptoss_jax import checkpoint, cli, eagle3, model, random_weights, serve, steps
+from gptoss_jax import checkpoint, cli, eagle3, model, random_weights, safetensors_io, serve, steps
 from gptoss_jax.async_engine import stats_dict
 from gptoss_jax.checkpoint import CheckpointError
 from gptoss_jax.config import ConfigError
 from gptoss_jax.engine import Engine
 from gptoss_jax.llm import LLM
+from gptoss_jax.sampling import SamplingParams
 from gptoss_jax.server.metrics import PREFIX, Metrics
 
 K = 3
@@ -157,6 +158,62 @@ def test_engine_drafts_equal_propose_on_the_whole_sequence(eagle_engine, baselin
             assert np.asarray(state.drafts_SK[slot]).tolist() == want, rid
             checked += 1
     assert checked == 4
+
+
+def _copy_drafter(path, drafter_dir, target, target_ids):
+    """A drafter in the same layout as `drafter_dir`'s whose drafts are the target's own greedy prediction at the
+    drafted-from position, i.e. the row's next token repeated k times: `fc` passes the last aux state through (the
+    target's residual after its last layer), attention and MLP add nothing (`o_proj`, `down_proj` zero) and
+    `lm_head` and `norm` are the target's unembedding (rows `target_ids`, mapped back by `d2t`) and final norm."""
+    cfg_t, params = target
+    hf = json.loads((drafter_dir / "config.json").read_text())
+    dcfg = eagle3.from_hf_dict(hf, cfg_t)
+    H, ids = dcfg.hidden_size, np.asarray(sorted(target_ids))
+    tensors = {}
+    for name, (field, shape) in eagle3.tensor_specs(dcfg).items():
+        tensors[name] = np.ones(shape, np.float32) if "norm" in name else np.zeros(shape, np.float32)
+    tensors["fc.weight"][:, 2 * H :] = np.eye(H)
+    tensors["midlayer.self_attn.q_proj.weight"][:] = 0.1
+    tensors["midlayer.self_attn.k_proj.weight"][:] = 0.1
+    tensors["embed_tokens.weight"] = np.asarray(params.embed, np.float32)
+    tensors["norm.weight"] = np.asarray(params.final_norm, np.float32)
+    tensors["lm_head.weight"] = np.asarray(params.unembed, np.float32)[ids]
+    tensors["d2t"] = (ids - np.arange(len(ids))).astype(np.int64)
+    del tensors["t2d"]
+    path.mkdir()
+    specs = {n: (a.shape, a.dtype) for n, a in tensors.items()}
+    safetensors_io.write(path / "model.safetensors", tensors.items(), specs, metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(hf))
+    return eagle3.load(path, cfg_t, jnp.float32)[1]
+
+
+@pytest.mark.slow  # shares the warmed-up engine above
+def test_a_drafter_that_predicts_well_gets_accepted(eagle_engine, baseline, target, drafter_dir, tmp_path):
+    """With the weights of a drafter that proposes the next token repeated (same layout and shapes as the random
+    one: the same compiled programs), r4's greedy output, which repeats one token six times, gets all three drafts
+    accepted where the run starts and stays the target's; sampled rows (q not one-hot) run through the rejection
+    sampler. Nothing compiles."""
+    runner = eagle_engine.runner
+    random_params, before = runner.draft_params, eagle_engine.stats()
+    want = _want(baseline, "r4")
+    vocab = set(want[0])
+    vocab |= set([t for t in range(512) if t not in vocab][: 128 - len(vocab)])  # the draft vocabulary: 128 ids
+    try:
+        runner.draft_params = jax.device_put(
+            _copy_drafter(tmp_path / "copy", drafter_dir, target, vocab), jax.devices()[0]
+        )
+        with steps.compilations() as seen:
+            got = run(eagle_engine, {"r4": REQUESTS["r4"]})
+            accepted = eagle_engine.stats().spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+            sp = SamplingParams(temperature=0.8, seed=3, max_tokens=10, stop_token_ids=[])
+            sampled = run(eagle_engine, {"s0": (REQUESTS["r0"][0], sp), "s1": (REQUESTS["r3"][0], sp)})
+        assert seen == []
+    finally:
+        runner.draft_params = random_params
+    assert got["r4"][:2] == want
+    assert accepted >= 3  # the verify step fed the first 298 accepts the three drafts 298 298 298
+    for tokens, reason, _ in sampled.values():
+        assert len(tokens) == 10 and reason == "length" and all(0 <= t < 512 for t in tokens)
 
 
 def test_eagle3_through_llm_and_the_command_line(small_checkpoint, drafter_dir, tmp_path):
