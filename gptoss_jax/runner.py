@@ -149,6 +149,11 @@ class ModelRunner:
                 kv_bytes = self._kv_budget(stats)
             else:
                 kv_bytes = CPU_KV_BYTES
+            if self.prefill_drafts:  # the drafter's pool has a page per full-layer page: its share of the budget
+                d, value = self.drafter.cfg, kv_quant.value_bytes(self.kv_dtype, mc.head_dim)
+                target = (mc.num_layers // 2) * mc.num_kv_heads * mc.head_dim * value  # per token, K or V
+                draft = d.num_kv_heads * d.head_dim * jnp.dtype(self.dtype).itemsize
+                kv_bytes = int(kv_bytes * target / (target + draft))
         full_tokens = ec.kv_cache_tokens if ec.num_pages is None else (ec.num_pages - 1) * ec.page_size
         return kv_cache.pool_sizes(
             mc.num_layers,

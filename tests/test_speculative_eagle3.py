@@ -19,6 +19,7 @@ from gptoss_jax.checkpoint import CheckpointError
 from gptoss_jax.config import ConfigError
 from gptoss_jax.engine import Engine
 from gptoss_jax.llm import LLM
+from gptoss_jax.runner import CPU_KV_BYTES
 from gptoss_jax.sampling import SamplingParams
 from gptoss_jax.server.metrics import PREFIX, Metrics
 
@@ -236,3 +237,16 @@ def test_eagle3_through_llm_and_the_command_line(small_checkpoint, drafter_dir, 
     (bad / "config.json").write_text(json.dumps(hf))  # the config fits, the folder has no weights
     with pytest.raises(CheckpointError, match=r"speculative_config.model=.*wide"):
         LLM(small_checkpoint, dtype="float32", progress=False, speculative_config=_spec(bad))
+
+
+def test_drafter_pool_takes_its_share_of_the_kv_budget(small_checkpoint, drafter_dir):
+    """Sized from memory (here the CPU's fixed budget), the target's pools and the drafter's (a page per full-layer
+    page) fit the budget together."""
+    kw = {k: v for k, v in SMALL.items() if k != "num_pages"}
+    runner = Engine(
+        small_checkpoint, dtype="float32", progress=False, speculative_config=_spec(drafter_dir), **kw
+    ).runner
+    kv = runner._draft_state.kv
+    assert kv.k.shape[:2] == (runner.num_pages_full, SMALL["page_size"])
+    total = sum(a.nbytes for a in jax.tree.leaves((runner.cache, kv)))
+    assert CPU_KV_BYTES * 0.95 < total <= CPU_KV_BYTES
