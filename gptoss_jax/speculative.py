@@ -326,12 +326,19 @@ class Eagle3Drafter:
 
     def after_prefill(self, params, state, aux, tokens_BT, positions_BT, next_B, tables, slots_B, sb, keys_B2):
         """A prefill chunk's rows: row t's token is the chunk's token t + 1; the last row's is `next_B` (the prompt's
-        next token, or the token the prefill just sampled)."""
+        next token, or the token the prefill just sampled). The slot's next token and position become those the
+        drafts follow (as after a verify step)."""
         shifted = jnp.concatenate([tokens_BT[:, 1:], tokens_BT[:, :1]], axis=1)
         last = jnp.argmax(positions_BT, axis=1)
         t = jnp.arange(tokens_BT.shape[1])[None, :]
         tokens = jnp.where(t == last[:, None], next_B[:, None], shifted)
-        return self._draft(params, state, aux, tokens, positions_BT, tables, slots_B, sb.temperature_B, keys_B2)
+        state = self._draft(params, state, aux, tokens, positions_BT, tables, slots_B, sb.temperature_B, keys_B2)
+        end_B = jnp.max(positions_BT, axis=1)
+        real = jnp.where(end_B >= 0, slots_B, state.next_pos_S.shape[0])  # padding rows: dropped
+        return state.replace(
+            next_token_S=state.next_token_S.at[real].set(next_B, mode="drop"),
+            next_pos_S=state.next_pos_S.at[real].set(end_B + 1, mode="drop"),
+        )
 
     def after_verify(self, params, state, aux, out_BT, n_B, pos_B, tables, slots_B, sb, keys_B2):
         """A verify step's accepted rows: position pos + j (j <= n) is followed by `out_BT[:, j]`."""

@@ -44,14 +44,14 @@ def _spec(path, k=K):
 
 @pytest.fixture(scope="module")
 def eagle_engine(small_checkpoint, drafter_dir):
-    """Warmed up (serving compiles nothing), one decode step per call."""
+    """Warmed up (serving compiles nothing); two verify steps per decode call, async scheduling."""
     return Engine(
         small_checkpoint,
         dtype="float32",
         progress=False,
         speculative_config=_spec(drafter_dir),
         warmup=True,
-        **{**SMALL, "decode_steps_per_call": 1, "max_prefill_seqs": 1},  # two programs to compile
+        **{**SMALL, "max_prefill_seqs": 1},  # two programs to compile
     )
 
 
@@ -116,7 +116,7 @@ def test_greedy_outputs_identical_and_nothing_compiles(eagle_engine, baseline):
 
 @pytest.mark.slow  # shares the warmed-up engine above
 def test_engine_drafts_equal_propose_on_the_whole_sequence(eagle_engine, baseline, target, drafter_dir):
-    """After each request, the drafts its slot holds for its next step equal `eagle3.propose` over the whole
+    """Late in each request, the drafts its slot holds for its next step equal `eagle3.propose` over the whole
     sequence from scratch (the target's aux states at every position, the drafter's K/V written by one pass). The
     engine built that K/V piecewise: in prefill chunks (the 17-token prompt), from shared prefix-cache pages (the
     second of two prompts with a common prefix) and in verify steps; a position it missed changes the drafts."""
@@ -135,30 +135,31 @@ def test_engine_drafts_equal_propose_on_the_whole_sequence(eagle_engine, baselin
         return eagle3.propose(dparams, dcfg, kv, nxt, aux, pos, pages, jnp.zeros(1), keys, num_tokens=K).tokens[0]
 
     engine = eagle_engine
-    checked = 0
+    checked = set()
     for rids in (("r1", "r3"), ("r4",), ("r5",)):  # r1: 17 prompt tokens (chunked); r5 shares r4's prefix
         reqs = {rid: REQUESTS[rid] for rid in rids}
         for rid, (prompt, sp) in reqs.items():
             engine.add_request(rid, prompt, sp)
-        slots, cached = {}, {}
+        last, cached = {}, {}
         while engine.has_unfinished_requests():
-            slots.update({s.request_id: s.slot for s in engine.scheduler.running if s.slot >= 0})
-            cached.update({s.request_id: s.full_cached for s in engine.scheduler.running})
             engine.step()
+            state = engine.runner._draft_state  # as the last call dispatched leaves it
+            for s in (s for s in engine.scheduler.running if s.slot >= 0):
+                cached[s.request_id] = s.full_cached
+                n = int(state.next_pos_S[s.slot])  # the slot's next input position; its token `next_token_S`
+                # calls running past the request's end write K/V outside its pages: those states are not checked
+                if n < len(reqs[s.request_id][0]) + reqs[s.request_id][1].max_tokens:
+                    last[s.request_id] = (n, int(state.next_token_S[s.slot]), np.asarray(state.drafts_SK[s.slot]))
         if "r5" in reqs:
             assert cached["r5"] > 0  # r5 read r4's prefix pages: its drafter K/V there is r4's
-        state = engine.runner._draft_state
-        for rid, (prompt, _) in reqs.items():
-            full = prompt + baseline[rid]
-            slot = slots[rid]
-            n = int(state.next_pos_S[slot])  # the device's next input position, its token `next_token_S`
-            assert int(state.next_token_S[slot]) == full[n], rid
+        for rid, (n, token, drafts) in last.items():
+            full = reqs[rid][0] + baseline[rid]
+            assert token == full[n], rid
             tokens = np.zeros(T, np.int32)
             tokens[: len(full)] = full
-            want = np.asarray(reference(jnp.asarray(tokens), n)).tolist()
-            assert np.asarray(state.drafts_SK[slot]).tolist() == want, rid
-            checked += 1
-    assert checked == 4
+            assert drafts.tolist() == np.asarray(reference(jnp.asarray(tokens), n)).tolist(), rid
+            checked.add(rid)
+    assert checked == {"r1", "r3", "r4", "r5"}
 
 
 def _copy_drafter(path, drafter_dir, target, target_ids):
