@@ -181,10 +181,13 @@ class DraftInputs:
 @struct.dataclass
 class Draft:
     """k proposed tokens per row and, for drafters that sample them, the distribution they were drawn from
-    (`q_BKV`, rows summing to 1); None means deterministic proposals (q one-hot at the token)."""
+    (`q_BKV`, rows summing to 1); None means deterministic proposals (q one-hot at the token). A drafter with a
+    vocabulary of its own gives q over it and `q_ids_V`, the target id of each of its columns: `verify` maps q to
+    the target's vocabulary only when a row samples."""
 
     tokens_BK: jax.Array
     q_BKV: jax.Array | None = None
+    q_ids_V: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,8 +302,8 @@ class Eagle3Drafter:
         )
 
     def propose(self, params, state: DraftState, inp: DraftInputs) -> Draft:
-        q = eagle3.to_target_vocab(params, state.q_SKV[inp.slots_B], params.embed.shape[0])
-        return Draft(state.drafts_SK[inp.slots_B], q)
+        ids = eagle3.to_target(params, jnp.arange(self.cfg.draft_vocab_size))
+        return Draft(state.drafts_SK[inp.slots_B], state.q_SKV[inp.slots_B], ids)
 
     def _draft(self, params, state, aux, tokens_BT, positions_BT, tables, slots_B, temperature_B, keys_B2):
         pages = eagle3.Pages(tables.full_BM, tables.full_cached_B)
@@ -421,8 +424,11 @@ def verify(
             ids = jax.lax.broadcasted_iota(jnp.int32, p_BTV.shape, 2)
             residual = jnp.where(ids == jnp.pad(d_BK, ((0, 0), (0, 1)), constant_values=-1)[..., None], 0.0, p_BTV)
         else:
-            q_x = jnp.take_along_axis(draft.q_BKV, d_BK[..., None], axis=-1)[..., 0]
-            residual = jnp.maximum(p_BTV - jnp.pad(draft.q_BKV, ((0, 0), (0, 1), (0, 0))), 0.0)
+            q = draft.q_BKV
+            if draft.q_ids_V is not None:
+                q = jnp.zeros((B, k, V), q.dtype).at[:, :, draft.q_ids_V].set(q)
+            q_x = jnp.take_along_axis(q, d_BK[..., None], axis=-1)[..., 0]
+            residual = jnp.maximum(p_BTV - jnp.pad(q, ((0, 0), (0, 1), (0, 0))), 0.0)
         u = jax.vmap(jax.vmap(jax.random.uniform))(salted(ACCEPT_SALT)[:, :k])
         accept = u * q_x < p_x
         resample = jax.vmap(jax.vmap(lambda key, w: jax.random.categorical(key, jnp.log(w))))(

@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_speculative import REQUESTS, SMALL, _check_counters, run
+from test_speculative import REQUESTS, SMALL, _check_counters, _sampling, run
 
-from gptoss_jax import checkpoint, cli, eagle3, model, random_weights, safetensors_io, serve, steps
+from gptoss_jax import checkpoint, cli, eagle3, model, random_weights, safetensors_io, serve, speculative, steps
 from gptoss_jax.async_engine import stats_dict
 from gptoss_jax.checkpoint import CheckpointError
 from gptoss_jax.config import ConfigError
@@ -251,3 +251,22 @@ def test_drafter_pool_takes_its_share_of_the_kv_budget(small_checkpoint, drafter
     assert kv.k.shape[:2] == (runner.num_pages_full, SMALL["page_size"])
     total = sum(a.nbytes for a in jax.tree.leaves((runner.cache, kv)))
     assert CPU_KV_BYTES * 0.95 < total <= CPU_KV_BYTES
+
+
+def test_verify_maps_a_draft_vocabulary_q_as_the_full_one():
+    """q over a draft vocabulary with its target ids (`Draft.q_ids_V`, as the EAGLE-3 drafter hands it over) accepts
+    and resamples exactly as the same q scattered over the target's vocabulary."""
+    B, V, k, Vd = 64, 16, 2, 5
+    rng = np.random.default_rng(1)
+    ids = np.sort(rng.choice(V, Vd, replace=False))
+    q = rng.dirichlet(np.ones(Vd), size=(B, k)).astype(np.float32)
+    d = np.stack([[rng.choice(Vd, p=q[b, j]) for j in range(k)] for b in range(B)])
+    full = np.zeros((B, k, V), np.float32)
+    full[:, :, ids] = q
+    logits = jnp.asarray(rng.normal(0, 1.5, (B, k + 1, V)), jnp.float32)
+    args = (jnp.ones(B, bool), jnp.zeros(B, jnp.int32), jnp.zeros(B, jnp.int32), _sampling(B, 0.9))
+    tokens = jnp.asarray(ids[d], jnp.int32)
+    a = speculative.verify(logits, speculative.Draft(tokens, jnp.asarray(q), jnp.asarray(ids, jnp.int32)), *args)
+    b = speculative.verify(logits, speculative.Draft(tokens, jnp.asarray(full)), *args)
+    np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
+    assert 0 < int(np.asarray(a[1]).sum()) < B * k  # some drafts accepted, some not
