@@ -125,17 +125,17 @@ def eagle3_times(cfg, k: int, batches: list[int], context: int, page_size: int =
         temperature, keys = jnp.zeros(B), jnp.zeros((B, 2), jnp.uint32)
 
         @jax.jit
-        def propose(kv, tokens, aux, positions):
+        def propose(dparams, kv, tokens, aux, positions):
             prop = eagle3.propose(dparams, dcfg, kv, tokens, aux, positions, pages, temperature, keys, num_tokens=k)
             return prop.tokens
 
         @jax.jit
-        def one_step(kv, tokens, hidden, positions):
+        def one_step(dparams, kv, tokens, hidden, positions):
             return eagle3.step(dparams, dcfg, kv, tokens, hidden, positions, pages, write=False).logits
 
         hidden = jnp.zeros((B, 1, dcfg.hidden_size), jnp.bfloat16)
-        ms_propose = timeit(lambda: propose(kv, tokens, aux, positions)) * 1e3
-        ms_step = timeit(lambda: one_step(kv, tokens[:, :1], hidden, positions[:, :1])) * 1e3
+        ms_propose = timeit(lambda: propose(dparams, kv, tokens, aux, positions)) * 1e3
+        ms_step = timeit(lambda: one_step(dparams, kv, tokens[:, :1], hidden, positions[:, :1])) * 1e3
         out.append(
             {
                 "method": "eagle3",
