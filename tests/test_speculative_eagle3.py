@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from test_speculative import REQUESTS, SMALL, _check_counters, _sampling, run
 
-from gptoss_jax import checkpoint, cli, eagle3, model, random_weights, safetensors_io, serve, speculative, steps
+from gptoss_jax import checkpoint, cli, config, eagle3, model, random_weights, safetensors_io, serve, speculative, steps
 from gptoss_jax.async_engine import stats_dict
 from gptoss_jax.checkpoint import CheckpointError
 from gptoss_jax.config import ConfigError
@@ -270,3 +270,14 @@ def test_verify_maps_a_draft_vocabulary_q_as_the_full_one():
     b = speculative.verify(logits, speculative.Draft(tokens, jnp.asarray(full)), *args)
     np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
     assert 0 < int(np.asarray(a[1]).sum()) < B * k  # some drafts accepted, some not
+
+
+def test_bench_times_an_eagle3_drafter():
+    """`tools.bench_speculative --method eagle3`'s timing on the smoke model: a random drafter in the published
+    shapes (MLP 6x, a quarter of a small vocabulary), propose and one draft step."""
+    from tools import bench_speculative
+    from tools.bench_throughput import SMOKE
+
+    (row,) = bench_speculative.eagle3_times(config.from_hf_dict(SMOKE), 2, [2], 24)
+    assert row["propose_ms"] > 0 and row["step_ms"] > 0 and row["batch"] == 2
+    assert (row["intermediate"], row["draft_vocab"]) == (6 * SMOKE["hidden_size"], SMOKE["vocab_size"] // 4)
