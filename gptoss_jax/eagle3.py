@@ -4,15 +4,16 @@ A drafter is one Llama decoder layer that reads the target's residual stream at 
 numbered as vLLM numbers them: the stream entering layer i) fused by `fc`, next to the embedding of the next token;
 it predicts over its own (usually smaller) vocabulary, mapped to the target's by the `d2t` offsets. Each draft step
 feeds its own pre-norm output back in as the next step's hidden state. docs/speculative.md says where every piece
-of the layout comes from and how the engine is meant to call `propose` (the engine integration is not here).
+of the layout comes from and how the engine runs `propose` inside its decode loop.
 
-The drafter keeps its own small KV cache (`DraftCache`): one dense ring of `capacity` positions per sequence slot,
-position p at index p % capacity, with the position stored beside it. Dense per slot because the drafter is one
-layer (2 KiB per token at the 120b drafter's 8 x 64 KV heads): a page table would cost more bookkeeping than the
-memory it saves, and a ring with `capacity` below the context is SGLang's draft sliding window for free. Stored
-positions make rollback free: a query attends to entries whose stored position lies in its window and at or
-before it, and every accepted position is rewritten from the target's hidden states by the next `propose`, so
-rejected drafts are overwritten before they are read.
+The drafter keeps its own K/V in one extra one-layer paged pool (`DraftKV`) indexed by the target's full-layer page
+tables (`Pages`): position p of a sequence lives in page `table[p // page_size]`, slot `p % page_size`, like the
+target's full layers. So prefix caching, preemption and page reuse need nothing of their own: a shared prefix page
+holds the drafter's K/V beside the target's, and a freed page's entries are rewritten by its next owner. Rollback is
+free: a call reads the pool only before its first position and its own rows (and its earlier draft steps') after it,
+and every accepted position is rewritten from the target's hidden states by the next `propose`, so rejected drafts
+are overwritten before they are read. Draft steps past the first pass never write the pool (they ride along in the
+call), so drafting never writes a page the target did not.
 """
 
 from __future__ import annotations
@@ -320,6 +321,12 @@ def load(
     naming it and its file."""
     path = resolve_model(model, revision=revision, download_dir=download_dir)
     cfg = load_config(path, target)
+    return cfg, load_weights(path, cfg, dtype, target_embed=target_embed)
+
+
+def load_weights(path: Path, cfg: Eagle3Config, dtype, *, target_embed: jax.Array | None = None) -> DrafterParams:
+    """The weights of the drafter folder `path` whose config is `cfg` (see `load`)."""
+    path = Path(path)
     _, files = find_files(path)
     specs = tensor_specs(cfg)
     found: dict[str, tuple[Path, Reader, str]] = {}
@@ -384,35 +391,56 @@ def load(
                 f"fit the drafter's [{cfg.vocab_size}, {cfg.hidden_size}]"
             )
         values["embed"] = target_embed
-    return cfg, DrafterParams(**values)
+    return DrafterParams(**values)
 
 
 # ---- forward -----------------------------------------------------------------------------------------------------
 
 
 @struct.dataclass
-class DraftCache:
-    """The drafter's KV cache: a ring of `capacity` positions per sequence slot (see the module docstring)."""
+class DraftKV:
+    """The drafter's K/V: one layer's page pool `[P, S, K, hd]`, its page ids the target's full-layer ones (see the
+    module docstring)."""
 
-    k: jax.Array  # [S, W, K, hd]
-    v: jax.Array  # [S, W, K, hd]
-    pos: jax.Array  # i32 [S, W] the position each entry holds; -1 empty
+    k: jax.Array
+    v: jax.Array
 
     @classmethod
-    def zeros(cls, cfg: Eagle3Config, slots: int, capacity: int, dtype) -> "DraftCache":
-        shape = (slots, capacity, cfg.num_kv_heads, cfg.head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.full((slots, capacity), -1, jnp.int32))
+    def zeros(cls, cfg: Eagle3Config, num_pages: int, page_size: int, dtype) -> "DraftKV":
+        shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
     @property
-    def capacity(self) -> int:
-        return self.pos.shape[1]
+    def page_size(self) -> int:
+        return self.k.shape[1]
+
+
+@struct.dataclass
+class Pages:
+    """Where a call's sequences keep their K/V in a `DraftKV`: the target's full-layer page tables `[B, M]`, and per
+    row the positions below which pages are shared prefix-cache pages (already holding the drafter's K/V: not
+    rewritten)."""
+
+    table_BM: jax.Array  # i32
+    cached_B: jax.Array  # i32
+
+
+def _write(kv: DraftKV, pages: Pages, positions_BT, k_BTKH, v_BTKH) -> DraftKV:
+    """Rows' K/V at their positions; padding rows (-1) and prefix-cached positions write nothing."""
+    S, M = kv.page_size, pages.table_BM.shape[1]
+    page = jnp.take_along_axis(pages.table_BM, jnp.clip(positions_BT // S, 0, M - 1), axis=1)
+    keep = (positions_BT >= 0) & (positions_BT >= pages.cached_B[:, None])
+    at = (jnp.where(keep, page, kv.k.shape[0]), jnp.maximum(positions_BT, 0) % S)  # out of range: dropped
+    return DraftKV(kv.k.at[at].set(k_BTKH, mode="drop"), kv.v.at[at].set(v_BTKH, mode="drop"))
 
 
 @struct.dataclass
 class StepOutput:
     logits: jax.Array  # f32 [B, T, Vd] over the draft vocabulary
     hidden: jax.Array  # [B, T, H] what the next draft step reads as its hidden state
-    cache: DraftCache
+    kv: DraftKV
+    k: jax.Array  # [B, T, K, hd] the rows' own keys and values (a draft step's, for the steps after it)
+    v: jax.Array
 
 
 @struct.dataclass
@@ -420,7 +448,7 @@ class Proposal:
     tokens: jax.Array  # i32 [B, k] target-vocabulary draft tokens
     draft_ids: jax.Array  # i32 [B, k] the same in the draft vocabulary
     probs: jax.Array  # f32 [B, k, Vd] the distribution each was drawn from (one-hot for greedy rows)
-    cache: DraftCache
+    kv: DraftKV
 
 
 def _norm(x, gain, eps, dtype):
@@ -469,13 +497,12 @@ def fuse(params: DrafterParams, cfg: Eagle3Config, aux_ABTX: jax.Array) -> jax.A
         return x.astype(dtype) if params.fc is None else _linear(x.astype(dtype), params.fc).astype(dtype)
 
 
-def _attention(params, cfg, cache: DraftCache, x_BTE, positions_BT, slots_B) -> tuple[jax.Array, DraftCache]:
-    """Causal attention of the new rows over the slot's ring and each other, then their K/V into the ring."""
+def _attention(params, cfg, kv: DraftKV, x_BTE, positions_BT, pages: Pages, recent) -> tuple[jax.Array, ...]:
+    """Causal attention of the new rows over the pool before the call's first position, `recent` (earlier draft
+    steps' rows `(k, v, positions)` of this call, or None) and each other. -> (output, the rows' k, v)."""
     dtype = params.q_w.dtype
     B, T, _ = x_BTE.shape
-    N, K, hd, W = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cache.capacity
-    if T > W:
-        raise ValueError(f"{T} rows per call do not fit the drafter's cache of {W} positions per sequence")
+    N, K, hd, S = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, kv.page_size
     q = _linear(x_BTE, params.q_w, params.q_b).astype(dtype).reshape(B, T, N, hd)
     k = _linear(x_BTE, params.k_w, params.k_b).astype(dtype).reshape(B, T, K, hd)
     v = _linear(x_BTE, params.v_w, params.v_b).astype(dtype).reshape(B, T, K, hd)
@@ -483,42 +510,47 @@ def _attention(params, cfg, cache: DraftCache, x_BTE, positions_BT, slots_B) -> 
     c = jnp.float32(cfg.rope_concentration)
     cos, sin = (jnp.cos(angle) * c).astype(dtype), (jnp.sin(angle) * c).astype(dtype)
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-    # Keys: the ring before this call's writes (a call may wrap it over positions its own earlier rows still
-    # see), less what the call rewrites (its first position on), then the call's own rows.
-    first = jnp.min(jnp.where(positions_BT >= 0, positions_BT, jnp.iinfo(jnp.int32).max), axis=1)
-    old = cache.pos[slots_B]
-    held = jnp.concatenate([jnp.where((old >= 0) & (old < first[:, None]), old, -1), positions_BT], 1)  # [B, W+T]
-    keys = jnp.concatenate([cache.k[slots_B], k], 1)
-    values = jnp.concatenate([cache.v[slots_B], v], 1)
+    # Keys: the pool's pages before the first position of the call and `recent` (what lies at or after it is stale
+    # or this call's own), then `recent`, then the call's own rows.
+    new_pos = positions_BT if recent is None else jnp.concatenate([recent[2], positions_BT], 1)
+    first = jnp.min(jnp.where(new_pos >= 0, new_pos, jnp.iinfo(jnp.int32).max), axis=1)
+    M = pages.table_BM.shape[1]
+    stored = jnp.broadcast_to(jnp.arange(M * S, dtype=jnp.int32), (B, M * S))
+    parts = [
+        (
+            kv.k[pages.table_BM].reshape(B, M * S, K, hd),
+            kv.v[pages.table_BM].reshape(B, M * S, K, hd),
+            jnp.where(stored < first[:, None], stored, -1),
+        ),
+        *([recent] if recent is not None else []),
+        (k, v, positions_BT),
+    ]
+    keys, values, held = (jnp.concatenate(a, 1) for a in zip(*parts))
     qg = q.reshape(B, T, K, N // K, hd)
-    s = jnp.einsum("btkgh,bwkh->btkgw", qg, keys, preferred_element_type=jnp.float32) / math.sqrt(hd)
+    s = jnp.einsum("btkgh,bwkh->btkgw", qg, keys.astype(dtype), preferred_element_type=jnp.float32) / math.sqrt(hd)
     p_BT, h_BW = positions_BT[:, :, None], held[:, None, :]
-    visible = (h_BW >= 0) & (h_BW <= p_BT) & (h_BW > p_BT - W)  # [B, T, W+T]
+    visible = (h_BW >= 0) & (h_BW <= p_BT)  # [B, T, W]
     s = jnp.where(visible[:, :, None, None, :], s, -jnp.inf)
     w = jax.nn.softmax(jnp.where(visible.any(-1)[:, :, None, None, None], s, 0.0), axis=-1)
-    o = jnp.einsum("btkgw,bwkh->btkgh", w.astype(dtype), values, preferred_element_type=jnp.float32)
-    # padding rows (position -1) write out of range, which the scatter drops
-    at = (slots_B[:, None], jnp.where(positions_BT >= 0, positions_BT % W, W))
-    cache = DraftCache(
-        cache.k.at[at].set(k, mode="drop"),
-        cache.v.at[at].set(v, mode="drop"),
-        cache.pos.at[at].set(positions_BT, mode="drop"),
-    )
-    return _linear(o.astype(dtype).reshape(B, T, N * hd), params.o_w, params.o_b), cache
+    o = jnp.einsum("btkgw,bwkh->btkgh", w.astype(dtype), values.astype(dtype), preferred_element_type=jnp.float32)
+    return _linear(o.astype(dtype).reshape(B, T, N * hd), params.o_w, params.o_b), k, v
 
 
 def step(
     params: DrafterParams,
     cfg: Eagle3Config,
-    cache: DraftCache,
+    kv: DraftKV,
     tokens_BT: jax.Array,
     hidden_BTH: jax.Array,
     positions_BT: jax.Array,
-    slots_B: jax.Array,
+    pages: Pages,
+    recent: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    write: bool = True,
 ) -> StepOutput:
     """One pass of the drafter's layer over `T` rows per sequence. Row (b, t) pairs the hidden state at position
     `positions_BT[b, t]` (-1: padding) with the target-vocabulary token that follows it, `tokens_BT[b, t]`, and
-    predicts the token after that one. Sequence b's K/V live in slot `slots_B[b]` of `cache`."""
+    predicts the token after that one. Sequence b's K/V live in `kv` at its `pages`; `write` (static) stores the
+    rows' K/V there, `recent` adds rows of earlier draft steps (see `_attention`)."""
     dtype = params.q_w.dtype
     eps = cfg.rms_norm_eps
     B, T, H = hidden_BTH.shape
@@ -528,7 +560,9 @@ def step(
         normed = _norm(h, params.hidden_norm, eps, dtype)
         residual = (normed if cfg.norm_before_residual else h).astype(jnp.float32)
         with jax.named_scope("attention"):
-            y, cache = _attention(params, cfg, cache, jnp.concatenate([e, normed], -1), positions_BT, slots_B)
+            y, k, v = _attention(params, cfg, kv, jnp.concatenate([e, normed], -1), positions_BT, pages, recent)
+            if write:
+                kv = _write(kv, pages, positions_BT, k, v)
         x = (y + residual).astype(dtype)
         with jax.named_scope("mlp"):
             m = _norm(x, params.mlp_norm, eps, dtype)
@@ -537,7 +571,7 @@ def step(
         out = _norm(x, params.final_norm, eps, dtype)
     with jax.named_scope(f"eagle3_lm_head_{cfg.draft_vocab_size}"):
         logits = _linear(out, params.lm_head)
-    return StepOutput(logits, out if cfg.norm_output else x, cache)
+    return StepOutput(logits, out if cfg.norm_output else x, kv, k, v)
 
 
 def to_target(params: DrafterParams, draft_ids: jax.Array) -> jax.Array:
@@ -551,13 +585,13 @@ def to_target_vocab(params: DrafterParams, probs_Vd: jax.Array, vocab_size: int)
     return jnp.zeros((*probs_Vd.shape[:-1], vocab_size), probs_Vd.dtype).at[..., ids].set(probs_Vd)
 
 
-def _draw(logits_BV, temperature_B, key):
+def _draw(logits_BV, temperature_B, keys_B2):
     """A draft token per row and the distribution it came from: argmax with a one-hot for temperature 0, else a
-    sample of softmax(logits / temperature)."""
+    sample of softmax(logits / temperature) with the row's own key (raw key data `[B, 2]`)."""
     greedy = temperature_B <= 0
     scaled = logits_BV / jnp.where(greedy, 1.0, temperature_B)[:, None]
     best = jnp.argmax(logits_BV, -1)
-    ids = jnp.where(greedy, best, jax.random.categorical(key, scaled, axis=-1))
+    ids = jnp.where(greedy, best, jax.vmap(jax.random.categorical)(keys_B2, scaled))
     probs = jnp.where(greedy[:, None], jax.nn.one_hot(best, logits_BV.shape[-1]), jax.nn.softmax(scaled, -1))
     return ids.astype(jnp.int32), probs
 
@@ -565,13 +599,13 @@ def _draw(logits_BV, temperature_B, key):
 def propose(
     params: DrafterParams,
     cfg: Eagle3Config,
-    cache: DraftCache,
+    kv: DraftKV,
     tokens_BT: jax.Array,
     aux_ABTX: jax.Array,
     positions_BT: jax.Array,
-    slots_B: jax.Array,
+    pages: Pages,
     temperature_B: jax.Array,
-    key: jax.Array,
+    keys_B2: jax.Array,
     *,
     num_tokens: int,
 ) -> Proposal:
@@ -580,26 +614,33 @@ def propose(
     Rows as in `step`: the target step's positions `positions_BT` (-1: padding), its aux hidden states `aux_ABTX`
     there, and `tokens_BT` the tokens now known to follow each of them (the accepted tokens shifted by one, the
     target's newly sampled token last). The first pass writes the drafter's K/V for all of them and drafts from
-    the last valid row; each further step feeds back its own hidden state and drafted token one position later.
-    Sequences with no valid row draft garbage and write nothing."""
+    the last valid row; each further step feeds back its own hidden state and drafted token one position later
+    (their K/V stay in the call). Draft j of a sampled row draws with its key `keys_B2` (raw `[B, 2]`) folded with
+    j, so rows do not depend on each other. Sequences with no valid row draft garbage and write nothing."""
     B, T = tokens_BT.shape
     with jax.named_scope(f"eagle3_propose_{B}x{T}_k{num_tokens}"):
-        first = step(params, cfg, cache, tokens_BT, fuse(params, cfg, aux_ABTX), positions_BT, slots_B)
+        first = step(params, cfg, kv, tokens_BT, fuse(params, cfg, aux_ABTX), positions_BT, pages)
         last = jnp.argmax(positions_BT, axis=1)
         pick = lambda a: jnp.take_along_axis(a, last[:, None, None], axis=1)[:, 0]  # noqa: E731
-        keys = jax.random.split(key, num_tokens)
-        ids, probs = _draw(pick(first.logits), temperature_B, keys[0])
+        key_at = lambda j: jax.vmap(jax.random.fold_in, (0, None))(keys_B2, j)  # noqa: E731
+        ids, probs = _draw(pick(first.logits), temperature_B, key_at(0))
         pos = jnp.max(positions_BT, axis=1)
+        K, hd, n = cfg.num_kv_heads, cfg.head_dim, max(num_tokens - 1, 1)
+        recent = (jnp.zeros((B, n, K, hd), first.k.dtype), jnp.zeros((B, n, K, hd), first.v.dtype))
+        recent = (*recent, jnp.full((B, n), -1, jnp.int32))
 
-        def more(carry, key_j):
-            cache, ids, hidden, pos = carry
+        def more(carry, j):
+            recent, ids, hidden, pos = carry
             pos = jnp.where(pos >= 0, pos + 1, -1)
-            out = step(params, cfg, cache, to_target(params, ids)[:, None], hidden[:, None], pos[:, None], slots_B)
-            nxt, probs = _draw(out.logits[:, 0], temperature_B, key_j)
-            return (out.cache, nxt, out.hidden[:, 0], pos), (nxt, probs)
+            tok = to_target(params, ids)[:, None]
+            out = step(params, cfg, first.kv, tok, hidden[:, None], pos[:, None], pages, recent, write=False)
+            rk, rv, rp = recent
+            recent = (rk.at[:, j - 1].set(out.k[:, 0]), rv.at[:, j - 1].set(out.v[:, 0]), rp.at[:, j - 1].set(pos))
+            nxt, probs = _draw(out.logits[:, 0], temperature_B, key_at(j))
+            return (recent, nxt, out.hidden[:, 0], pos), (nxt, probs)
 
-        carry = (first.cache, ids, pick(first.hidden), pos)
-        carry, (rest, rest_probs) = jax.lax.scan(more, carry, keys[1:])
+        carry = (recent, ids, pick(first.hidden), pos)
+        _, (rest, rest_probs) = jax.lax.scan(more, carry, jnp.arange(1, num_tokens))
     draft = jnp.concatenate([ids[:, None], rest.T], axis=1)
     q = jnp.concatenate([probs[:, None], jnp.moveaxis(rest_probs, 0, 1)], axis=1)
-    return Proposal(to_target(params, draft), draft, q, carry[0])
+    return Proposal(to_target(params, draft), draft, q, first.kv)

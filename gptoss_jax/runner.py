@@ -60,11 +60,14 @@ class ModelRunner:
         self.kv_dtype = kv_quant.DTYPES[ec.kv_cache_dtype] or self.dtype  # the pools' (FP8: with scales)
         spec = ec.speculative_config
         cap = ec.max_model_len or mc.max_position_embeddings
-        self.drafter = None if spec is None else speculative.make_drafter(spec, mc.vocab_size, cap)
+        self.drafter = None if spec is None else speculative.make_drafter(spec, mc.vocab_size, cap, mc)
+        # A drafter model reading the target's hidden states (EAGLE-3) also runs in prefill calls (`prefill_drafting`).
+        self.prefill_drafts = bool(getattr(self.drafter, "aux_layers", ()))
         self.st = steps.StepConfig(
             mc, kernels, layout, num_top=max(1, ec.max_logprobs), num_steps=ec.decode_steps_per_call
         )
-        # Decode's settings: with speculation, the drafter too (prefill's programs stay those without it).
+        # Decode's settings: with speculation, the drafter too (prefill's programs stay those without it, but for
+        # `prefill_drafts`).
         self.st_decode = dataclasses.replace(self.st, drafter=self.drafter)
         self.st_no_draft = dataclasses.replace(self.st_decode, draft=False)  # buckets past `disable_by_batch_size`
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -84,7 +87,7 @@ class ModelRunner:
         # The drafter's device arrays (a drafter model's weights; the oracle's acceptance length), else None.
         self.draft_params = None
         if hasattr(self.drafter, "params"):
-            self.draft_params = jax.device_put(self.drafter.params(spec), one)
+            self.draft_params = jax.device_put(self.drafter.params(spec, params), one)
         self.num_pages_full, self.num_pages_sliding = self._pool_sizes()
         capacity = (self.num_pages_full - 1) * ec.page_size
         if ec.max_model_len and ec.max_model_len > capacity:
@@ -118,6 +121,11 @@ class ModelRunner:
         self._spare_slot = ec.max_num_seqs
         last = np.zeros(ec.max_num_seqs + 1, np.int32)
         self._last_tokens = jax.device_put(last, one if layout is None else layout.named(P()))
+        if self.prefill_drafts:  # the drafter's paged K/V, page ids as the target's full layers
+            extend = functools.partial(self.drafter.extend_state, num_pages=R * n_full, page_size=ec.page_size)
+            self._draft_state = jax.jit(functools.partial(extend, dtype=self.dtype), out_shardings=one)(
+                self._draft_state
+            )
         log.info(
             "KV cache (%s): %d full-layer pages, %d sliding pages of %d tokens; max_model_len %d",
             jnp.dtype(self.kv_dtype).name,
@@ -142,6 +150,11 @@ class ModelRunner:
                 kv_bytes = self._kv_budget(stats)
             else:
                 kv_bytes = CPU_KV_BYTES
+            if self.prefill_drafts:  # the drafter's pool has a page per full-layer page: its share of the budget
+                d, value = self.drafter.cfg, kv_quant.value_bytes(self.kv_dtype, mc.head_dim)
+                target = (mc.num_layers // 2) * mc.num_kv_heads * mc.head_dim * value  # per token, K or V
+                draft = d.num_kv_heads * d.head_dim * jnp.dtype(self.dtype).itemsize
+                kv_bytes = int(kv_bytes * target / (target + draft))
         full_tokens = ec.kv_cache_tokens if ec.num_pages is None else (ec.num_pages - 1) * ec.page_size
         return kv_cache.pool_sizes(
             mc.num_layers,
@@ -239,7 +252,7 @@ class ModelRunner:
             positions[i, : c.num_tokens] = np.arange(c.start, c.start + c.num_tokens)
             last[i] = c.num_tokens - 1
         tables = self._tables(seqs, rows, width, row_of)
-        return steps.PrefillBatch(
+        batch = steps.PrefillBatch(
             self._put(tokens),
             self._put(positions),
             tables,
@@ -247,6 +260,13 @@ class ModelRunner:
             self._sampling(seqs, rows, row_of),
             self._lists(seqs, rows, row_of),
         )
+        if not self.prefill_drafts:
+            return batch
+        nxt = np.full((rows,), -1, np.int32)  # the token after each chunk where the host has it, else the sampled one
+        for i, c in zip(row_of, chunks):
+            end = c.start + c.num_tokens
+            nxt[i] = c.seq.token_ids[end] if end < len(c.seq.token_ids) else -1
+        return steps.DraftingPrefillBatch(batch, self._put(nxt))
 
     def _decode_batch(self, seqs: list[Sequence], rows: int, row_of: list[int], width: int, slots: jax.Array):
         K = self.config.decode_steps_per_call
@@ -277,8 +297,12 @@ class ModelRunner:
     def _prefill(self, chunks: list[PrefillChunk], rows: int, row_of: list[int], T: int, width: int) -> Sampled:
         seqs = [c.seq for c in chunks]
         batch = self._prefill_batch(chunks, rows, row_of, T, width)
-        program = self._program(("prefill", rows, T, width), steps.prefill, batch)
-        out, self.cache, self._sampler_state = program(self.params, self.cache, self._sampler_state, batch)
+        if self.prefill_drafts:
+            program = self._program(("prefill", rows, T, width), steps.prefill_drafting, batch)
+            out, self.cache, (self._sampler_state, self._draft_state) = program(*self._args("prefill", batch))
+        else:
+            program = self._program(("prefill", rows, T, width), steps.prefill, batch)
+            out, self.cache, self._sampler_state = program(self.params, self.cache, self._sampler_state, batch)
         self._last_tokens = steps.store_tokens(self._last_tokens, self._slots(seqs, rows, row_of), out.tokens)
         return out
 
@@ -295,14 +319,15 @@ class ModelRunner:
         return out
 
     def _args(self, kind: str, batch) -> tuple:
-        """A step's arguments: with speculation, decode takes the drafter's weights and state beside the target's."""
-        if kind == "decode" and self.drafter is not None:
+        """A step's arguments: with speculation, decode (and prefill, with `prefill_drafts`) takes the drafter's
+        weights and state beside the target's."""
+        if (kind == "decode" and self.drafter is not None) or (kind == "prefill" and self.prefill_drafts):
             return (self.params, self.draft_params), self.cache, (self._sampler_state, self._draft_state), batch
         return self.params, self.cache, self._sampler_state, batch
 
     def _st(self, key: tuple) -> steps.StepConfig:
         if key[0] != "decode":
-            return self.st
+            return self.st_decode if self.prefill_drafts else self.st
         return self.st_decode if self.drafter is None or self.drafts_at(key[1]) else self.st_no_draft
 
     def drafts_at(self, rows: int) -> bool:
@@ -429,7 +454,8 @@ class ModelRunner:
         if kind == "decode":
             step = steps.decode if self.drafter is None else steps.decode_speculative
             return step, self._decode_batch([], rows, [], size, self._slots([], rows, []))
-        return steps.prefill, self._prefill_batch([], rows, [], size, key[3])
+        step = steps.prefill_drafting if self.prefill_drafts else steps.prefill
+        return step, self._prefill_batch([], rows, [], size, key[3])
 
     def run(self, step_fn, *args) -> Any:
         """`step_fn(params, cache, *args) -> (result, cache)` on this runner's parameters and cache (donated)."""

@@ -11,7 +11,9 @@ never reads (it masks by position) and the next iteration overwrites. docs/engin
 
 A drafter is a frozen (hashable, static) object with `num_tokens` (k), `history_tokens` (columns of the per-slot
 `DraftState` it reads), `propose(params, state, inputs) -> Draft`, traced into the decode step, and optionally
-`params(spec)`: its device arrays (weights), passed to the step beside the target's (None without the method).
+`params(spec, target_params)`: its device arrays (weights), passed to the step beside the target's (None without the
+method). A drafter model that reads the target's hidden states (`Eagle3Drafter`) also has `aux_layers`: the target
+steps then return those layers' states, and its `after_prefill` / `after_verify` draft from them on device.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from gptoss_jax import sampling
-from gptoss_jax.config import ConfigError
+from gptoss_jax import eagle3, sampling
+from gptoss_jax.checkpoint import CheckpointError, resolve_model
+from gptoss_jax.config import ConfigError, ModelConfig
 
 METHODS = ("ngram", "eagle3", "oracle", "random")
 MAX_SPECULATIVE_TOKENS = 16
@@ -159,6 +162,11 @@ class DraftState:
     # learns them only when it reads the call, so the next call, dispatched before, resumes from these).
     next_token_S: jax.Array  # i32
     next_pos_S: jax.Array  # i32
+    # EAGLE-3 only (`Eagle3Drafter.extend_state`; None otherwise): each slot's next k drafts, drawn after its last
+    # target step, the draft-vocabulary distributions they came from, and the drafter's paged K/V.
+    drafts_SK: jax.Array | None = None  # i32
+    q_SKV: jax.Array | None = None  # f32 [S, k, Vd]
+    kv: eagle3.DraftKV | None = None
 
     @staticmethod
     def empty(num_slots: int, history_tokens: int) -> DraftState:
@@ -187,11 +195,14 @@ class DraftInputs:
 @struct.dataclass
 class Draft:
     """k proposed tokens per row and, for drafters that sample them, the distribution they were drawn from
-    (`q_BKV`, rows summing to 1); None means deterministic proposals (q one-hot at the token). `accept_BK` (the
-    forced oracle only) decides acceptance in place of the target."""
+    (`q_BKV`, rows summing to 1); None means deterministic proposals (q one-hot at the token). A drafter with a
+    vocabulary of its own gives q over it and `q_ids_V`, the target id of each of its columns: `verify` maps q to
+    the target's vocabulary only when a row samples. `accept_BK` (the forced oracle only) decides acceptance in
+    place of the target."""
 
     tokens_BK: jax.Array
     q_BKV: jax.Array | None = None
+    q_ids_V: jax.Array | None = None
     accept_BK: jax.Array | None = None
 
 
@@ -246,7 +257,7 @@ class OracleDrafter:
     vocab_size: int
     force: bool = False
 
-    def params(self, spec: SpeculativeConfig) -> jax.Array:
+    def params(self, spec: SpeculativeConfig, target_params=None) -> jax.Array:
         length = spec.acceptance_length if spec.acceptance_length is not None else self.num_tokens + 1
         return jnp.float32(length)
 
@@ -278,8 +289,91 @@ class RandomDrafter:
         return Draft(tokens, jnp.full((B, k, V), 1.0 / V, jnp.float32))
 
 
-def make_drafter(spec: SpeculativeConfig, vocab_size: int, max_model_len: int):
-    """The drafter of a config (static: part of the step's `StepConfig`)."""
+@dataclasses.dataclass(frozen=True)
+class Eagle3Drafter:
+    """An EAGLE-3 drafter model (`gptoss_jax.eagle3`, docs/speculative.md). It drafts after each target step rather
+    than before the next: `after_prefill` and `after_verify` run its first pass over the step's rows (the target's
+    aux states at `aux_layers`, the tokens that follow them), which writes its K/V there, then its k - 1 further
+    steps, and keep the k drafts per slot in the `DraftState`; `propose` hands them to the next verify step."""
+
+    num_tokens: int
+    cfg: eagle3.Eagle3Config
+    history_tokens: int = 1
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        return self.cfg.aux_layer_ids
+
+    def params(self, spec: SpeculativeConfig, target_params) -> eagle3.DrafterParams:
+        """The weights in the target's dtype; a drafter without an embedding shares the target's."""
+        embed = target_params.embed
+        try:
+            return eagle3.load_weights(resolve_model(spec.model), self.cfg, embed.dtype, target_embed=embed)
+        except CheckpointError as e:
+            raise CheckpointError(f"speculative_config.model={spec.model!r}: {e}") from None
+
+    def extend_state(self, state: DraftState, num_pages: int, page_size: int, dtype) -> DraftState:
+        """`state` with this drafter's per-slot drafts and a K/V pool of the target's full-layer page count."""
+        S, k, Vd = state.next_token_S.shape[0], self.num_tokens, self.cfg.draft_vocab_size
+        return state.replace(
+            drafts_SK=jnp.zeros((S, k), jnp.int32),
+            q_SKV=jnp.zeros((S, k, Vd), jnp.float32),
+            kv=eagle3.DraftKV.zeros(self.cfg, num_pages, page_size, dtype),
+        )
+
+    def propose(self, params, state: DraftState, inp: DraftInputs) -> Draft:
+        ids = eagle3.to_target(params, jnp.arange(self.cfg.draft_vocab_size))
+        return Draft(state.drafts_SK[inp.slots_B], state.q_SKV[inp.slots_B], ids)
+
+    def _draft(self, params, state, aux, tokens_BT, positions_BT, tables, slots_B, temperature_B, keys_B2):
+        pages = eagle3.Pages(tables.full_BM, tables.full_cached_B)
+        prop = eagle3.propose(
+            params,
+            self.cfg,
+            state.kv,
+            tokens_BT,
+            aux,
+            positions_BT,
+            pages,
+            temperature_B,
+            keys_B2,
+            num_tokens=self.num_tokens,
+        )
+        S = state.drafts_SK.shape[0]
+        real = jnp.where(jnp.max(positions_BT, axis=1) >= 0, slots_B, S)  # rows without a position: dropped
+        return state.replace(
+            drafts_SK=state.drafts_SK.at[real].set(prop.tokens, mode="drop"),
+            q_SKV=state.q_SKV.at[real].set(prop.probs, mode="drop"),
+            kv=prop.kv,
+        )
+
+    def after_prefill(self, params, state, aux, tokens_BT, positions_BT, next_B, tables, slots_B, sb, keys_B2):
+        """A prefill chunk's rows: row t's token is the chunk's token t + 1; the last row's is `next_B` (the prompt's
+        next token, or the token the prefill just sampled). The slot's next token and position become those the
+        drafts follow (as after a verify step)."""
+        shifted = jnp.concatenate([tokens_BT[:, 1:], tokens_BT[:, :1]], axis=1)
+        last = jnp.argmax(positions_BT, axis=1)
+        t = jnp.arange(tokens_BT.shape[1])[None, :]
+        tokens = jnp.where(t == last[:, None], next_B[:, None], shifted)
+        state = self._draft(params, state, aux, tokens, positions_BT, tables, slots_B, sb.temperature_B, keys_B2)
+        end_B = jnp.max(positions_BT, axis=1)
+        real = jnp.where(end_B >= 0, slots_B, state.next_pos_S.shape[0])  # padding rows: dropped
+        return state.replace(
+            next_token_S=state.next_token_S.at[real].set(next_B, mode="drop"),
+            next_pos_S=state.next_pos_S.at[real].set(end_B + 1, mode="drop"),
+        )
+
+    def after_verify(self, params, state, aux, out_BT, n_B, pos_B, tables, slots_B, sb, keys_B2):
+        """A verify step's accepted rows: position pos + j (j <= n) is followed by `out_BT[:, j]`."""
+        j = jnp.arange(out_BT.shape[1])[None, :]
+        positions = jnp.where((j <= n_B[:, None]) & (pos_B[:, None] >= 0), pos_B[:, None] + j, -1)
+        tokens = jnp.maximum(out_BT, 0)
+        return self._draft(params, state, aux, tokens, positions, tables, slots_B, sb.temperature_B, keys_B2)
+
+
+def make_drafter(spec: SpeculativeConfig, vocab_size: int, max_model_len: int, target: ModelConfig | None = None):
+    """The drafter of a config (static: part of the step's `StepConfig`). An EAGLE-3 drafter's config is read and
+    checked against the `target` model here (its folder or Hugging Face repo id resolved as the target's are)."""
     k = spec.num_speculative_tokens
     if spec.method == "ngram":
         window = min(spec.lookup_window, max(max_model_len, spec.prompt_lookup_max + 1))
@@ -288,10 +382,12 @@ def make_drafter(spec: SpeculativeConfig, vocab_size: int, max_model_len: int):
         return OracleDrafter(k, max_model_len, vocab_size, spec.force_acceptance)
     if spec.method == "random":
         return RandomDrafter(k, vocab_size)
-    raise ConfigError(
-        f"speculative_config.method='eagle3' (model {spec.model!r}): the EAGLE-3 drafter is not available in this "
-        "build yet; use method 'ngram'"
-    )
+    if target is None:
+        raise ValueError("an EAGLE-3 drafter needs the target's ModelConfig")
+    try:
+        return Eagle3Drafter(k, eagle3.load_config(resolve_model(spec.model), target))
+    except (ConfigError, CheckpointError) as e:
+        raise type(e)(f"speculative_config.model={spec.model!r}: {e}") from None
 
 
 def drafts(tokens_B: jax.Array, draft: Draft, pos_B: jax.Array, drafting_B: jax.Array):
@@ -348,8 +444,11 @@ def verify(
             ids = jax.lax.broadcasted_iota(jnp.int32, p_BTV.shape, 2)
             residual = jnp.where(ids == jnp.pad(d_BK, ((0, 0), (0, 1)), constant_values=-1)[..., None], 0.0, p_BTV)
         else:
-            q_x = jnp.take_along_axis(draft.q_BKV, d_BK[..., None], axis=-1)[..., 0]
-            residual = jnp.maximum(p_BTV - jnp.pad(draft.q_BKV, ((0, 0), (0, 1), (0, 0))), 0.0)
+            q = draft.q_BKV
+            if draft.q_ids_V is not None:
+                q = jnp.zeros((B, k, V), q.dtype).at[:, :, draft.q_ids_V].set(q)
+            q_x = jnp.take_along_axis(q, d_BK[..., None], axis=-1)[..., 0]
+            residual = jnp.maximum(p_BTV - jnp.pad(q, ((0, 0), (0, 1), (0, 0))), 0.0)
         u = jax.vmap(jax.vmap(jax.random.uniform))(salted(ACCEPT_SALT)[:, :k])
         accept = u * q_x < p_x
         resample = jax.vmap(jax.vmap(lambda key, w: jax.random.categorical(key, jnp.log(w))))(

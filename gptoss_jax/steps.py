@@ -104,6 +104,11 @@ def prefill(
     x, cache, _ = model.forward(
         params, cache, batch.tokens_BT, batch.positions_BT, batch.tables, st.cfg, st.kernels, layout=st.layout
     )
+    sampled, state = _sample_prefill(params, x, state, batch, st)
+    return sampled, cache, state
+
+
+def _sample_prefill(params, x, state: SamplerState, batch: PrefillBatch, st: StepConfig):
     with jax.named_scope("sample"):
         state = sampling.record_prefill(
             state, batch.sampling, batch.lists, batch.tokens_BT, batch.positions_BT, batch.last_B
@@ -112,7 +117,60 @@ def prefill(
         pos_B = jnp.take_along_axis(batch.positions_BT, batch.last_B[:, None], axis=1)[:, 0]
         # Branchless: a conditional here would hold the host until the forward pass is done (`sampling.shortcut`).
         sampled = _sampler(st, branchless=True)(model.unembed(params, last_x), pos_B, batch.sampling, state)
-        return sampled, cache, state
+        return sampled, state
+
+
+@struct.dataclass
+class DraftingPrefillBatch:
+    """A prefill batch for a drafter that drafts from the target's hidden states (`speculative.Eagle3Drafter`):
+    `next_B` is the token after each row's chunk where the host knows it (the prompt's next), -1 where it is the
+    token this call samples."""
+
+    prefill: PrefillBatch
+    next_B: jax.Array  # i32
+
+
+@functools.partial(jax.jit, static_argnames=("st",), donate_argnames=("cache", "state"))
+def prefill_drafting(
+    params: tuple[Params, object],
+    cache: model.PagedKVCache,
+    state: tuple[SamplerState, speculative.DraftState],
+    batch: DraftingPrefillBatch,
+    *,
+    st: StepConfig,
+) -> tuple[Sampled, model.PagedKVCache, tuple[SamplerState, speculative.DraftState]]:
+    """`prefill` that also records the target's hidden states at the drafter's aux layers and runs the drafter
+    over the chunk (`after_prefill`: its K/V for every chunk position, and its first drafts for the row's slot)."""
+    TRACES["prefill_drafting"] += 1
+    (target, draft_params), (sstate, dstate), b = params, state, batch.prefill
+    x, cache, _, aux = model.forward(
+        target, cache, b.tokens_BT, b.positions_BT, b.tables, st.cfg, st.kernels, aux_layers=st.drafter.aux_layers
+    )
+    sampled, sstate = _sample_prefill(target, x, sstate, b, st)
+    with jax.named_scope("draft"):
+        slots_B = b.sampling.proc_B4[:, 3]
+        next_B = jnp.where(batch.next_B >= 0, batch.next_B, sampled.tokens)
+        pos_B = jnp.max(b.positions_BT, axis=1) + 1  # the position the next token sits at
+        dstate = st.drafter.after_prefill(
+            draft_params,
+            dstate,
+            aux,
+            b.tokens_BT,
+            b.positions_BT,
+            next_B,
+            b.tables,
+            slots_B,
+            b.sampling,
+            _draft_keys(b.sampling.keys_B2, pos_B),
+        )
+    return sampled, cache, (sstate, dstate)
+
+
+def _draft_keys(keys_B2: jax.Array, pos_B: jax.Array) -> jax.Array:
+    """The keys of a drafter's own draws for rows whose next input sits at `pos_B`: the row's key folded with the
+    position, salted."""
+    fold = jax.vmap(jax.random.fold_in)
+    return fold(fold(keys_B2, pos_B), jnp.full_like(pos_B, speculative.DRAFT_SALT))
 
 
 @functools.partial(jax.jit, static_argnames=("st",), donate_argnames=("cache", "state"))
@@ -174,6 +232,8 @@ def decode_speculative(
     target, draft_params = params
     d = batch.decode
     slots_B = d.sampling.proc_B4[:, 3]
+    # () traces the plain forward; a bucket that does not draft leaves a drafter model's K/V behind (drafts only)
+    aux_ids = getattr(st.drafter, "aux_layers", ()) if st.draft else ()
     no_logprobs = jnp.zeros_like(d.sampling.want_logprobs_B)
 
     k = st.drafter.num_tokens
@@ -183,17 +243,15 @@ def decode_speculative(
         drafting_B = batch.drafting_B & (pos_B >= 0) & st.draft
         with jax.named_scope("draft"):
             dstate = dstate.record(slots_B, tok_B[:, None], pos_B[:, None])
-            keys_B2 = jax.vmap(jax.random.fold_in)(
-                jax.vmap(jax.random.fold_in)(d.sampling.keys_B2, pos_B), jnp.full_like(pos_B, speculative.DRAFT_SALT)
-            )
+            keys_B2 = _draft_keys(d.sampling.keys_B2, pos_B)
             if st.draft:
                 inp = speculative.DraftInputs(tok_B, pos_B, slots_B, keys_B2)
                 draft = st.drafter.propose(draft_params, dstate, inp)
             else:  # one token per row; the history and the next token and position are kept as with drafts
                 draft = speculative.Draft(jnp.zeros((tok_B.shape[0], 0), jnp.int32))
             tokens_BT, positions_BT = speculative.drafts(tok_B, draft, pos_B, drafting_B)
-        x_BTD, cache, _ = model.forward(
-            target, cache, tokens_BT, positions_BT, d.tables, st.cfg, st.kernels, layout=st.layout
+        x_BTD, cache, _, *aux = model.forward(
+            target, cache, tokens_BT, positions_BT, d.tables, st.cfg, st.kernels, layout=st.layout, aux_layers=aux_ids
         )
         with jax.named_scope("verify"):
             logits_BTV = model.unembed(target, x_BTD)
@@ -216,6 +274,20 @@ def decode_speculative(
             dstate = dstate.record(slots_B, out_BT, emitted)
         next_B = jnp.take_along_axis(out_BT, n_B[:, None], axis=1)[:, 0]
         next_pos = jnp.where(pos_B >= 0, pos_B + n_B + 1, -1)
+        if aux_ids:  # a drafter model drafts the next step's tokens now, from the verified rows' hidden states
+            with jax.named_scope("draft"):
+                dstate = st.drafter.after_verify(
+                    draft_params,
+                    dstate,
+                    aux[0],
+                    out_BT,
+                    n_B,
+                    pos_B,
+                    d.tables,
+                    slots_B,
+                    d.sampling,
+                    _draft_keys(d.sampling.keys_B2, next_pos),
+                )
         return (cache, sstate, dstate, next_B, next_pos), Sampled(out_BT, *lp)
 
     sstate, dstate = state

@@ -258,10 +258,18 @@ def _aux(seed, T, A=3, D=64):
     return np.random.default_rng(seed).standard_normal((A, T, D))
 
 
-@pytest.mark.parametrize("capacity", [32, 6])  # 6: the ring holds fewer positions than the sequence
-def test_step_matches_reference_across_calls(drafter_dir, drafter, capacity):
-    """Nine rows fed as 5 + 3 + 1 rows in three calls through the drafter's cache (padding rows included) equal the
-    reference over all nine at once; with a ring of 6 both attend to the last 6 positions only."""
+def _pages(tables, cached=None):
+    t = jnp.asarray(tables, jnp.int32)
+    return eagle3.Pages(t, jnp.zeros(t.shape[0], jnp.int32) if cached is None else jnp.asarray(cached, jnp.int32))
+
+
+def _keys(B, seed=0):
+    return jnp.stack([jnp.full(B, seed, jnp.uint32), jnp.arange(B, dtype=jnp.uint32)], 1)
+
+
+def test_step_matches_reference_across_calls(drafter_dir, drafter):
+    """Nine rows fed as 5 + 3 + 1 rows in three calls through the drafter's paged K/V (padding rows included) equal
+    the reference over all nine at once; only the sequence's pages are written, prefix-cached positions never."""
     cfg, p = drafter
     f, _ = _np_params(drafter_dir)
     T = 9
@@ -269,10 +277,11 @@ def test_step_matches_reference_across_calls(drafter_dir, drafter, capacity):
     tokens = rng.integers(0, 512, T)
     aux = _aux(1, T)
     hidden = np.concatenate(list(aux), -1) @ f["fc.weight"].T  # fc over the aux states in id order
-    ref_logits, ref_h = _ref_layer(f, cfg, tokens, hidden, np.arange(T, dtype=np.float64), capacity)
+    ref_logits, ref_h = _ref_layer(f, cfg, tokens, hidden, np.arange(T, dtype=np.float64), 1 << 20)
 
-    run = jax.jit(eagle3.step, static_argnames="cfg")
-    cache = eagle3.DraftCache.zeros(cfg, 3, capacity, jnp.float32)
+    run = jax.jit(eagle3.step, static_argnames=("cfg", "write"))
+    kv = eagle3.DraftKV.zeros(cfg, 8, 4, jnp.float32)  # 4-position pages; row 1 holds pages 5, 2, 7
+    pages = _pages([[0, 0, 0], [5, 2, 7]])
     logits, hs = [], []
     for lo, hi, width in ((0, 5, 5), (5, 8, 4), (8, 9, 1)):  # the middle call has one padding row
         n = hi - lo
@@ -281,27 +290,40 @@ def test_step_matches_reference_across_calls(drafter_dir, drafter, capacity):
         tok[1, :n], pos[1, :n] = tokens[lo:hi], np.arange(lo, hi)
         h = np.zeros((2, width, 64), np.float32)
         h[1, :n] = np.asarray(eagle3.fuse(p, cfg, jnp.asarray(aux[:, None, lo:hi], jnp.float32)))[0]
-        out = run(p, cfg, cache, jnp.asarray(tok), jnp.asarray(h), jnp.asarray(pos), jnp.asarray([0, 2], jnp.int32))
-        cache = out.cache
+        out = run(p, cfg, kv, jnp.asarray(tok), jnp.asarray(h), jnp.asarray(pos), pages)
+        kv = out.kv
         logits.append(np.asarray(out.logits[1, :n]))
         hs.append(np.asarray(out.hidden[1, :n]))
     np.testing.assert_allclose(np.concatenate(logits), ref_logits, rtol=2e-4, atol=2e-4)
     np.testing.assert_allclose(np.concatenate(hs), ref_h, rtol=2e-4, atol=2e-4)
-    # only slot 2 was written (row 0 was all padding)
-    assert np.all(np.asarray(cache.pos[0]) == -1) and np.all(np.asarray(cache.pos[1]) == -1)
-    assert sorted(np.asarray(cache.pos[2]).tolist())[-min(capacity, T) :] == list(range(T - min(capacity, T), T))
+    written = np.abs(np.asarray(kv.k)).sum((2, 3)) > 0  # [page, slot]
+    want = np.zeros((8, 4), bool)
+    want[5], want[2], want[7, 0] = True, True, True  # positions 0-3, 4-7, 8
+    np.testing.assert_array_equal(written, want)
+    # a prefix-cached sequence (positions below 8 in shared pages) writes only position 8 on
+    again = run(
+        p,
+        cfg,
+        eagle3.DraftKV.zeros(cfg, 8, 4, jnp.float32),
+        jnp.asarray(tokens[None]),
+        jnp.asarray(hidden[None], jnp.float32),
+        jnp.arange(T, dtype=jnp.int32)[None],
+        _pages([[5, 2, 7]], [8]),
+    )
+    assert (np.abs(np.asarray(again.kv.k)).sum((2, 3)) > 0).nonzero() == (np.array([7]), np.array([0]))
 
 
 def test_propose_greedy_matches_reference_loop(drafter_dir, drafter):
     """Greedy drafts: the first from the last verified row, each next one from the drafter's own pre-norm output
-    and drafted token one position on (EAGLE-3's loop), mapped through d2t; the reference recomputes every row."""
+    and drafted token one position on (EAGLE-3's loop), mapped through d2t; the reference recomputes every row.
+    Sampled drafts: each step's distribution is the reference's over the drafts drawn before it."""
     cfg, p = drafter
     f, d2t = _np_params(drafter_dir)
     k, T = 4, 6
     rng = np.random.default_rng(2)
     tokens, aux = rng.integers(0, 512, T), _aux(3, T)
     hidden = np.concatenate(list(aux), -1) @ f["fc.weight"].T
-    rows_tok, rows_h, rows_pos = list(tokens), list(hidden), list(range(10, 10 + T))
+    rows_tok, rows_h, rows_pos = list(tokens), list(hidden), list(range(T))
     want = []
     for _ in range(k):
         logits, h2 = _ref_layer(f, cfg, np.array(rows_tok), np.array(rows_h), np.array(rows_pos, float), 1 << 20)
@@ -312,21 +334,34 @@ def test_propose_greedy_matches_reference_loop(drafter_dir, drafter):
         rows_pos.append(rows_pos[-1] + 1)
 
     propose = jax.jit(eagle3.propose, static_argnames=("cfg", "num_tokens"))
-    cache = eagle3.DraftCache.zeros(cfg, 2, 64, jnp.float32)
+    kv = eagle3.DraftKV.zeros(cfg, 8, 4, jnp.float32)
     args = (
         jnp.asarray(tokens[None], jnp.int32),
         jnp.asarray(aux[:, None], jnp.float32),
-        jnp.arange(10, 10 + T, dtype=jnp.int32)[None],
-        jnp.asarray([1], jnp.int32),
+        jnp.arange(T, dtype=jnp.int32)[None],
+        _pages([[1, 2, 3, 4, 5, 6]]),
         jnp.zeros((1,), jnp.float32),
-        jax.random.PRNGKey(0),
+        _keys(1),
     )
-    out = propose(p, cfg, cache, *args, num_tokens=k)
+    out = propose(p, cfg, kv, *args, num_tokens=k)
     assert out.tokens.shape == (1, k) and out.draft_ids.shape == (1, k) and out.probs.shape == (1, k, 128)
     assert np.asarray(out.tokens[0]).tolist() == want
     np.testing.assert_array_equal(np.asarray(out.probs[0]), np.eye(128)[np.asarray(out.draft_ids[0])])
-    # the cache holds the verified rows and the k - 1 drafted ones it fed back
-    assert sorted(p for p in np.asarray(out.cache.pos[1]).tolist() if p >= 0) == list(range(10, 10 + T + k - 1))
+    # sampled: each step's distribution is softmax(logits) of the reference fed the drafts actually drawn
+    out_s = propose(p, cfg, kv, *args[:4], jnp.ones((1,), jnp.float32), _keys(1, 3), num_tokens=k)
+    drawn = np.asarray(out_s.tokens[0]).tolist()
+    fed = []  # the hidden states the draft steps fed back
+    for j in range(k):
+        rows = list(tokens) + drawn[:j]
+        logits, h2 = _ref_layer(
+            f, cfg, np.array(rows), np.array(list(hidden) + fed), np.arange(len(rows), dtype=float), 1 << 20
+        )
+        fed.append(h2[-1])
+        e = np.exp(logits[-1] - logits[-1].max())
+        np.testing.assert_allclose(np.asarray(out_s.probs[0, j]), e / e.sum(), rtol=1e-4, atol=1e-6)
+    # the pool holds the verified rows (positions 0-5: pages 1 and 2) only; the drafted ones stayed in the call
+    written = np.abs(np.asarray(out.kv.k)).sum((2, 3)) > 0
+    assert [4 * (page - 1) + slot for page, slot in zip(*written.nonzero())] == list(range(T))
 
 
 def test_propose_sampling_is_seeded_and_batched(drafter):
@@ -338,18 +373,18 @@ def test_propose_sampling_is_seeded_and_batched(drafter):
     tokens = jnp.asarray(rng.integers(0, 512, (B, T)), jnp.int32)
     aux = jnp.asarray(rng.standard_normal((3, B, T, 64)), jnp.float32)
     pos = jnp.asarray([[0, 1, 2, 3], [0, 1, -1, -1], [-1, -1, -1, -1]], jnp.int32)
-    slots, temp = jnp.asarray([0, 1, 2], jnp.int32), jnp.asarray([1.0, 0.7, 1.0], jnp.float32)
+    pages, temp = _pages([[1, 2], [3, 4], [5, 6]]), jnp.asarray([1.0, 0.7, 1.0], jnp.float32)
     propose = jax.jit(eagle3.propose, static_argnames=("cfg", "num_tokens"))
-    cache = eagle3.DraftCache.zeros(cfg, 3, 16, jnp.float32)
-    a = propose(p, cfg, cache, tokens, aux, pos, slots, temp, jax.random.PRNGKey(7), num_tokens=k)
-    b = propose(p, cfg, cache, tokens, aux, pos, slots, temp, jax.random.PRNGKey(7), num_tokens=k)
+    kv = eagle3.DraftKV.zeros(cfg, 7, 4, jnp.float32)
+    a = propose(p, cfg, kv, tokens, aux, pos, pages, temp, _keys(B, 7), num_tokens=k)
+    b = propose(p, cfg, kv, tokens, aux, pos, pages, temp, _keys(B, 7), num_tokens=k)
     np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
     probs, ids = np.asarray(a.probs), np.asarray(a.draft_ids)
     np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
     assert np.all(np.take_along_axis(probs, ids[..., None], -1) > 0)
-    assert np.all(np.asarray(a.cache.pos[2]) == -1)  # the padding row wrote nothing
+    assert not np.any(np.asarray(a.kv.k)[5:])  # the padding row wrote nothing
     # row 1 alone gives the same draws for the same key material
-    alone = propose(p, cfg, cache, tokens, aux, pos.at[0].set(-1), slots, temp, jax.random.PRNGKey(7), num_tokens=k)
+    alone = propose(p, cfg, kv, tokens, aux, pos.at[0].set(-1), pages, temp, _keys(B, 7), num_tokens=k)
     np.testing.assert_allclose(np.asarray(alone.probs[1]), probs[1], rtol=1e-5, atol=1e-7)
     # the target-vocabulary view puts each probability at its target id
     full = np.asarray(eagle3.to_target_vocab(p, a.probs, cfg.vocab_size))
@@ -419,11 +454,9 @@ def test_drafter_runs_on_the_targets_aux_states(target_params, drafter):
     cfg, args = _target_args(target_params, T=8)
     _, _, _, aux = jax.jit(lambda *a: model.forward(*a, cfg=cfg, aux_layers=dcfg.aux_layer_ids))(*args)
     tokens = jnp.concatenate([args[2][:, 1:], jnp.asarray([[7]], jnp.int32)], 1)  # the next token of each row
-    cache = eagle3.DraftCache.zeros(dcfg, 1, 32, jnp.float32)
+    kv = eagle3.DraftKV.zeros(dcfg, 5, 4, jnp.float32)
     propose = jax.jit(eagle3.propose, static_argnames=("cfg", "num_tokens"))
-    out = propose(
-        p, dcfg, cache, tokens, aux, args[3], jnp.zeros(1, jnp.int32), jnp.zeros(1), jax.random.PRNGKey(0), num_tokens=3
-    )
+    out = propose(p, dcfg, kv, tokens, aux, args[3], _pages([[1, 2, 3, 4]]), jnp.zeros(1), _keys(1), num_tokens=3)
     assert out.tokens.shape == (1, 3) and np.all((np.asarray(out.tokens) >= 0) & (np.asarray(out.tokens) < 512))
 
 

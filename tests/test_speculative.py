@@ -342,7 +342,7 @@ def test_config_errors_name_the_field(value, field):
         engine_config.load(None, speculative_config=value)
 
 
-def test_config_from_the_command_line_and_eagle3_not_yet_available(small_checkpoint):
+def test_config_from_the_command_line(small_checkpoint):
     spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
     ec = cli.resolve(serve.parse_args(["--model", str(small_checkpoint), "--speculative-config", spec]))[1]
     s = ec.speculative_config
@@ -350,8 +350,6 @@ def test_config_from_the_command_line_and_eagle3_not_yet_available(small_checkpo
     assert ec.decode_tokens_per_call() == 5
     eagle = dict(method="eagle3", model="some/drafter", num_speculative_tokens=3)
     assert engine_config.load(None, speculative_config=eagle).speculative_config.model == "some/drafter"
-    with pytest.raises(ConfigError, match="EAGLE-3 drafter is not available"):
-        LLM(small_checkpoint, dtype="float32", progress=False, speculative_config=eagle, **SMALL)
     with pytest.raises(ConfigError, match="one device"):
         engine_config.load(None, speculative_config=eagle, model_parallel=2)
 

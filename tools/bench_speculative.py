@@ -3,7 +3,10 @@ drafter proposes the known greedy continuation and is forced to a chosen accepta
 
 1. verify: one `steps.decode_speculative` call (k drafts + 1 token per row, oracle drafter) against one plain decode
    step (k = 0), k = 1..7, at batch 1 (and `--verify-batches`), context `--input-len`;
-2. drafters: the cost of the n-gram and oracle drafters' `propose` alone, per call;
+2. drafters: the cost of the n-gram and oracle drafters' `propose` alone, per call; and an EAGLE-3 drafter's (a random
+   one at the published gpt-oss shape: one Llama layer as wide as the target, MLP 6x, 32,000 draft ids, the
+   target's embedding shared): its `propose` after a verify step of k + 1 accepted rows (first pass and k - 1 draft
+   steps) and one draft step alone, at context `--input-len` (`--method eagle3` times only this);
 3. end to end: `--concurrency` requests at once (1, 8, 32) of `--input-len` random prompt tokens and `--output-len`
    greedy output tokens, without speculation (its outputs become the oracle's continuations), then with the oracle
    at each `--acceptance-lengths` (2.5, 3.0, 3.5), k = `--k`: output tok/s and the measured acceptance length. The
@@ -14,6 +17,7 @@ drafter proposes the known greedy continuation and is forced to a chosen accepta
 
     python -m tools.bench_speculative --preset gpt-oss-20b --out $OUT/spec.json
     python -m tools.bench_speculative --preset gpt-oss-120b --skip verify --concurrency 1
+    python -m tools.bench_speculative --preset gpt-oss-120b --method eagle3 --verify-batches 1,8,32
     python -m tools.bench_speculative --smoke                       # tiny model, CPU check
 """
 
@@ -28,9 +32,10 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from gptoss_jax import config, runtime, speculative
+from gptoss_jax import config, eagle3, random_weights, runtime, speculative
 from gptoss_jax.engine import Engine
 from gptoss_jax.sampling import SamplingParams
 from pallas_kernels import KernelConfig
@@ -80,6 +85,78 @@ def drafter_times(cfg, k: int, batch: int, context: int) -> list[dict]:
         ms = timeit(lambda: fn(state, inp, params).block_until_ready()) * 1e3
         out.append({"method": spec.method, "k": k, "batch": batch, "ms": ms})
         print(f"[drafter] {spec.method} k={k} batch {batch}: {ms:.3f} ms per call", flush=True)
+    return out
+
+
+def random_drafter(cfg, dtype=jnp.bfloat16) -> tuple[eagle3.Eagle3Config, eagle3.DrafterParams]:
+    """A random EAGLE-3 drafter for `cfg` in the published layout's shapes (`random_weights.eagle3_config`), built on
+    the device, with an embedding of its own (the lookup costs the same shared or not); draft id i is target id i."""
+    hf = dict(
+        num_hidden_layers=cfg.num_layers,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+    )
+    dcfg = eagle3.from_hf_dict(random_weights.eagle3_config(hf), cfg, "random drafter")
+    key = jax.random.PRNGKey(0)
+    values = {"d2t": jnp.zeros((dcfg.draft_vocab_size,), jnp.int32)}
+    for i, (name, (field, shape)) in enumerate(eagle3.tensor_specs(dcfg).items()):
+        if field and field not in values:
+            scale = 1.0 if "norm" in name else shape[-1] ** -0.5
+            values[field] = (jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32) * scale).astype(dtype)
+    values.update({f: None for f in ("input_norm", "q_b", "k_b", "v_b", "o_b") if f not in values})
+    return dcfg, eagle3.DrafterParams(**values)
+
+
+def eagle3_times(cfg, k: int, batches: list[int], context: int, page_size: int = 16) -> list[dict]:
+    """An EAGLE-3 drafter's cost (ms, median) per batch: `propose` after a verify step whose k + 1 rows were all
+    accepted (the first pass writes their K/V; then k - 1 draft steps), and one draft step alone (one row, reading
+    the context's K/V), each row at `context` positions of its own pages."""
+    dcfg, dparams = random_drafter(cfg)
+    jax.block_until_ready(dparams)
+    out = []
+    for B in batches:
+        width = -(-(context + 2 * k + 2) // page_size)
+        table = np.arange(1, B * width + 1, dtype=np.int32).reshape(B, width)
+        pages = eagle3.Pages(jax.device_put(table), jax.device_put(np.zeros(B, np.int32)))
+        kv = eagle3.DraftKV.zeros(dcfg, B * width + 1, page_size, jnp.bfloat16)
+        rng = np.random.default_rng(0)
+        tokens = jax.device_put(rng.integers(0, cfg.vocab_size, (B, k + 1), np.int32))
+        positions = jax.device_put(np.tile(np.arange(context, context + k + 1, dtype=np.int32), (B, 1)))
+        aux = jnp.asarray(rng.standard_normal((dcfg.num_aux, B, k + 1, cfg.hidden_size)), jnp.float32)
+        temperature, keys = jnp.zeros(B), jnp.zeros((B, 2), jnp.uint32)
+
+        @jax.jit
+        def propose(dparams, kv, tokens, aux, positions):
+            prop = eagle3.propose(dparams, dcfg, kv, tokens, aux, positions, pages, temperature, keys, num_tokens=k)
+            return prop.tokens
+
+        @jax.jit
+        def one_step(dparams, kv, tokens, hidden, positions):
+            return eagle3.step(dparams, dcfg, kv, tokens, hidden, positions, pages, write=False).logits
+
+        hidden = jnp.zeros((B, 1, dcfg.hidden_size), jnp.bfloat16)
+        ms_propose = timeit(lambda: propose(dparams, kv, tokens, aux, positions)) * 1e3
+        ms_step = timeit(lambda: one_step(dparams, kv, tokens[:, :1], hidden, positions[:, :1])) * 1e3
+        out.append(
+            {
+                "method": "eagle3",
+                "k": k,
+                "batch": B,
+                "context": context,
+                "propose_ms": ms_propose,
+                "step_ms": ms_step,
+                "draft_vocab": dcfg.draft_vocab_size,
+                "intermediate": dcfg.intermediate_size,
+            }
+        )
+        print(
+            f"[eagle3] k={k} batch {B} context {context}: propose {ms_propose:.3f} ms (first pass of {k + 1} rows + "
+            f"{k - 1} steps), one draft step {ms_step:.3f} ms",
+            flush=True,
+        )
     return out
 
 
@@ -193,6 +270,7 @@ def main() -> None:
     ap.add_argument("--config", default="low_latency", help="engine profile of the end-to-end runs")
     ap.add_argument("--impl", choices=["pallas", "reference"], default=None, help="default: pallas on GPU")
     ap.add_argument("--skip", action="append", default=[], choices=["verify", "drafter", "e2e"])
+    ap.add_argument("--method", choices=["eagle3"], help="time only this drafter's cost (--k, --verify-batches)")
     ap.add_argument("--out", default="speculative.json")
     args = ap.parse_args()
     overrides = {}
@@ -230,6 +308,10 @@ def main() -> None:
             result[key] = rows
         Path(args.out).write_text(json.dumps(result, indent=1, default=str))
 
+    if "drafter" not in args.skip or args.method == "eagle3":
+        save(eagle3_times(cfg, args.k, batches, args.input_len), "eagle3")
+    if args.method == "eagle3":  # the drafter alone: no target weights
+        return
     params = random_params(cfg, kernels)
     jax.block_until_ready(params)
     if "verify" not in args.skip:
