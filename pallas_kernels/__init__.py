@@ -173,6 +173,10 @@ def attention(
     c = _choose("attention", B, (T, N, k_pages_PSKH.shape[2], H), q_BTNH.dtype, kernels)
     if c.kernel == "reference":
         return attention_reference.attention(*args, **scales)
+    if c.kernel == "paged_rows":  # one decode query row per token, each with its row's table and own position
+        rows = (q_BTNH.reshape(B * T, 1, N, H), k_pages_PSKH, v_pages_PSKH, jnp.repeat(block_tables_BM, T, axis=0))
+        o = paged_attention.attention(*rows, q_pos_BT.reshape(B * T, 1), sinks_N, window, **scales, **c.kw)
+        return o.reshape(B, T, N, H)
     kernel = flash_attention if c.kernel == "flash" else paged_attention  # prefill chunk / decode
     return kernel.attention(*args, **scales, **c.kw)
 

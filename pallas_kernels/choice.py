@@ -67,6 +67,10 @@ class KernelConfig:
     attention_warps: int = 4
     attention_split_programs: int = 1024  # sequence splits aim at this many programs (~8 per SM on 132 SMs)
     attention_max_splits: int = 32  # splits per (row, KV head), at most
+    # Up to this many tokens per row (a speculative verify step: k + 1) the decode kernel attends, one query row per
+    # token (their K/V are written first, so each sees its causal prefix): its sequence splits keep the SMs busy,
+    # where the prefill kernel gave a few programs a whole context each (20b verify step, k = 3: BENCHMARKS §13d).
+    attention_rows_tokens: int = 8
     flash_block_q: int = 64  # prefill: (token, head) rows per tile, a multiple of the GQA group
     flash_block_kv: int = 64
     flash_warps: int = 4
@@ -74,9 +78,10 @@ class KernelConfig:
 
     # Projections. Up to 7 rows run the Triton GEMV (the Mosaic kernel pads to 8 token rows: at 2 and 4 rows the
     # step was 8-11% slower with it, 20b and 120b, BENCHMARKS §13b; at 8 the same); from `linear_mosaic_rows` to 256
-    # rows the Mosaic kernel runs every weight in one launch (Hopper, BENCHMARKS §4f); else the Triton GEMV up to `linear_gemv_rows` (at most `linear_decode.MAX_ROWS`), with q, k
-    # and v in one launch up to `linear_fuse_rows` rows (small weights cost launch latency, not bytes; the 3
-    # branches' pipelines fit shared memory); beyond, XLA's GEMM amortises its copy of the layer slice.
+    # rows the Mosaic kernel runs every weight in one launch (Hopper, BENCHMARKS §4f); else the Triton GEMV up to
+    # `linear_gemv_rows` (at most `linear_decode.MAX_ROWS`), with q, k and v in one launch up to `linear_fuse_rows`
+    # rows (small weights cost launch latency, not bytes; the 3 branches' pipelines fit shared memory); beyond, XLA's
+    # GEMM amortises its copy of the layer slice.
     linear_mosaic_rows: int = 8
     linear_gemv_rows: int = 64
     linear_fuse_rows: int = 16
@@ -174,7 +179,7 @@ def choose(op: str, rows: int, shape: tuple[int, ...], dtype, device: Device, co
     """The kernel for `op` on `rows` rows of a model of `shape`, in `dtype`, on `device`, under `config`:
 
     - "attention": rows = sequences, shape = (tokens per row, q heads, KV heads, head dim) -> "reference";
-      "new_token" or "paged" (one token per row); "flash" (prefill chunks).
+      "new_token" or "paged" (one token per row); "paged_rows" (a few tokens per row); "flash" (prefill chunks).
     - "projection": rows = tokens, shape = (input features, output features of each weight sharing the input)
       -> "reference" (XLA's GEMM), "mosaic" or "gemv" (`fuse`: the weights share one launch).
     - "moe": rows = tokens, shape = (hidden, intermediate, experts, top-k) -> "route" (the fused decode block) or
@@ -190,6 +195,15 @@ def choose(op: str, rows: int, shape: tuple[int, ...], dtype, device: Device, co
     c = config
     if op == "attention":
         T = shape[0]
+        decode_kw = dict(
+            block_kv=c.attention_block_kv,
+            num_stages=c.attention_stages,
+            num_warps=c.attention_warps,
+            split_programs=c.attention_split_programs,
+            max_splits=c.attention_max_splits,
+        )
+        if 1 < T <= c.attention_rows_tokens:
+            return _choice("paged_rows", **decode_kw)
         if T > 1:
             return _choice(
                 "flash",
@@ -198,14 +212,7 @@ def choose(op: str, rows: int, shape: tuple[int, ...], dtype, device: Device, co
                 num_warps=c.flash_warps,
                 num_stages=c.flash_stages,
             )
-        return _choice(
-            "new_token" if rows <= c.new_token_rows else "paged",
-            block_kv=c.attention_block_kv,
-            num_stages=c.attention_stages,
-            num_warps=c.attention_warps,
-            split_programs=c.attention_split_programs,
-            max_splits=c.attention_max_splits,
-        )
+        return _choice("new_token" if rows <= c.new_token_rows else "paged", **decode_kw)
     if op == "projection":
         I, *Os = shape
         if mosaic and c.linear_mosaic_rows <= rows and linear_mosaic.fits(rows, I, dtype):

@@ -7,9 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels
 from gptoss_jax import config, model
 from gptoss_jax.random_weights import random_params
 from pallas_kernels import KernelConfig, attention_reference, flash_attention, kv_quant, paged_attention
+from pallas_kernels.choice import CPU
 
 FULL = 2**31 - 1
 
@@ -84,6 +86,23 @@ def test_prefill_flash_matches_reference(window, S, chunks, T, sink_scale, block
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
     pad = np.asarray(pos) < 0
     assert np.abs(out[pad]).max(initial=0.0) == 0.0
+
+
+@pytest.mark.parametrize("window", [FULL, 8])
+def test_a_few_tokens_per_row_take_the_decode_kernel_and_match_reference(window):
+    """A verify step's rows (k + 1 tokens at consecutive positions, or one token for a row that does not draft, or
+    padding) attend through the decode kernel, one query row per token, each to its own causal prefix."""
+    chunks = [(0, 4), (19, 4), (30, 1), (0, 0)]
+    q, kp, vp, bt, pos, sinks = _prefill_case(7, 8, 2, 16, 4, chunks, 4, 5.0)
+    kernels = KernelConfig(impl="pallas")
+    assert pallas_kernels.choose("attention", 4, (4, 8, 2, 16), q.dtype, CPU, kernels).kernel == "paged_rows"
+    assert pallas_kernels.choose("attention", 4, (9, 8, 2, 16), q.dtype, CPU, kernels).kernel == "flash"
+    ref = attention_reference.attention(q, kp, vp, bt, pos, sinks, window)
+    out = pallas_kernels.attention(q, kp, vp, bt, pos, sinks, window, kernels=kernels.for_device(CPU))
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(out).all()
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
+    assert np.abs(out[np.asarray(pos) < 0]).max(initial=0.0) == 0.0
 
 
 @pytest.mark.parametrize(
