@@ -169,7 +169,9 @@ def test_linear_mosaic_token_tile_and_limits():
     assert not linear_mosaic.fits(8, 2880, jnp.float32)  # wgmma reads 16-bit operands from shared memory
 
 
-@pytest.mark.parametrize("T,want", [(1, "triton"), (2, "mosaic"), (64, "mosaic"), (256, "mosaic"), (257, "reference")])
+@pytest.mark.parametrize(
+    "T,want", [(1, "triton"), (7, "triton"), (8, "mosaic"), (64, "mosaic"), (256, "mosaic"), (257, "reference")]
+)
 def test_linear_many_dispatch_on_hopper(monkeypatch, T, want):
     """Which kernel `pallas_kernels.linear_many` runs for T rows when the Mosaic kernel is available (recorded
     by stand-ins: this checks the routing, the tests above check the kernels)."""
