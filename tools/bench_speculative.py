@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -40,7 +38,7 @@ from gptoss_jax.engine import Engine
 from gptoss_jax.sampling import SamplingParams
 from pallas_kernels import KernelConfig
 from tools.bench_throughput import SMOKE
-from tools.common import copy_bandwidth, decode_step, random_params, resolved, speculative_step, timeit
+from tools.common import commit_id, copy_bandwidth, decode_step, random_params, resolved, speculative_step, timeit
 
 
 def verify_times(params, cfg, kernels, ks, batches, context) -> list[dict]:
@@ -287,15 +285,11 @@ def main() -> None:
     ks = [int(x) for x in args.ks.split(",")]
     batches = [int(x) for x in args.verify_batches.split(",")]
     kernels = resolved(KernelConfig(impl=args.impl or "auto"))
-    commit = (
-        os.environ.get("GPTOSS_JAX_COMMIT")
-        or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    )
     result = {
         "preset": "smoke" if args.smoke else args.preset,
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
-        "commit": commit or "unknown",
+        "commit": commit_id(),
         "impl": kernels.impl,
         "note": "random weights: acceptance is forced by the oracle drafter, not measured on real text",
     }

@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -34,7 +32,7 @@ from gptoss_jax.random_weights import DEMO_CONFIG
 from gptoss_jax.sampling import SamplingParams
 from pallas_kernels import KernelConfig
 from tools.bench_throughput import TimedEngine
-from tools.common import copy_bandwidth, random_params, resolved, timeit
+from tools.common import commit_id, copy_bandwidth, random_params, resolved, timeit
 
 # Long enough to fill any output length: the engine steers it to its end near max_tokens.
 SCHEMA = {
@@ -198,10 +196,6 @@ def main() -> None:
         )
     else:
         cfg = config.preset(args.preset)
-    commit = (
-        os.environ.get("GPTOSS_JAX_COMMIT")
-        or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    )
     kernels = resolved(KernelConfig(impl="auto"))
     import llguidance
 
@@ -210,7 +204,7 @@ def main() -> None:
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
         "llguidance": llguidance.__version__,
-        "commit": commit or "unknown",
+        "commit": commit_id(),
         "schema": SCHEMA,
         "jobs": [],
     }

@@ -23,9 +23,7 @@ import contextlib
 import dataclasses
 import gc
 import json
-import os
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -41,7 +39,7 @@ from gptoss_jax.random_weights import DEMO_CONFIG
 from gptoss_jax.sampling import SamplingParams
 from pallas_kernels import KernelConfig
 from pallas_kernels import params as params_lib
-from tools.common import copy_bandwidth, random_params, resolved, summarize_trace
+from tools.common import commit_id, copy_bandwidth, random_params, resolved, summarize_trace
 
 SMOKE = dict(
     DEMO_CONFIG,
@@ -250,17 +248,12 @@ def main() -> None:
         except ValueError:
             ap.error(f"--jobs: '{spec}' is not INPUT/OUTPUT[xREQUESTS], e.g. 1024/1024x256")
     jobs.append(("latency", args.latency_config, 1, args.latency_input_len, args.latency_output_len))
-    # the GPU machine's copy of the tree can report a stale HEAD: say the commit there with GPTOSS_JAX_COMMIT
-    commit = (
-        os.environ.get("GPTOSS_JAX_COMMIT")
-        or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    )
     kernels = resolved(KernelConfig(impl=args.impl or "auto"))
     result = {
         "preset": "smoke" if args.smoke else args.preset,
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
-        "commit": commit or "unknown",
+        "commit": commit_id(),
         "impl": kernels.impl,
         "jobs": [],
     }

@@ -13,7 +13,9 @@ import glob
 import gzip
 import json
 import math
+import os
 import statistics
+import subprocess
 import time
 from typing import Any, Callable
 
@@ -32,6 +34,13 @@ PAGE = 16
 # The log-probability alternatives the engine compiles its steps for (`EngineConfig.max_logprobs`): the branch
 # that computes them decides whether a call blocks the host (docs/BENCHMARKS.md §4d).
 NUM_TOP = EngineConfig().max_logprobs
+
+
+def commit_id() -> str:
+    """The commit a result is for: `GPTOSS_JAX_COMMIT` (the GPU machine's copy of the tree can report a stale
+    HEAD), else git's short HEAD, else "unknown"."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return os.environ.get("GPTOSS_JAX_COMMIT") or head or "unknown"
 
 
 def model_config(name: str) -> config.ModelConfig:
