@@ -97,10 +97,14 @@ class ModelRunner:
             )
         self.max_model_len = min(ec.max_model_len or mc.max_position_embeddings, capacity)
         self._ctx_buckets = ec.context_buckets(self.max_model_len)
-        # Prefill with the kernels takes the widest table always: its cost does not depend on the table's width (the
-        # kernels visit only the pages its positions see) and 16 rows of it are little to copy, so one program per
-        # (rows, tokens) serves every context. The reference attention gathers the whole table: it keeps the widths.
-        self._prefill_widths = self._ctx_buckets[-1:] if kernels.impl == "pallas" else self._ctx_buckets
+        # The kernels' steps take the widest table always: their cost does not depend on the table's width (the
+        # kernels visit only the pages a row's positions see, over a grid that the width does not change at the
+        # default `min_context_bucket`), so one program per (rows, tokens) serves every context: a cold start at
+        # 131,072 tokens compiles 29 programs instead of 56 (BENCHMARKS §14). The reference attention and the
+        # EAGLE-3 drafter's gather the whole table: they keep the widths.
+        one_width = kernels.impl == "pallas"
+        self._prefill_widths = self._ctx_buckets[-1:] if one_width else self._ctx_buckets
+        self._decode_widths = self._ctx_buckets[-1:] if one_width and not self.prefill_drafts else self._ctx_buckets
         self._programs: dict[tuple, Any] = {}  # bucket -> its compiled step (`_program`)
         # Per row count, the all-zero token mask of calls without a structured-output row: on the device once.
         self._no_mask: dict[int, tuple[jax.Array, jax.Array]] = {}
@@ -237,7 +241,7 @@ class ModelRunner:
         """Dispatch one (multi-step) decode call for `seqs` -> (its sampled tokens `[steps, rows]`, each row)."""
         K = self.config.decode_tokens_per_call()
         rows, row_of = self._rows(seqs, self.config.decode_buckets())
-        width = self._width([s.decode_span(K)[0] + K for s in seqs])
+        width = self._width([s.decode_span(K)[0] + K for s in seqs], self._decode_widths)
         return self._decode(seqs, rows, row_of, width), row_of
 
     def _prefill_batch(
@@ -367,7 +371,7 @@ class ModelRunner:
         """Every program the scheduler can ask for: ("decode", rows, table width) and ("prefill", rows, tokens,
         table width)."""
         ec, R = self.config, self.num_ranks
-        decode = [("decode", R * b, w) for w in self._ctx_buckets for b in ec.decode_buckets()]
+        decode = [("decode", R * b, w) for w in self._decode_widths for b in ec.decode_buckets()]
         prefill = [
             ("prefill", R * b, T, w)
             for w in self._prefill_widths

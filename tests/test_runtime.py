@@ -164,16 +164,18 @@ def test_warmup_reports_progress(small_checkpoint, caplog):
 
 
 @pytest.mark.parametrize("impl", ["pallas", "reference"])
-def test_prefill_programs_take_one_table_width_with_the_kernels(small_checkpoint, impl):
-    """Decode keeps its table widths; prefill with the kernels takes the widest always (its cost does not grow with
-    the table), the reference attention (which gathers the whole table) keeps them."""
+def test_the_kernels_steps_take_one_table_width(small_checkpoint, impl):
+    """Prefill and decode with the kernels take the widest table always (their cost does not grow with the table):
+    one program per row count (and prefill tokens); the reference attention (which gathers the whole table) keeps
+    the widths."""
     eng = Engine(small_checkpoint, dtype="float32", progress=False, impl=impl, compile_cache_dir=False, **SMALL)
     buckets, ec = eng.runner.buckets(), eng.config
     eng.close()
     widths = ec.context_buckets(eng.max_model_len)
     assert len(widths) == 2
-    assert {k[2] for k in buckets if k[0] == "decode"} == set(widths)
+    decode_widths = {k[2] for k in buckets if k[0] == "decode"}
     prefill_widths = {k[3] for k in buckets if k[0] == "prefill"}
-    assert prefill_widths == ({widths[-1]} if impl == "pallas" else set(widths))
+    assert decode_widths == prefill_widths == ({widths[-1]} if impl == "pallas" else set(widths))
+    assert len([k for k in buckets if k[0] == "decode"]) == len(ec.decode_buckets()) * len(decode_widths)
     rows_tokens = len(ec.prefill_row_buckets()) * len(ec.prefill_token_buckets())
     assert len([k for k in buckets if k[0] == "prefill"]) == rows_tokens * len(prefill_widths)
