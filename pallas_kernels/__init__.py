@@ -9,6 +9,7 @@ relayout of the same bytes (`expert_format`), made tensor by tensor as the check
 (`relayout_expert_field`), or by `prepare_params` for parameters already on device.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -69,8 +70,14 @@ def _resolved(kernels: KernelConfig) -> KernelConfig:
 
 
 def _choose(op: str, rows: int, shape: tuple, dtype, kernels: KernelConfig) -> Choice:
+    """`choose`, with the kernels interpreted exactly when the device the config is for is no GPU: that device, not
+    the tracing process's backend, decides, so that a process without a GPU lowers the GPU's programs (the
+    engine's lowering workers, `gptoss_jax/lowering.py`)."""
     kernels = _resolved(kernels)
-    return choose(op, rows, shape, dtype, kernels.device, kernels)
+    c = choose(op, rows, shape, dtype, kernels.device, kernels)
+    if c.kernel == "reference":
+        return c
+    return dataclasses.replace(c, launch={**c.launch, "interpret": kernels.device.platform != "gpu"})
 
 
 # ---- the experts' layout ---------------------------------------------------------------------------------------

@@ -87,8 +87,11 @@ def _store_transposed(ctx, acc, wg, out):
         memref.store(v, out, [wg, col, r])
 
 
-def linear_many(x_TI, ws_LOI, bs_O, layer, *, splits: int, stages: int):
-    """`tuple(x @ w[layer].T + b)` in f32 for each weight (all `[L, O_i, I]`, 16-bit) on one launch."""
+def linear_many(x_TI, ws_LOI, bs_O, layer, *, splits: int, stages: int, interpret: bool = False):
+    """`tuple(x @ w[layer].T + b)` in f32 for each weight (all `[L, O_i, I]`, 16-bit) on one launch. Hopper only:
+    there is no interpreted form (`interpret` must be false; the choice takes this kernel on Hopper only)."""
+    if interpret:
+        raise ValueError("linear_mosaic.linear_many: a Mosaic GPU kernel, Hopper only; it has no interpreted form")
     T, I = x_TI.shape
     Tn, Os = padded_tokens(T), [w.shape[1] for w in ws_LOI]
     C = _epilogue_tokens(T)
