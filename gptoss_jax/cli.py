@@ -23,6 +23,7 @@ ENGINE_FLAGS = {
     "enable_prefix_caching": "enable_prefix_caching",
     "kv_cache_dtype": "kv_cache_dtype",
     "speculative_config": "speculative_config",
+    "compile_workers": "compile_workers",
 }
 
 
@@ -105,6 +106,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--compile-cache-dir",
         help="where compiled steps persist across restarts ('off' for none; default $GPTOSS_JAX_COMPILE_CACHE, "
         "else $GPTOSS_JAX_HOME/compile-cache, $GPTOSS_JAX_HOME defaulting to ~/.cache/gptoss_jax)",
+    )
+    g.add_argument(
+        "--compile-workers",
+        type=int,
+        help="processes that lower warm-up's programs in parallel (0: lower in the server's process; default: one "
+        "per two cores up to 8 on a GPU, none elsewhere) (compile_workers)",
     )
     g.add_argument(
         "--impl",

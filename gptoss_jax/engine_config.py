@@ -43,6 +43,9 @@ class EngineConfig:
     min_context_bucket: int = 1024  # smallest padded block-table width, in tokens
     max_logprobs: int = 20  # largest `SamplingParams.logprobs` accepted
     warmup: bool = False  # compile every bucket at start-up
+    # Processes that trace and lower warm-up's programs in parallel (`gptoss_jax/lowering.py`); the engine's process
+    # compiles them. None: one per two cores up to 8 on a GPU, none elsewhere; 0: lower in the engine's process.
+    compile_workers: int | None = None
     # Devices (docs/SCALING.md): a (replicas x model_parallel) mesh. `parallel_mode` 'low_latency'
     # splits attention heads over model_parallel, 'max_throughput' gives every device its own sequences;
     # experts are split over model_parallel in both. KV page counts above are per attention rank.
@@ -81,6 +84,9 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"EngineConfig.{name}={v!r}: must be an integer >= 1")
+        w = self.compile_workers
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 0):
+            raise ConfigError(f"EngineConfig.compile_workers={w!r}: must be an integer >= 0 or null")
         for name in ("num_pages", "kv_cache_tokens", "max_model_len"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 2):

@@ -19,6 +19,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import jax
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from gptoss_jax import kv_cache, model, runtime, sampling, speculative, steps, structured
+from gptoss_jax import kv_cache, lowering, model, runtime, sampling, speculative, steps, structured
 from gptoss_jax.config import ModelConfig
 from gptoss_jax.engine_config import EngineConfig, bucket
 from gptoss_jax.program_store import ProgramStore
@@ -106,6 +107,7 @@ class ModelRunner:
         self._prefill_widths = self._ctx_buckets[-1:] if one_width else self._ctx_buckets
         self._decode_widths = self._ctx_buckets[-1:] if one_width and not self.prefill_drafts else self._ctx_buckets
         self._programs: dict[tuple, Any] = {}  # bucket -> its compiled step (`_program`)
+        self.lowered_in_workers = 0  # programs of the warm-ups so far that worker processes lowered
         # Per row count, the all-zero token mask of calls without a structured-output row: on the device once.
         self._no_mask: dict[int, tuple[jax.Array, jax.Array]] = {}
         self._no_lists: dict[int, sampling.SamplingLists] = {}  # rows -> empty processor lists on the device
@@ -401,15 +403,16 @@ class ModelRunner:
             work = {key: self._padding(key) for key in todo}
             stored = {key: self.store.key(key[0], self._st(key), self._args(key[0], b)) for key, (_, b) in work.items()}
             loads = {key: pool.submit(self.store.load, stored[key], self._devices) for key in todo}
-            compiles = {}
-            for i, key in enumerate(todo, 1):
+            missing = []
+            for key in todo:
                 program = loads[key].result()
-                if program is not None:
-                    self._programs[key] = program
-                    finished("loading programs", key, None)
+                if program is None:
+                    missing.append(key)
                     continue
-                step, batch = work[key]
-                lowered = step.lower(*self._args(key[0], batch), st=self._st(key))
+                self._programs[key] = program
+                finished("loading programs", key, None)
+            compiles = {}
+            for i, (key, lowered) in enumerate(self._lower_all(missing, work), 1):
                 report("tracing", i, n, self._label(key))
                 compiles[key] = pool.submit(self.store.compile, lowered, stored[key])
                 compiles[key].add_done_callback(functools.partial(finished, "compiling", key))
@@ -430,6 +433,47 @@ class ModelRunner:
                 self._prefill([], key[1], [], key[2], key[3])
             report("first run", i, len(self.buckets()), self._label(key))
         jax.block_until_ready((self.cache, self._last_tokens, self._sampler_state))
+
+    def _lower_all(self, keys: list[tuple], work: dict) -> Iterator[tuple[tuple, jax.stages.Lowered]]:
+        """`(key, lowered step)` of each bucket in `keys`, as they are ready: lowered in worker processes
+        (`lowering.Workers`, `EngineConfig.compile_workers`) on one device, else here, one after another."""
+        count = self.config.compile_workers
+        if count is None:
+            count = lowering.default_workers(self.kernels.device.platform, len(keys))
+        workers = None
+        if self.layout is None and count > 0 and keys:
+            try:
+                workers = lowering.Workers(min(count, len(keys)))
+            except Exception as e:  # noqa: BLE001 - no processes to start here: lower in this one
+                log.warning("lowering workers not started (%s: %s); lowering here", type(e).__name__, e)
+        if workers is None:
+            for key in keys:
+                step, batch = work[key]
+                yield key, step.lower(*self._args(key[0], batch), st=self._st(key))
+            return
+        try:
+            futures = {}
+            for key in keys:
+                step, batch = work[key]
+                futures[workers.submit(step, self._st(key), self._args(key[0], batch))] = key
+            for future in concurrent.futures.as_completed(futures):
+                key = futures[future]
+                step, batch = work[key]
+                args = self._args(key[0], batch)
+                try:
+                    lowered = lowering.lowered(future.result(), args)
+                except Exception as e:  # noqa: BLE001 - a worker's failure costs time, never the start
+                    log.warning(
+                        "lowering %s in a worker failed (%s: %s); lowering it here",
+                        self._label(key),
+                        type(e).__name__,
+                        e,
+                    )
+                    lowered = step.lower(*args, st=self._st(key))
+                self.lowered_in_workers += future.exception() is None
+                yield key, lowered
+        finally:
+            workers.close()
 
     def _warm_helpers(self) -> None:
         """Compile the small programs that carry each call's sampled tokens to the next (`steps.load_tokens`,

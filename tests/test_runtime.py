@@ -179,3 +179,32 @@ def test_the_kernels_steps_take_one_table_width(small_checkpoint, impl):
     assert len([k for k in buckets if k[0] == "decode"]) == len(ec.decode_buckets()) * len(decode_widths)
     rows_tokens = len(ec.prefill_row_buckets()) * len(ec.prefill_token_buckets())
     assert len([k for k in buckets if k[0] == "prefill"]) == rows_tokens * len(prefill_widths)
+
+
+@pytest.mark.slow  # two worker processes start and import JAX
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_workers_lower_the_programs_and_serving_compiles_nothing(small_checkpoint, impl):
+    """Warm-up's programs lowered in worker processes (`compile_workers`) are the programs the engine's own lowering
+    makes: the same tokens, and nothing traced or compiled while serving. With the kernels (interpreted here) the
+    workers lower them for the device the config names, not for their own backend."""
+    from gptoss_jax import SamplingParams, steps
+
+    kw = dict(dtype="float32", progress=False, warmup=True, compile_cache_dir=False, impl=impl, **FEW)
+    prompts = [[3, 14, 15, 92, 65, 35], [89, 79, 32]]
+    sp = SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[])
+    outputs = []
+    for workers in (0, 2):
+        eng = Engine(small_checkpoint, compile_workers=workers, **kw)
+        assert eng.runner.lowered_in_workers == (len(eng.runner.buckets()) if workers else 0)
+        before = sum(steps.TRACES.values())
+        with steps.compilations() as seen:
+            for i, p in enumerate(prompts):
+                eng.add_request(str(i), p, sp)
+            out = {}
+            while eng.has_unfinished_requests():
+                for o in eng.step():
+                    out.setdefault(o.request_id, []).extend(o.new_token_ids)
+            outputs.append(out)
+        eng.close()
+        assert seen == [] and sum(steps.TRACES.values()) == before
+    assert outputs[0] == outputs[1]
