@@ -201,6 +201,11 @@ def main() -> None:
     ap.add_argument("--latency-output-len", type=int, default=256)
     ap.add_argument("--throughput-config", default="max_throughput")
     ap.add_argument("--latency-config", default="low_latency")
+    ap.add_argument(
+        "--max-model-len",
+        type=int,
+        help="context of the engines, as a server's (its block tables are that wide); default: each job's own length",
+    )
     ap.add_argument("--impl", choices=["pallas", "reference"], default=None, help="default: pallas on GPU")
     ap.add_argument("--skip", choices=["throughput", "latency"], help="leave out those jobs")
     ap.add_argument(
@@ -272,8 +277,8 @@ def main() -> None:
         t0 = time.perf_counter()
         max_len = input_len + output_len
         job_settings = {**overrides, **(settings if name.startswith("throughput") else {})}
-        # One block-table width, and prefill buckets from the prompt length up: a short fixed set of
-        # programs to compile, and no prompt padded past its own length.
+        # One block-table width (the job's length, or a server's `--max-model-len` with the profile's widths), and
+        # prefill buckets from the prompt length up: a short fixed set of programs, no prompt padded past its length.
         chunk = engine_config.load(profile, **job_settings).prefill_chunk_size
         engine = TimedEngine(
             loaded=(cfg, params),
@@ -281,8 +286,11 @@ def main() -> None:
             impl=args.impl,
             **{
                 **job_settings,
-                "max_model_len": max_len,
-                "min_context_bucket": max_len,
+                **(
+                    {"max_model_len": max_len, "min_context_bucket": max_len}
+                    if args.max_model_len is None
+                    else {"max_model_len": args.max_model_len}
+                ),
                 "warmup": True,
                 "min_prefill_bucket": min(input_len, chunk),
             },
