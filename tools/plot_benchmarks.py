@@ -25,8 +25,8 @@ from tools.common import decode_bytes
 ROOT = Path(__file__).resolve().parent.parent
 # (model, job in the file, results file): today's figures, BENCHMARKS.md's first table.
 CURRENT = [
-    ("20b", "latency", "engine_20b_b1_startup_h200.json"),
-    ("20b", "throughput 1024/1024", "engine_20b_1k_merged_h200.json"),
+    ("20b", "latency", "throughput_20b_workers_h200.json"),
+    ("20b", "throughput 1024/1024", "throughput_20b_workers_h200.json"),
     ("20b", "throughput 8192/1024", "engine_20b_long_bf16kv_h200.json"),
     ("20b", "throughput 32768/1024", "engine_20b_long_bf16kv_h200.json"),
     ("120b", "latency", "engine_120b_b1_back_h200.json"),
