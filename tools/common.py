@@ -304,11 +304,21 @@ def decode_step(
 
 
 def speculative_step(
-    params, cfg, batch: int, context: int, kernels: KernelConfig, drafter, *, num_steps: int = 1, draft_params=None
+    params,
+    cfg,
+    batch: int,
+    context: int,
+    kernels: KernelConfig,
+    drafter,
+    *,
+    num_steps: int = 1,
+    draft_params=None,
+    draft: bool = True,
 ) -> Step:
     """`steps.decode_speculative` as the engine calls it with `drafter` (`speculative.make_drafter`): `batch` greedy
-    rows at position `context`, every row drafting, each verify step `drafter.num_tokens + 1` tokens; the drafter's
-    history holds random tokens up to the position. One device."""
+    rows at position `context`, every row drafting, each verify step `drafter.num_tokens + 1` tokens (`draft=False`:
+    the step of a bucket past `disable_by_batch_size`, one token per row); the drafter's history holds random tokens
+    up to the position. One device."""
     put = _Placer.of(params, None)
     T = num_steps * (drafter.num_tokens + 1)
     cache, tables, pages = _paged_state(cfg, batch, context, T, params.embed.dtype, put)
@@ -324,9 +334,13 @@ def speculative_step(
     proc[:, 3] = np.arange(batch)  # each row its own slot of the drafter's history
     decode = decode.replace(sampling=decode.sampling.replace(proc_B4=put(proc)))
     history = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch + 1, drafter.history_tokens), np.int32)
-    draft = speculative.DraftState(put(history), put(np.zeros(batch + 1, np.int32)), put(np.zeros(batch + 1, np.int32)))
-    state = (_sampler_state(put, cfg, batch), draft)
-    st = steps.StepConfig(cfg, resolved(kernels), None, num_top=NUM_TOP, num_steps=num_steps, drafter=drafter)
+    history_state = speculative.DraftState(
+        put(history), put(np.zeros(batch + 1, np.int32)), put(np.zeros(batch + 1, np.int32))
+    )
+    state = (_sampler_state(put, cfg, batch), history_state)
+    st = steps.StepConfig(
+        cfg, resolved(kernels), None, num_top=NUM_TOP, num_steps=num_steps, drafter=drafter, draft=draft
+    )
     batch_ = steps.SpeculativeBatch(decode, put(np.ones(batch, bool)), put(np.zeros(batch, bool)))
     return Step(steps.decode_speculative, (params, draft_params), cache, batch_, st, pages, state)
 

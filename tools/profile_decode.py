@@ -105,6 +105,11 @@ def main() -> None:
         default=0,
         help="trace verify steps of this many oracle drafts per row (steps.decode_speculative) instead",
     )
+    ap.add_argument(
+        "--no-draft",
+        action="store_true",
+        help="with --speculative: the step of a bucket past disable_by_batch_size (one token per row, no drafts)",
+    )
     ap.add_argument("--label", default="baseline")
     ap.add_argument("--out", default="profile.json")
     ap.add_argument("--hlo-dump", default="", help="XLA dump directory: name each kernel's HLO source")
@@ -146,9 +151,11 @@ def main() -> None:
                     drafter,
                     num_steps=args.steps,
                     draft_params=drafter.params(spec),
+                    draft=not args.no_draft,
                 )
-                what = f"B={B} ctx={args.context} verify k={args.speculative}"
+                what = f"B={B} ctx={args.context} {'no-draft' if args.no_draft else 'verify'} k={args.speculative}"
                 meta = dict(batch=B, context=args.context, steps=args.steps, speculative=args.speculative)
+                meta.update(draft=not args.no_draft)
                 results.append(profile(step, args.steps, what, "verify_step", meta, args))
                 continue
             step = decode_step(
