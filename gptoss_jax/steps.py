@@ -234,7 +234,6 @@ def decode_speculative(
     slots_B = d.sampling.proc_B4[:, 3]
     # () traces the plain forward; a bucket that does not draft leaves a drafter model's K/V behind (drafts only)
     aux_ids = getattr(st.drafter, "aux_layers", ()) if st.draft else ()
-    no_logprobs = jnp.zeros_like(d.sampling.want_logprobs_B)
 
     k = st.drafter.num_tokens
 
@@ -256,19 +255,16 @@ def decode_speculative(
         with jax.named_scope("verify"):
             logits_BTV = model.unembed(target, x_BTD)
             sstate = sampling.record_input(sstate, d.sampling, tok_B, pos_B)
-            sb = d.sampling.replace(masked_B=d.sampling.masked_B & (it == 0), want_logprobs_B=no_logprobs)
-            first_B = _sampler(st)(logits_BTV[:, 0], pos_B, sb, sstate).tokens
-            out_BT, n_B = speculative.verify(logits_BTV, draft, drafting_B, first_B, pos_B, d.sampling)
-            B, T, V = logits_BTV.shape
-            empty = (jnp.zeros(B * T), jnp.zeros((B * T, st.num_top), jnp.int32), jnp.zeros((B * T, st.num_top)))
-            lp = jax.lax.cond(
-                jnp.any(d.sampling.want_logprobs_B),
-                lambda: sampling.logprobs(logits_BTV.reshape(B * T, V), jnp.maximum(out_BT, 0).reshape(-1), st.num_top),
-                lambda: empty,
-            )
-            lp = jax.tree.map(lambda a: a.reshape(B, T, *a.shape[1:]), lp)
-            if not st.draft:  # the outputs keep the k + 1 columns of a drafting call (-1: no token)
-                out_BT = jnp.pad(out_BT, ((0, 0), (0, k)), constant_values=-1)
+            if st.draft:
+                out_BT, n_B, lp = _verify(logits_BTV, draft, drafting_B, pos_B, d.sampling, sstate, it, st)
+            else:  # one token per row, sampled as `decode` samples it: no drafts, so no verification and no more
+                # conditionals than `decode` has (XLA reads each one's predicate on the host, BENCHMARKS §14b)
+                sb = d.sampling.replace(masked_B=d.sampling.masked_B & (it == 0))
+                out = _sampler(st)(logits_BTV[:, 0], pos_B, sb, sstate)
+                n_B = jnp.zeros_like(pos_B)
+                out_BT, lp = out.tokens[:, None], tuple(a[:, None] for a in (out.logprob, out.top_ids, out.top_lps))
+                # the outputs keep the k + 1 columns of a drafting call (-1: no token)
+                out_BT = jnp.pad(jnp.where(pos_B[:, None] >= 0, out_BT, -1), ((0, 0), (0, k)), constant_values=-1)
                 lp = jax.tree.map(lambda a: jnp.pad(a, [(0, 0), (0, k)] + [(0, 0)] * (a.ndim - 2)), lp)
             emitted = jnp.where(out_BT >= 0, pos_B[:, None] + 1 + jnp.arange(k + 1)[None, :], -1)
             dstate = dstate.record(slots_B, out_BT, emitted)
@@ -303,6 +299,25 @@ def decode_speculative(
     # [steps, B, T, ...] -> [steps * T, B, ...]: token i of step s at index s * T + i, as the host reads them
     outs = jax.tree.map(lambda a: jnp.swapaxes(a, 1, 2).reshape(-1, a.shape[1], *a.shape[3:]), outs)
     return outs, cache, (sstate, dstate)
+
+
+def _verify(logits_BTV, draft, drafting_B, pos_B, sampling_batch, sstate, it, st: StepConfig):
+    """A drafting step's tokens: the ordinary sampler's at each row's first position (rows that do not draft take
+    it), `speculative.verify`'s accepted drafts and next token, and the log-probabilities of all of them (only when
+    a row asks) -> (tokens `[B, k + 1]`, accepted counts `[B]`, log-probabilities `[B, k + 1, ...]`)."""
+    sb = sampling_batch.replace(
+        masked_B=sampling_batch.masked_B & (it == 0), want_logprobs_B=jnp.zeros_like(sampling_batch.want_logprobs_B)
+    )
+    first_B = _sampler(st)(logits_BTV[:, 0], pos_B, sb, sstate).tokens
+    out_BT, n_B = speculative.verify(logits_BTV, draft, drafting_B, first_B, pos_B, sampling_batch)
+    B, T, V = logits_BTV.shape
+    empty = (jnp.zeros(B * T), jnp.zeros((B * T, st.num_top), jnp.int32), jnp.zeros((B * T, st.num_top)))
+    lp = jax.lax.cond(
+        jnp.any(sampling_batch.want_logprobs_B),
+        lambda: sampling.logprobs(logits_BTV.reshape(B * T, V), jnp.maximum(out_BT, 0).reshape(-1), st.num_top),
+        lambda: empty,
+    )
+    return out_BT, n_B, jax.tree.map(lambda a: a.reshape(B, T, *a.shape[1:]), lp)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

@@ -85,6 +85,7 @@ def _spec_engine(small_checkpoint, spec, **kw):
 def _same(got, want):
     for rid, (tokens, reason, lps) in want.items():
         assert got[rid][:2] == (tokens, reason), rid
+        assert len(got[rid][2]) == len(lps), rid
         for (lp, top), (lp2, top2) in zip(lps, got[rid][2]):
             assert lp2 == pytest.approx(lp, abs=1e-4) and [t for t, _ in top2] == [t for t, _ in top], rid
 
