@@ -8,8 +8,11 @@ the `KernelConfig` names, not interpreted for the worker's own: `pallas_kernels.
 lowers a call of that module (milliseconds: nothing is traced again) and compiles it on its own threads, in its own
 CUDA context, so XLA's autotuning uses the engine's device memory as before and nothing else touches the GPU.
 
-A program the workers cannot lower (a worker fails or dies, a step setting that cannot be pickled) is lowered in
-the engine's process as before, with a warning: workers can make a start faster, never make it fail.
+Each worker is a fresh interpreter (`python -m gptoss_jax.lowering`, jobs and modules pickled over its pipes), not a
+`multiprocessing` child: those import the user's main script again, and a script without an `if __name__ ==
+"__main__"` guard would then load its model once per worker. A program the workers cannot lower (a worker fails or
+dies, a step setting that cannot be pickled) is lowered in the engine's process as before, with a warning: workers
+can make a start faster, never make it fail.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import multiprocessing
 import os
 import pickle
+import queue
+import subprocess
+import sys
 from typing import Any
 
 import jax
@@ -56,38 +61,63 @@ def abstract(tree: Any) -> Any:
 
 
 class Workers:
-    """A pool of lowering processes (started at once: they import JAX while the engine does other work)."""
+    """`count` lowering processes, started at once (each imports JAX while the engine does other work), and a
+    thread each that hands it jobs."""
 
     def __init__(self, count: int):
-        settings = {name: getattr(jax.config, name) for name in program_store.JAX_SETTINGS}
         device = jax.devices()[0]
-        self.platform = export.default_export_platform()
-        self._device = (self.platform, device.device_kind, getattr(device, "core_count", None))
-        self._pool = concurrent.futures.ProcessPoolExecutor(
-            count, mp_context=multiprocessing.get_context("spawn"), initializer=_start, initargs=(settings,)
-        )
-        self.count = count
+        self._device = (export.default_export_platform(), device.device_kind, getattr(device, "core_count", None))
+        settings = {name: getattr(jax.config, name) for name in program_store.JAX_SETTINGS}
+        # CPU only, and the engine's import path (it may have been extended at run time)
+        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self._idle: queue.Queue[subprocess.Popen] = queue.Queue()
+        self._procs = []
+        for _ in range(count):
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "gptoss_jax.lowering"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+            )
+            pickle.dump(settings, proc.stdin)
+            proc.stdin.flush()
+            self._procs.append(proc)
+            self._idle.put(proc)
+        self._threads = concurrent.futures.ThreadPoolExecutor(count, thread_name_prefix="lowering")
 
     def submit(self, step, st: steps.StepConfig, args: tuple) -> concurrent.futures.Future:
         """Lower `step` (a jitted function of `gptoss_jax.steps`) with static settings `st` for `args` (arrays or
         shapes) in a worker -> a future of the serialized module."""
-        return self._pool.submit(_lower, step.__name__, st, abstract(args), self._device)
+        job = pickle.dumps((step.__name__, st, abstract(args), self._device))
+        return self._threads.submit(self._run, job)
+
+    def _run(self, job: bytes) -> bytes:
+        proc = self._idle.get()
+        try:
+            proc.stdin.write(job)
+            proc.stdin.flush()
+            ok, result = pickle.load(proc.stdout)
+        except Exception:
+            proc.kill()  # a broken pipe or a dead worker: it takes no more jobs
+            raise RuntimeError(f"lowering worker {proc.pid} died (exit code {proc.poll()})") from None
+        self._idle.put(proc)
+        if not ok:
+            raise RuntimeError(result)
+        return result
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        for proc in self._procs:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()  # end of jobs: the worker exits
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def lowered(blob: bytes, args: tuple) -> jax.stages.Lowered:
     """The engine-side `Lowered` of a worker's module, for the real `args` (placed on the engine's device)."""
     exported = pickle.loads(blob)
     return jax.jit(exported.call, donate_argnums=_DONATED).trace(*args).lower()
-
-
-def _start(settings: dict) -> None:
-    """A worker's JAX: CPU only (it never touches the GPU), with the engine's settings that change a program."""
-    jax.config.update("jax_platforms", "cpu")
-    for name, value in settings.items():
-        jax.config.update(name, value)
 
 
 def _lower(name: str, st: steps.StepConfig, args: tuple, device: tuple[str, str, int | None]) -> bytes:
@@ -97,13 +127,35 @@ def _lower(name: str, st: steps.StepConfig, args: tuple, device: tuple[str, str,
     checks = [export.DisabledSafetyCheck.custom_call(target) for target in _CUSTOM_CALLS]
     target = contextlib.nullcontext()
     if platform in ("cuda", "rocm"):
-        mesh = jax.sharding.AbstractMesh(
-            (1,),
-            ("device",),
-            (jax.sharding.AxisType.Auto,),
-            abstract_device=jax.sharding.AbstractDevice(kind, cores, "gpu"),
-        )
+        gpu = jax.sharding.AbstractDevice(kind, cores, "gpu")
+        mesh = jax.sharding.AbstractMesh((1,), ("device",), (jax.sharding.AxisType.Auto,), abstract_device=gpu)
         target = jax.sharding.use_abstract_mesh(mesh)
     with target:
         exported = export.export(getattr(steps, name), platforms=(platform,), disabled_checks=checks)(*args, st=st)
     return pickle.dumps(dataclasses.replace(exported, _get_vjp=None))  # (a closure: rebuilt on the engine's side)
+
+
+def _serve() -> None:
+    """A worker: the engine's JAX settings, then jobs until its input ends, each answered with (True, module) or
+    (False, the error). The answers go to the original stdout; anything else printed goes to stderr."""
+    jax.config.update("jax_platforms", "cpu")
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    jobs = sys.stdin.buffer
+    for name, value in pickle.load(jobs).items():
+        jax.config.update(name, value)
+    while True:
+        try:
+            job = pickle.load(jobs)
+        except EOFError:
+            return
+        try:
+            answer = (True, _lower(*job))
+        except Exception as e:  # noqa: BLE001 - the engine lowers this one itself
+            answer = (False, f"{type(e).__name__}: {e}")
+        pickle.dump(answer, answers)
+        answers.flush()
+
+
+if __name__ == "__main__":
+    _serve()

@@ -452,26 +452,31 @@ class ModelRunner:
                 yield key, step.lower(*self._args(key[0], batch), st=self._st(key))
             return
         try:
-            futures = {}
+            futures, here = {}, []
             for key in keys:
                 step, batch = work[key]
-                futures[workers.submit(step, self._st(key), self._args(key[0], batch))] = key
-            for future in concurrent.futures.as_completed(futures):
-                key = futures[future]
+                try:
+                    futures[workers.submit(step, self._st(key), self._args(key[0], batch))] = key
+                except Exception as e:  # noqa: BLE001 - settings that cannot travel: lowered here
+                    log.warning("%s cannot go to a lowering worker (%s: %s)", self._label(key), type(e).__name__, e)
+                    here.append(key)
+            for future in [*here, *concurrent.futures.as_completed(futures)]:
+                key = futures[future] if future in futures else future
                 step, batch = work[key]
                 args = self._args(key[0], batch)
-                try:
-                    lowered = lowering.lowered(future.result(), args)
-                except Exception as e:  # noqa: BLE001 - a worker's failure costs time, never the start
-                    log.warning(
-                        "lowering %s in a worker failed (%s: %s); lowering it here",
-                        self._label(key),
-                        type(e).__name__,
-                        e,
-                    )
-                    lowered = step.lower(*args, st=self._st(key))
-                self.lowered_in_workers += future.exception() is None
-                yield key, lowered
+                if future in futures:
+                    try:
+                        yield key, lowering.lowered(future.result(), args)
+                        self.lowered_in_workers += 1
+                        continue
+                    except Exception as e:  # noqa: BLE001 - a worker's failure costs time, never the start
+                        log.warning(
+                            "lowering %s in a worker failed (%s: %s); lowering it here",
+                            self._label(key),
+                            type(e).__name__,
+                            e,
+                        )
+                yield key, step.lower(*args, st=self._st(key))
         finally:
             workers.close()
 

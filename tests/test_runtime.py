@@ -208,3 +208,24 @@ def test_workers_lower_the_programs_and_serving_compiles_nothing(small_checkpoin
         eng.close()
         assert seen == [] and sum(steps.TRACES.values()) == before
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.slow  # a fresh process builds an engine with two workers
+def test_lowering_workers_do_not_run_the_users_script_again(small_checkpoint, tmp_path):
+    """Workers are fresh interpreters, not `multiprocessing` children (which import the main script again): a script
+    without an `if __name__ == "__main__"` guard runs once, and its engine's programs come from the workers."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        textwrap.dedent(f"""
+            print("script ran", flush=True)
+            from gptoss_jax import Engine
+            kw = dict(dtype="float32", progress=False, warmup=True, compile_cache_dir=False, compile_workers=2)
+            eng = Engine({str(small_checkpoint)!r}, **kw, **{FEW!r})
+            print("lowered in workers", eng.runner.lowered_in_workers, "of", len(eng.runner.buckets()), flush=True)
+        """)
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("script ran") == 1
+    assert "lowered in workers 4 of 4" in out.stdout
