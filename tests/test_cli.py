@@ -57,6 +57,11 @@ def test_vllm_flags_override_the_profile(small_checkpoint):
     assert cli.resolve(gen)[1].model_parallel == 2
     with pytest.raises(ConfigError, match="gpu_memory_utilization=1.5"):
         cli.resolve(serve.parse_args(["--model", str(small_checkpoint), "--gpu-memory-utilization", "1.5"]))
+    model = ["--model", str(small_checkpoint)]
+    assert cli.resolve(serve.parse_args([*model, "--compile-workers", "3"]))[1].compile_workers == 3
+    assert cli.resolve(serve.parse_args(model))[1].compile_workers is None  # the device decides
+    with pytest.raises(ConfigError, match="compile_workers=-1"):
+        cli.resolve(serve.parse_args([*model, "--compile-workers", "-1"]))
 
 
 def test_help_names_the_program_and_lists_defaults(monkeypatch, capsys):
