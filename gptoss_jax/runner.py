@@ -440,6 +440,11 @@ class ModelRunner:
         count = self.config.compile_workers
         if count is None:
             count = lowering.default_workers(self.kernels.device.platform, len(keys))
+
+        def here(key):
+            step, batch = work[key]
+            return step.lower(*self._args(key[0], batch), st=self._st(key))
+
         workers = None
         if self.layout is None and count > 0 and keys:
             try:
@@ -448,35 +453,34 @@ class ModelRunner:
                 log.warning("lowering workers not started (%s: %s); lowering here", type(e).__name__, e)
         if workers is None:
             for key in keys:
-                step, batch = work[key]
-                yield key, step.lower(*self._args(key[0], batch), st=self._st(key))
+                yield key, here(key)
             return
         try:
-            futures, here = {}, []
+            futures, local = {}, []
             for key in keys:
                 step, batch = work[key]
                 try:
                     futures[workers.submit(step, self._st(key), self._args(key[0], batch))] = key
                 except Exception as e:  # noqa: BLE001 - settings that cannot travel: lowered here
                     log.warning("%s cannot go to a lowering worker (%s: %s)", self._label(key), type(e).__name__, e)
-                    here.append(key)
-            for future in [*here, *concurrent.futures.as_completed(futures)]:
-                key = futures[future] if future in futures else future
-                step, batch = work[key]
-                args = self._args(key[0], batch)
-                if future in futures:
-                    try:
-                        yield key, lowering.lowered(future.result(), args)
-                        self.lowered_in_workers += 1
-                        continue
-                    except Exception as e:  # noqa: BLE001 - a worker's failure costs time, never the start
-                        log.warning(
-                            "lowering %s in a worker failed (%s: %s); lowering it here",
-                            self._label(key),
-                            type(e).__name__,
-                            e,
-                        )
-                yield key, step.lower(*args, st=self._st(key))
+                    local.append(key)
+            for key in local:
+                yield key, here(key)
+            for future in concurrent.futures.as_completed(futures):  # each as it lands: XLA compiles it meanwhile
+                key = futures[future]
+                try:
+                    lowered = lowering.lowered(future.result(), self._args(key[0], work[key][1]))
+                except Exception as e:  # noqa: BLE001 - a worker's failure costs time, never the start
+                    log.warning(
+                        "lowering %s in a worker failed (%s: %s); lowering it here",
+                        self._label(key),
+                        type(e).__name__,
+                        e,
+                    )
+                    yield key, here(key)
+                    continue
+                self.lowered_in_workers += 1
+                yield key, lowered
         finally:
             workers.close()
 
