@@ -105,6 +105,11 @@ class KernelConfig:
     # (best of the H200 sweep at 8,192 tokens, BENCHMARKS §2d); bf16 models of up to 32 experts on Hopper take
     # jax's Mosaic GPU ragged dot for them (§4g).
     moe_dense_rows: int = 64
+    # bf16 models that do not take the grouped GEMMs (more than 32 experts, or no Mosaic) run the dense GEMMs only from
+    # `moe_dense_tile_rows` rows per expert: below, half of their 128-row tiles are empty, and the fused "mma" kernel
+    # with 128-row tiles is faster (H200, 120b: 3.11 against 4.83 ms a layer at 2,048 tokens, equal at 4,096;
+    # BENCHMARKS §15).
+    moe_dense_tile_rows: int = 128
     # bf16 models from 2 to `moe_mosaic_rows` routed rows per expert take the Mosaic GPU kernels on Hopper: 20b
     # batch 256 in 16.6 ms against 18.5 ms for the Triton kernels (§4c).
     moe_mosaic_rows: int = 32
@@ -240,6 +245,10 @@ def choose(op: str, rows: int, shape: tuple[int, ...], dtype, device: Device, co
     if pairs >= c.moe_dense_rows * E:
         if half and mosaic and moe_dense.grouped_fits(D, I, E, pairs):
             return Choice("grouped")
+        if half and pairs < c.moe_dense_tile_rows * E:
+            return _choice(
+                "mma", block_m=128, block_n=64, block_k=128, block_n_down=64, num_warps=4, num_stages=3, swap=True
+            )
         return _choice("dense", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, group=moe_dense.GROUP)
     if half and mosaic and 2 * E < pairs <= c.moe_mosaic_rows * E and moe_mosaic.fits(D, I):
         # 16-row slots up to 8 rows per expert, else 32 (per weight on the H200, §2e: 3.2e12 weights/s with 8-row

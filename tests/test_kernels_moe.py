@@ -67,6 +67,8 @@ def test_prepare_experts_phase_order():
         (1, 8, 4, 96, 64, False, {}),
         (5, 8, 4, 96, 64, True, dict(kernel="gemv", block_m=2, block_k=64, block_n=32, prefetch=False)),  # K tail
         (13, 4, 2, 64, 96, True, dict(kernel="mma", block_m=16, block_k=64)),
+        # the 128-row tiles of mid-size prefills past 32 experts (the CPU takes them too: no Mosaic)
+        (200, 4, 2, 64, 128, True, dict(block_k=64)),  # 133 rows per routed expert: more than one tile
         (1, 8, 4, 96, 64, False, dict(kernel="gemv16", block_k=64)),  # K tail
         (9, 4, 4, 64, 96, True, dict(kernel="gemv16", block_m=2, block_k=64, prefetch=False)),
     ],
@@ -237,10 +239,10 @@ def test_grouped_prefill_limits(monkeypatch):
     monkeypatch.setitem(
         pallas_kernels._EXPERTS, "dense", lambda *a, **kw: ran.append("dense") or real(*a, **{**kw, "interpret": True})
     )
-    out = pallas_kernels.experts(
-        jnp.ones((64, 128), jnp.bfloat16),
-        jnp.zeros((64, 4), jnp.int32),
-        jnp.full((64, 4), 0.25, jnp.float32),
+    out = pallas_kernels.experts(  # 128 rows per expert: the dense GEMMs (`moe_dense_tile_rows`)
+        jnp.ones((128, 128), jnp.bfloat16),
+        jnp.zeros((128, 4), jnp.int32),
+        jnp.full((128, 4), 0.25, jnp.float32),
         small,
         None,
         swiglu_limit=LIMIT,
@@ -265,6 +267,10 @@ def test_prefill_regimes(device):
     assert auto_config(8192, 4, 32, jnp.float32)["kernel"] == "dense"
     assert auto_config(32768, 4, 128, jnp.bfloat16)["kernel"] == "dense"  # 120b: 4 expert groups
     assert auto_config(1024, 4, 128, jnp.bfloat16)["kernel"] == mid  # 32 rows per expert
+    # 120b from 64 to 127 rows per expert: the fused kernel's 128-row tiles, not the half-empty dense ones
+    tiles = choose("experts", 2048, (2880, 2880, 128, 4), jnp.bfloat16, device, KERNELS)
+    assert (tiles.kernel, tiles.kw["block_m"]) == ("mma", 128)
+    assert auto_config(4096, 4, 128, jnp.bfloat16)["kernel"] == "dense"
 
 
 def test_dispatch_slots_cover_every_pair_once():

@@ -175,7 +175,8 @@ def main():
         "moe_prefill dense 20b": ("20b", 777, (2, 9), moe(auto, kernel="dense")),
         "moe_prefill ": ("120b", 1001, (), moe(auto)),  # 31 rows per expert: Mosaic on Hopper
         "moe_prefill mma": ("120b", 1001, (), moe(triton, kernel="mma")),  # the Triton fused mma kernels, same size
-        "moe_prefill dense": ("120b", 2305, (4, 100), moe(auto)),  # 4 expert groups
+        "moe_prefill tiles": ("120b", 2305, (4, 100), moe(auto)),  # 72 rows per expert: mma's 128-row tiles
+        "moe_prefill dense": ("120b", 4099, (4, 100), moe(auto)),  # 4 expert groups, 128 rows per expert: dense
         # Mosaic GPU mid-batch kernels (picked on Hopper from 2 to 32 rows per expert)
         "moe_mosaic": ("20b", 64, (3,), moe(auto)),  # 8 rows per expert: 16-row slots
         "moe_mosaic ": ("120b", 333, (5,), moe(auto)),  # 10.4 rows per expert: 32-row slots
