@@ -157,12 +157,8 @@ def _run_counting(engine, requests, later):
     """`run` one step at a time, adding `later`'s requests once a call has counted drafts -> (results, per step:
     (requests enqueued when its decode call launched, drafts that call counted)). A call is read in the step that
     launches it, or with async scheduling in the next."""
-    out, lps, done, seen = (
-        {rid: [] for rid in {**requests, **later}},
-        {rid: [] for rid in {**requests, **later}},
-        {},
-        [],
-    )
+    ids = {**requests, **later}
+    out, lps, done, seen = {rid: [] for rid in ids}, {rid: [] for rid in ids}, {}, []
     for rid, (prompt, sp) in requests.items():
         engine.add_request(rid, prompt, sp)
     while engine.has_unfinished_requests():
