@@ -99,7 +99,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 3, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' or \'{"method": "eagle3", "model": DRAFTER_DIR_OR_HF_ID, '
-        '"num_speculative_tokens": 3}\' (docs/engine.md; speculative_config)',
+        '"num_speculative_tokens": 3}\', either with "disable_by_batch_size": N to disable speculation when more '
+        "than N requests are enqueued, running + waiting (docs/engine.md; speculative_config)",
     )
     g.add_argument("--seed", type=int, help="seed of the engine's generator for requests without a seed (default: 0)")
     g.add_argument(

@@ -91,6 +91,7 @@ class _Call:
     decodes: list[tuple[Sequence, int, int, int]]  # sequence, row, epoch, steps whose samples are not its tokens
     prefill_out: Sampled | None
     decode_out: Sampled | None
+    drafted: bool = False  # a speculative decode call that drafted (`Engine._drafts`): its acceptance counts
 
 
 class Engine:
@@ -376,7 +377,8 @@ class Engine:
     def _launch(self, work) -> _Call:
         """Enqueue this step's prefill and decode calls (neither waits for the other)."""
         pre = self.runner.prefill(work.prefills) if work.prefills else (None, [])
-        dec = self.runner.decode(work.decodes) if work.decodes else (None, [])
+        drafted = self._drafts()
+        dec = self.runner.decode(work.decodes, drafted) if work.decodes else (None, [])
         call = _Call(
             [
                 (c.seq, row, c.seq.epoch, c.start + c.num_tokens == len(c.seq.token_ids))
@@ -385,9 +387,18 @@ class Engine:
             [(seq, row, seq.epoch, seq.fed_tokens - 1) for row, seq in zip(dec[1], work.decodes)],
             pre[0],
             dec[0],
+            drafted,
         )
         self.scheduler.launched(work)
         return call
+
+    def _drafts(self) -> bool:
+        """Whether this step's decode call drafts: with speculation, unless more requests are enqueued (running and
+        waiting) than `speculative_config.disable_by_batch_size`, as vLLM decides it."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return False
+        return spec.disable_by_batch_size is None or len(self._requests) <= spec.disable_by_batch_size
 
     def _collect(self, call: _Call) -> list[StepOutput]:
         """Wait for a call's tokens and hand them to their sequences. Results that cannot be read (the device call
@@ -413,17 +424,19 @@ class Engine:
                 if seq.epoch != epoch:
                     continue
                 if self.config.speculative_config is not None:
-                    outputs += self._collect_speculative(seq, row, sampled)
+                    outputs += self._collect_speculative(seq, row, sampled, call.drafted)
                     continue
                 if fed < K:  # (all steps fed: the call computed forced tokens only)
                     seq.num_pending -= K - fed
                     outputs += self._append_or_fail(seq, lambda: [_pick(sampled, (k, row)) for k in range(fed, K)])
         return outputs
 
-    def _collect_speculative(self, seq: Sequence, row: int, sampled: tuple[np.ndarray, ...]) -> list[StepOutput]:
+    def _collect_speculative(
+        self, seq: Sequence, row: int, sampled: tuple[np.ndarray, ...], drafted: bool
+    ) -> list[StepOutput]:
         """One row of a speculative decode call: its valid tokens (-1 pads each step's `k + 1` slots), the positions
-        the call computed (all but the last token: `num_computed`), and the acceptance counters of the steps whose
-        tokens the request took (a step after its end is not counted)."""
+        the call computed (all but the last token: `num_computed`), and, for a row of a call that `drafted`, the
+        acceptance counters of the steps whose tokens the request took (a step after its end is not counted)."""
         T = self.config.speculative_config.num_speculative_tokens + 1
         valid = [k for k in range(sampled[0].shape[0]) if sampled[0][k, row] >= 0]
         seq.num_pending -= sampled[0].shape[0]  # launched counted the most the call could give
@@ -433,7 +446,7 @@ class Engine:
         outputs = self._append_or_fail(seq, lambda: [_pick(sampled, (k, row)) for k in valid])
         if self._requests.get(seq.request_id) is seq:
             self.scheduler.settle(seq)
-        if runner_drafts(seq) and self.runner.drafts_at(sampled[0].shape[1]):
+        if drafted and runner_drafts(seq):
             out = outputs[0] if outputs else None
             taken = 0 if out is None or out.finish_reason == "error" else len(out.new_token_ids)
             taken += out is not None and isinstance(out.stop_reason, int) and out.finish_reason == "stop"

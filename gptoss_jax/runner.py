@@ -70,7 +70,8 @@ class ModelRunner:
         # Decode's settings: with speculation, the drafter too (prefill's programs stay those without it, but for
         # `prefill_drafts`).
         self.st_decode = dataclasses.replace(self.st, drafter=self.drafter)
-        self.st_no_draft = dataclasses.replace(self.st_decode, draft=False)  # buckets past `disable_by_batch_size`
+        # calls with more requests enqueued than `disable_by_batch_size`
+        self.st_no_draft = dataclasses.replace(self.st_decode, draft=False)
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         # The logits processors' per-slot state (committed, as the cache below), allocated before the KV cache is
         # sized so that its memory is counted as in use (uint16 counts: 2 bytes x vocabulary per sequence slot).
@@ -239,12 +240,14 @@ class ModelRunner:
             self._write_history([c.seq for c in chunks if c.start + c.num_tokens >= len(c.seq.token_ids) - 1])
         return out, row_of
 
-    def decode(self, seqs: list[Sequence]) -> tuple[Sampled, list[int]]:
-        """Dispatch one (multi-step) decode call for `seqs` -> (its sampled tokens `[steps, rows]`, each row)."""
+    def decode(self, seqs: list[Sequence], draft: bool) -> tuple[Sampled, list[int]]:
+        """Dispatch one (multi-step) decode call for `seqs` -> (its sampled tokens `[steps, rows]`, each row). With
+        speculation, `draft` False runs one token per row (the engine's `disable_by_batch_size` decision; a call of
+        more sequences than that limit has no drafting program: `buckets`)."""
         K = self.config.decode_tokens_per_call()
         rows, row_of = self._rows(seqs, self.config.decode_buckets())
         width = self._width([s.decode_span(K)[0] + K for s in seqs], self._decode_widths)
-        return self._decode(seqs, rows, row_of, width), row_of
+        return self._decode(seqs, rows, row_of, width, draft and self.drafter is not None), row_of
 
     def _prefill_batch(
         self, chunks: list[PrefillChunk], rows: int, row_of: list[int], T: int, width: int
@@ -312,14 +315,14 @@ class ModelRunner:
         self._last_tokens = steps.store_tokens(self._last_tokens, self._slots(seqs, rows, row_of), out.tokens)
         return out
 
-    def _decode(self, seqs: list[Sequence], rows: int, row_of: list[int], width: int) -> Sampled:
+    def _decode(self, seqs: list[Sequence], rows: int, row_of: list[int], width: int, draft: bool) -> Sampled:
         slots = self._slots(seqs, rows, row_of)
         batch = self._decode_batch(seqs, rows, row_of, width, slots)
         if self.drafter is not None:  # the step keeps each slot's next token and position in its `DraftState`
-            program = self._program(("decode", rows, width), steps.decode_speculative, batch)
+            program = self._program(("decode", rows, width, draft), steps.decode_speculative, batch)
             out, self.cache, (self._sampler_state, self._draft_state) = program(*self._args("decode", batch))
             return out
-        program = self._program(("decode", rows, width), steps.decode, batch)
+        program = self._program(("decode", rows, width, False), steps.decode, batch)
         out, self.cache, self._sampler_state = program(self.params, self.cache, self._sampler_state, batch)
         self._last_tokens = steps.store_tokens(self._last_tokens, slots, out.tokens)
         return out
@@ -334,12 +337,15 @@ class ModelRunner:
     def _st(self, key: tuple) -> steps.StepConfig:
         if key[0] != "decode":
             return self.st_decode if self.prefill_drafts else self.st
-        return self.st_decode if self.drafter is None or self.drafts_at(key[1]) else self.st_no_draft
+        return self.st_no_draft if self.drafter is not None and not key[3] else self.st_decode
 
-    def drafts_at(self, rows: int) -> bool:
-        """Whether a speculative decode call of `rows` rows drafts (`speculative_config.disable_by_batch_size`)."""
+    def _drafting_bucket(self, rows: int) -> bool:
+        """Whether a speculative decode call of `rows` (padded) rows can draft: the fewest sequences such a call
+        holds (one more than the next smaller bucket's, on one attention rank) are not more than
+        `speculative_config.disable_by_batch_size`, the most requests enqueued while calls draft."""
         limit = self.config.speculative_config.disable_by_batch_size
-        return limit is None or rows <= limit
+        smaller = [b for b in self.config.decode_buckets() if b < rows // self.num_ranks]
+        return limit is None or max(smaller, default=0) + 1 <= limit
 
     def _write_history(self, seqs: list[Sequence]) -> None:
         """The drafter history of sequences whose prompt is (all but) computed: their last tokens (and the rest of the
@@ -370,10 +376,20 @@ class ModelRunner:
         return program
 
     def buckets(self) -> list[tuple]:
-        """Every program the scheduler can ask for: ("decode", rows, table width) and ("prefill", rows, tokens,
-        table width)."""
+        """Every program the scheduler can ask for: ("decode", rows, table width, drafts) and ("prefill", rows,
+        tokens, table width). With speculation, a decode bucket has a drafting program (drafts True) and, with
+        `disable_by_batch_size`, a non-drafting one, or only the latter where its calls have too many sequences to
+        draft; without speculation, one plain program (drafts False)."""
         ec, R = self.config, self.num_ranks
-        decode = [("decode", R * b, w) for w in self._decode_widths for b in ec.decode_buckets()]
+        spec = self.drafter is not None
+        limited = spec and ec.speculative_config.disable_by_batch_size is not None
+        decode = []
+        for w in self._decode_widths:
+            for b in ec.decode_buckets():
+                if spec and self._drafting_bucket(R * b):
+                    decode.append(("decode", R * b, w, True))
+                if limited or not spec:
+                    decode.append(("decode", R * b, w, False))
         prefill = [
             ("prefill", R * b, T, w)
             for w in self._prefill_widths
@@ -428,7 +444,7 @@ class ModelRunner:
             return self._warm_helpers()  # nothing compiles at a first run here, where each costs real time
         for i, key in enumerate(self.buckets(), 1):
             if key[0] == "decode":
-                self._decode([], key[1], [], key[2])
+                self._decode([], key[1], [], key[2], key[3])
             else:
                 self._prefill([], key[1], [], key[2], key[3])
             report("first run", i, len(self.buckets()), self._label(key))
@@ -501,9 +517,12 @@ class ModelRunner:
         jax.block_until_ready(self._last_tokens)
 
     def _label(self, key: tuple) -> str:
-        kind, rows, *size = key
-        ctx = f"ctx={size[-1] * self.config.page_size}"
-        return f"{kind} rows={rows} {ctx}" if kind == "decode" else f"{kind} rows={rows} tokens={size[0]} {ctx}"
+        if key[0] == "decode":
+            _, rows, width, drafts = key
+            plain = " no drafts" if self.drafter is not None and not drafts else ""
+            return f"decode rows={rows} ctx={width * self.config.page_size}{plain}"
+        _, rows, tokens, width = key
+        return f"prefill rows={rows} tokens={tokens} ctx={width * self.config.page_size}"
 
     def _padding(self, key: tuple):
         """The step of a bucket and an all-padding batch of its shape."""

@@ -58,8 +58,9 @@ class SpeculativeConfig:
     acceptance_length: float | None = None
     continuations: tuple[tuple[int, ...], ...] = ()
     force_acceptance: bool = False
-    # vLLM's name: decode calls of more rows than this run without drafting (one token per row), for batches where
-    # verifying k + 1 tokens per row costs more than it gains (BENCHMARKS §13). None: always draft.
+    # vLLM's name and meaning: disable speculation when more than this many requests are enqueued (running +
+    # waiting): such decode calls run one token per row, for loads where verifying k + 1 tokens per row costs more
+    # than it gains (BENCHMARKS §13, §14b). None: always draft.
     disable_by_batch_size: int | None = None
 
     def __post_init__(self):
@@ -112,7 +113,11 @@ class SpeculativeConfig:
         if self.disable_by_batch_size is not None and (
             not is_int(self.disable_by_batch_size) or self.disable_by_batch_size < 1
         ):
-            bad("disable_by_batch_size", "a positive integer (decode batches larger than it do not draft), or null")
+            bad(
+                "disable_by_batch_size",
+                "a positive integer (speculation is disabled when more requests are enqueued, running + waiting), "
+                "or null",
+            )
         if not isinstance(self.force_acceptance, bool):
             bad("force_acceptance", "true or false")
         if self.force_acceptance and self.method != "oracle":

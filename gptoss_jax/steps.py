@@ -57,7 +57,7 @@ class StepConfig:
     num_top: int = 1  # log-probability alternatives sampled along
     num_steps: int = 1  # decode tokens per call, fed back on device
     drafter: object = None  # with speculative decoding: the drafter (`speculative.make_drafter`), else None
-    draft: bool = True  # False: a speculative decode bucket too large to draft in (one token per row)
+    draft: bool = True  # False: speculation disabled for this call (`disable_by_batch_size`): one token per row
 
 
 @struct.dataclass
@@ -232,7 +232,7 @@ def decode_speculative(
     target, draft_params = params
     d = batch.decode
     slots_B = d.sampling.proc_B4[:, 3]
-    # () traces the plain forward; a bucket that does not draft leaves a drafter model's K/V behind (drafts only)
+    # () traces the plain forward; a call that does not draft leaves a drafter model's K/V behind (drafts only)
     aux_ids = getattr(st.drafter, "aux_layers", ()) if st.draft else ()
 
     k = st.drafter.num_tokens

@@ -427,13 +427,13 @@ def test_a_failed_device_call_fails_its_batch_and_the_engine_goes_on(engine, mon
         def __array__(self, *a, **k):
             raise RuntimeError("injected device fault")
 
-    def faulty(items):
+    def faulty(items, *args):
         calls.append({getattr(x, "seq", x).request_id for x in items})
         if len(calls) > 1:
-            return real(items)
+            return real(items, *args)
         if where == "launch":
             raise RuntimeError("injected device fault")
-        sampled, rows = real(items)
+        sampled, rows = real(items, *args)
         return sampled.replace(tokens=Unreadable()), rows
 
     monkeypatch.setattr(engine.runner, stage, faulty)

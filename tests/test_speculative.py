@@ -153,23 +153,106 @@ def test_greedy_outputs_identical_with_any_drafter(small_checkpoint, baseline, n
     _check_counters(engine.stats(), spec["num_speculative_tokens"], name)
 
 
-def test_calls_past_disable_by_batch_size_do_not_draft(small_checkpoint, baseline):
-    """Calls of more rows than `disable_by_batch_size` run one token per row (their own compiled program, made at
-    warm-up) and count no drafts; a call within it drafts again from the history the others kept."""
-    spec = {**_oracle(baseline, 4.0), "disable_by_batch_size": 1}
-    engine = _spec_engine(small_checkpoint, spec, decode_batch_buckets=(1, 4), warmup=True)
-    alone = {"r6": REQUESTS["r6"]}
-    with steps.compilations() as seen:
-        rest = {rid: r for rid, r in REQUESTS.items() if rid != "r6"}
-        _same(run(engine, rest), {rid: baseline[rid] for rid in rest})
+def _run_counting(engine, requests, later):
+    """`run` one step at a time, adding `later`'s requests once a call has counted drafts -> (results, per step:
+    (requests enqueued when its decode call launched, drafts that call counted)). A call is read in the step that
+    launches it, or with async scheduling in the next."""
+    ids = {**requests, **later}
+    out, lps, done, seen = {rid: [] for rid in ids}, {rid: [] for rid in ids}, {}, []
+    for rid, (prompt, sp) in requests.items():
+        engine.add_request(rid, prompt, sp)
+    while engine.has_unfinished_requests():
         st = engine.stats()
-        _same(run(engine, alone), {"r6": baseline["r6"]})
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+            lps[o.request_id] += o.logprobs or []
+            if o.finished:
+                done[o.request_id] = (out[o.request_id], o.finish_reason, lps[o.request_id])
+        seen.append(
+            (st.num_running + st.num_waiting, engine.stats().spec_decode_num_drafts - st.spec_decode_num_drafts)
+        )
+        if later and engine.stats().spec_decode_num_drafts:
+            for rid, (prompt, sp) in later.items():
+                engine.add_request(rid, prompt, sp)
+            later = {}
+    lag = int(engine.config.async_scheduling)
+    return done, [(enqueued, drafts) for (enqueued, _), (_, drafts) in zip(seen, seen[lag:] + [(0, 0)] * lag)]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_drafting_stops_while_more_requests_are_enqueued_than_disable_by_batch_size(
+    small_checkpoint, baseline, async_scheduling
+):
+    """vLLM's `disable_by_batch_size`: a decode call drafts only while at most that many requests are enqueued
+    (running + waiting), whatever its rows. Three requests draft; four more added mid-run stop the drafting (calls of
+    one to four rows) until enough have finished, then it resumes. Greedy outputs stay the target's through the
+    switches (both programs of a bucket keep the same device state), only drafting calls count, and serving
+    compiles nothing: warm-up made both programs."""
+    limit = 3
+    spec = {**_oracle(baseline, 2.5), "disable_by_batch_size": limit}
+    engine = _spec_engine(small_checkpoint, spec, warmup=True, async_scheduling=async_scheduling)
+    assert sorted(k[3] for k in engine.runner.buckets() if k[0] == "decode") == [False, True]
+    first = {rid: REQUESTS[rid] for rid in ("r4", "r5", "r6")}
+    later = {rid: REQUESTS[rid] for rid in ("r0", "r1", "r2", "r3")}
+    with steps.compilations() as seen:
+        got, calls = _run_counting(engine, first, later)
     assert seen == []
-    after = engine.stats()
-    assert after.spec_decode_num_drafts > st.spec_decode_num_drafts
-    assert after.spec_decode_num_accepted_tokens - st.spec_decode_num_accepted_tokens > 0
-    # all but the last few steps of the full batch ran 2-4 rows: far fewer drafts than steps
-    assert st.spec_decode_num_drafts < sum(len(baseline[rid][0]) for rid in REQUESTS if rid != "r6") / 4
+    _same(got, baseline)
+    over = [i for i, (enqueued, _) in enumerate(calls) if enqueued > limit]
+    assert over and all(calls[i][1] == 0 for i in over)  # no drafts while 7 .. 4 are enqueued
+    assert any(d for _, d in calls[: over[0]]) and any(d for _, d in calls[over[-1] + 1 :])  # before and after
+    assert engine.stats().num_preemptions > 0
+
+
+def test_the_drafting_decision_counts_waiting_requests(small_checkpoint, baseline):
+    """Eight requests and `disable_by_batch_size` 4: calls of four rows or fewer (`max_num_seqs` 4) while the rest
+    wait do not draft and count nothing; once the waiting ones are aborted, the running ones draft."""
+    spec = {**_oracle(baseline, 4.0), "disable_by_batch_size": 4}
+    engine = _spec_engine(small_checkpoint, spec, async_scheduling=False)
+    reqs, want = {**REQUESTS, "r7": REQUESTS["r6"]}, {**baseline, "r7": baseline["r6"]}
+    for rid, (prompt, sp) in reqs.items():
+        engine.add_request(rid, prompt, sp)
+    out, done = {rid: [] for rid in reqs}, {}
+
+    def step():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+            if o.finished and o.finish_reason != "abort":
+                done[o.request_id] = (out[o.request_id], o.finish_reason, [])
+
+    while sum(max(0, len(t) - 1) for t in out.values()) < 8:  # tokens past the prefills' first: decode calls ran
+        st = engine.stats()
+        assert st.num_running <= 4 < st.num_running + st.num_waiting
+        step()
+    st = engine.stats()
+    assert st.spec_decode_num_drafts == 0 and st.num_waiting > 0
+    waiting = [seq.request_id for seq in engine.scheduler.waiting]
+    for rid in waiting:
+        engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        step()
+    assert engine.stats().spec_decode_num_drafts > 0
+    assert set(done) == set(reqs) - set(waiting)
+    _same(done, {rid: (*want[rid][:2], []) for rid in done})
+
+
+@pytest.mark.parametrize("limit,drafting", [(None, [1, 2, 4]), (2, [1, 2]), (3, [1, 2, 4])])
+def test_decode_programs_under_disable_by_batch_size(small_checkpoint, limit, drafting):
+    """Without a limit a speculative engine has one (drafting) decode program per bucket, as many as without
+    speculation; with one, every bucket also has the non-drafting program, and the drafting one only where a call can
+    hold `limit` sequences or fewer (3 sequences take the bucket of 4)."""
+    kw = dict(decode_batch_buckets=(1, 2, 4))
+    plain = Engine(small_checkpoint, dtype="float32", progress=False, **{**SMALL, **kw}).runner.buckets()
+    decode = [k for k in plain if k[0] == "decode"]
+    assert sorted(k[1] for k in decode) == [1, 2, 4] and not any(k[3] for k in decode)
+    engine = _spec_engine(small_checkpoint, {**NGRAM, "disable_by_batch_size": limit}, **kw)
+    buckets = engine.runner.buckets()
+    assert [k for k in buckets if k[0] == "prefill"] == [k for k in plain if k[0] == "prefill"]
+    decode = [k for k in buckets if k[0] == "decode"]
+    assert sorted(k[1] for k in decode if k[3]) == drafting
+    assert sorted(k[1] for k in decode if not k[3]) == ([] if limit is None else [1, 2, 4])
+    assert {engine.runner._st(k).draft for k in decode} == ({True} if limit is None else {True, False})
+    assert all(engine.runner._st(k).draft == k[3] for k in decode)
 
 
 def test_sampled_outputs_are_reproducible(ngram_engine):

@@ -262,7 +262,13 @@ def main() -> None:
         "bf16 weights near-tied logits make the verify step's argmax differ from a one-token step's, and no "
         "continuation computed beforehand survives)",
     )
-    ap.add_argument("--disable-by-batch-size", type=int, default=None, help="speculative_config's (default: none)")
+    ap.add_argument(
+        "--disable-by-batch-size",
+        type=int,
+        default=None,
+        help="speculative_config's: disable speculation when more than N requests are enqueued (running + waiting) "
+        "(default: none)",
+    )
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--config", default="low_latency", help="engine profile of the end-to-end runs")

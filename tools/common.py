@@ -317,8 +317,8 @@ def speculative_step(
 ) -> Step:
     """`steps.decode_speculative` as the engine calls it with `drafter` (`speculative.make_drafter`): `batch` greedy
     rows at position `context`, every row drafting, each verify step `drafter.num_tokens + 1` tokens (`draft=False`:
-    the step of a bucket past `disable_by_batch_size`, one token per row); the drafter's history holds random tokens
-    up to the position. One device."""
+    the step of a call with more requests enqueued than `disable_by_batch_size`, one token per row); the drafter's
+    history holds random tokens up to the position. One device."""
     put = _Placer.of(params, None)
     T = num_steps * (drafter.num_tokens + 1)
     cache, tables, pages = _paged_state(cfg, batch, context, T, params.embed.dtype, put)

@@ -108,7 +108,8 @@ def main() -> None:
     ap.add_argument(
         "--no-draft",
         action="store_true",
-        help="with --speculative: the step of a bucket past disable_by_batch_size (one token per row, no drafts)",
+        help="with --speculative: the step of a call with more requests enqueued than disable_by_batch_size (one "
+        "token per row, no drafts)",
     )
     ap.add_argument("--label", default="baseline")
     ap.add_argument("--out", default="profile.json")
