@@ -332,9 +332,10 @@ class Engine:
         stop-string error, a device call that fails) ends those requests with finish reason "error"; the
         others, and the engine, go on."""
         outputs, self._aborted = self._aborted, []
-        work = self.scheduler.schedule()
+        drafts = self._drafts()
+        work = self.scheduler.schedule(drafts)
         try:
-            call = None if work.empty else self._launch(work)
+            call = None if work.empty else self._launch(work, drafts)
         except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
             call = None
             outputs += self._fail([c.seq for c in work.prefills] + list(work.decodes), e)
@@ -374,10 +375,10 @@ class Engine:
             )
         return out
 
-    def _launch(self, work) -> _Call:
-        """Enqueue this step's prefill and decode calls (neither waits for the other)."""
+    def _launch(self, work, drafted: bool) -> _Call:
+        """Enqueue this step's prefill and decode calls (neither waits for the other); the decode call drafts when
+        `drafted` (`_drafts`)."""
         pre = self.runner.prefill(work.prefills) if work.prefills else (None, [])
-        drafted = self._drafts()
         dec = self.runner.decode(work.decodes, drafted) if work.decodes else (None, [])
         call = _Call(
             [
@@ -389,7 +390,7 @@ class Engine:
             dec[0],
             drafted,
         )
-        self.scheduler.launched(work)
+        self.scheduler.launched(work, drafted)
         return call
 
     def _drafts(self) -> bool:
@@ -439,7 +440,7 @@ class Engine:
         acceptance counters of the steps whose tokens the request took (a step after its end is not counted)."""
         T = self.config.speculative_config.num_speculative_tokens + 1
         valid = [k for k in range(sampled[0].shape[0]) if sampled[0][k, row] >= 0]
-        seq.num_pending -= sampled[0].shape[0]  # launched counted the most the call could give
+        seq.num_pending -= self.config.decode_tokens_per_call(drafted)  # launched counted the most the call could give
         seq.spec_in_flight -= 1
         # All but the last token have K/V, and a call in flight computes what it counted (as `launched` says).
         seq.num_computed = min(len(seq.token_ids) + len(valid) - 1 + seq.num_pending, seq.max_len - 1)

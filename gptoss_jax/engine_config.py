@@ -131,11 +131,11 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"EngineConfig.{name}={getattr(self, name)!r}: must be true or false")
 
-    def decode_tokens_per_call(self) -> int:
+    def decode_tokens_per_call(self, drafts: bool = True) -> int:
         """The most positions one decode call computes per sequence: one per step, or with speculation the last token
-        and the drafts of each step."""
+        and the drafts of each step (one per step in a call that does not draft: `disable_by_batch_size`)."""
         spec = self.speculative_config
-        return self.decode_steps_per_call * (1 + (spec.num_speculative_tokens if spec is not None else 0))
+        return self.decode_steps_per_call * (1 + (spec.num_speculative_tokens if spec is not None and drafts else 0))
 
     # ---- buckets -------------------------------------------------------------------------------
     def decode_buckets(self) -> tuple[int, ...]:

@@ -120,7 +120,9 @@ class Scheduler:
         seq.slot, seq.num_pending, seq.spec_in_flight = -1, 0, 0
         seq.epoch += 1
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: bool = True) -> SchedulerOutput:
+        """This step's work. `drafts`: whether its decode call drafts (with speculation): a call that does not computes
+        one position per step, so requests near their end are not held back for the most a drafting call gives."""
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         scheduled: set[int] = set()
@@ -128,7 +130,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq not in self.running:
                 continue
-            first, end = seq.decode_span(cfg.decode_tokens_per_call())
+            first, end = seq.decode_span(cfg.decode_tokens_per_call(drafts))
             if seq.num_pending and end <= first:  # its last tokens are in flight: it ends by length
                 scheduled.add(id(seq))  # when they land, so no reservation may preempt it
                 continue
@@ -214,11 +216,11 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def launched(self, work: SchedulerOutput) -> None:
+    def launched(self, work: SchedulerOutput, drafts: bool = True) -> None:
         """`work` is on the device: its K/V positions count as computed and its sampled tokens as
         pending. Sliding pages the window left behind go back to the pool only now, after the call that
-        may still read them was enqueued (later calls run after it)."""
-        K = self.config.decode_tokens_per_call()
+        may still read them was enqueued (later calls run after it). `drafts` as `schedule`'s."""
+        K = self.config.decode_tokens_per_call(drafts)
         for seq in work.decodes:
             _, end = seq.decode_span(K)
             if self.config.speculative_config is None:

@@ -213,6 +213,13 @@ def test_the_drafting_decision_counts_waiting_requests(small_checkpoint, baselin
     for rid, (prompt, sp) in reqs.items():
         engine.add_request(rid, prompt, sp)
     out, done = {rid: [] for rid in reqs}, {}
+    pending, launched = [], engine.scheduler.launched
+
+    def record(work, drafts=True):  # what the scheduler counts in flight for each row of a decode call
+        launched(work, drafts)
+        pending.extend((drafts, s.num_pending) for s in work.decodes)
+
+    engine.scheduler.launched = record
 
     def step():
         for o in engine.step():
@@ -226,6 +233,9 @@ def test_the_drafting_decision_counts_waiting_requests(small_checkpoint, baselin
         step()
     st = engine.stats()
     assert st.spec_decode_num_drafts == 0 and st.num_waiting > 0
+    # a call that does not draft gives one token per step, and its rows are reserved that much, not k + 1 a step
+    steps = engine.config.decode_steps_per_call
+    assert pending and all(d is False and n == steps for d, n in pending), pending
     waiting = [seq.request_id for seq in engine.scheduler.waiting]
     for rid in waiting:
         engine.abort_request(rid)
