@@ -355,7 +355,7 @@ def test_answering_rows_join_every_call_and_close_in_time(demo):
                     answering += 1
                     missed.append(seq not in work.decodes)
                     fed += seq.fed_tokens > 1
-            eng.scheduler.schedule = lambda w=work: w  # this step runs the work just inspected
+            eng.scheduler.schedule = lambda drafts=True, w=work: w  # this step runs the work just inspected
             for o in eng.step():
                 tokens.get(o.request_id, []).extend(o.new_token_ids)
     finally:

@@ -99,9 +99,9 @@ class TimedEngine(Engine):
         self.scheduler = _Timed(self.scheduler, self.timers, schedule="schedule")
         self.runner = _Timed(self.runner, self.timers, prefill="dispatch_prefill", decode="dispatch_decode")
 
-    def _launch(self, work):
+    def _launch(self, work, drafted):
         with _timer(self.timers, "launch"):
-            return super()._launch(work)
+            return super()._launch(work, drafted)
 
     def _collect(self, call):
         with _timer(self.timers, "collect"):
