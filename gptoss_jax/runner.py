@@ -244,10 +244,11 @@ class ModelRunner:
         """Dispatch one (multi-step) decode call for `seqs` -> (its sampled tokens `[steps, rows]`, each row). With
         speculation, `draft` False runs one token per row (the engine's `disable_by_batch_size` decision; a call of
         more sequences than that limit has no drafting program: `buckets`)."""
-        K = self.config.decode_tokens_per_call()
+        draft = draft and self.drafter is not None
+        K = self.config.decode_tokens_per_call(draft)  # the positions the scheduler reserved for this call
         rows, row_of = self._rows(seqs, self.config.decode_buckets())
         width = self._width([s.decode_span(K)[0] + K for s in seqs], self._decode_widths)
-        return self._decode(seqs, rows, row_of, width, draft and self.drafter is not None), row_of
+        return self._decode(seqs, rows, row_of, width, draft), row_of
 
     def _prefill_batch(
         self, chunks: list[PrefillChunk], rows: int, row_of: list[int], T: int, width: int
