@@ -455,30 +455,30 @@ def _reference(window: int):
     return jax.jit(lambda *a: attention_reference.attention(*a[:6], window, **a[6]))
 
 
-def bench_paged(bw, cases, split_opts, kv_dtypes=("auto",)):
+def bench_paged(bw, cases, split_opts, kv_dtypes=("auto",), launches=((64, 3, 4), (128, 3, 4))):
+    """Decode attention; `launches`: the (block_kv, num_stages, num_warps) settings swept with each split count."""
     for (B, ctx, window, S), kv_dtype in itertools.product(cases, kv_dtypes):
         q, kp, vp, bt, pos, sinks = kc.paged(jax.random.PRNGKey(B + ctx), B, 64, 8, 64, S, [ctx] * B)
         kp, vp, scales, value_bytes = kc.as_kv_cache(kp, vp, kv_dtype)
         vis = min(ctx, window)
         nbytes = B * vis * 8 * 64 * 2 * value_bytes
         best = None
-        for ns in split_opts(B):
-            for bkv in (64, 128):
-                f = jax.jit(
-                    lambda q, kp, vp, bt, pos, sinks, scales, ns=ns, bkv=bkv: paged_attention.attention(
-                        q, kp, vp, bt, pos, sinks, window, **scales, num_splits=ns, block_kv=bkv
-                    )
+        for ns, (bkv, stages, warps) in itertools.product(split_opts(B), launches):
+            f = jax.jit(
+                lambda q, kp, vp, bt, pos, sinks, scales, ns=ns, bkv=bkv, st=stages, w=warps: paged_attention.attention(
+                    q, kp, vp, bt, pos, sinks, window, **scales, num_splits=ns, block_kv=bkv, num_stages=st, num_warps=w
                 )
-                t = timed(f"paged B={B} ctx={ctx} ns={ns} bkv={bkv}", f, q, kp, vp, bt, pos, sinks, scales, n=20)
-                if t is None:
-                    continue
-                log(
-                    f"  paged kv={kv_dtype} B={B} ctx={ctx} win={window} page={S} splits={ns} bkv={bkv}: "
-                    f"{t * 1e6:8.1f} us "
-                    f"{nbytes / t / 1e12:5.2f} TB/s = {nbytes / t / bw * 100:5.1f}%"
-                )
-                if best is None or t < best[0]:
-                    best = (t, ns, bkv)
+            )
+            launch = f"splits={ns} bkv={bkv} stages={stages} warps={warps}"
+            t = timed(f"paged B={B} ctx={ctx} {launch}", f, q, kp, vp, bt, pos, sinks, scales, n=20)
+            if t is None:
+                continue
+            log(
+                f"  paged kv={kv_dtype} B={B} ctx={ctx} win={window} page={S} {launch}: {t * 1e6:8.1f} us "
+                f"{nbytes / t / 1e12:5.2f} TB/s = {nbytes / t / bw * 100:5.1f}%"
+            )
+            if best is None or t < best[0]:
+                best = (t, ns, launch)
         t_ref = timeit(_reference(window), q, kp, vp, bt, pos, sinks, scales, n=5)
         # jax.nn.dot_product_attention on a contiguous [B, ctx, K, H] cache (no sinks, no paging).
         kc_ = jax.random.normal(jax.random.PRNGKey(9), (B, ctx, 8, 64), jnp.float32).astype(jnp.bfloat16)
@@ -497,8 +497,7 @@ def bench_paged(bw, cases, split_opts, kv_dtypes=("auto",)):
         log(
             f"ROW paged_decode kv={kv_dtype} B={B} ctx={ctx} win={window} page={S} | pallas {best[0] * 1e6:8.1f} us "
             f"{nbytes / best[0] / 1e12:5.2f} TB/s ({nbytes / best[0] / bw * 100:4.1f}% of {bw / 1e12:.2f}) "
-            f"splits={best[1]} "
-            f"bkv={best[2]} | XLA paged reference {t_ref * 1e6:8.1f} us | jax.nn.dpa contiguous cudnn "
+            f"{best[2]} | XLA paged reference {t_ref * 1e6:8.1f} us | jax.nn.dpa contiguous cudnn "
             f"{res['cudnn'] * 1e6:8.1f} us xla {res['xla'] * 1e6:8.1f} us | KV bytes {nbytes / 1e6:.0f} MB"
         )
 
@@ -565,6 +564,9 @@ def main():
     ap.add_argument("--tokens", default="", help="MoE decode token counts (default: 1,4,16,64)")
     ap.add_argument("--prefill-tokens", default="8192", help="MoE prefill / large-batch token counts")
     ap.add_argument("--kv-cache-dtypes", default="auto", help="attention cases' KV caches: auto,fp8")
+    ap.add_argument(
+        "--sweep", action="store_true", help="attention: a wider grid of launch settings, on the long-context cases"
+    )
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     kv_dtypes = tuple(args.kv_cache_dtypes.split(","))
@@ -640,12 +642,12 @@ def main():
                 bench_moe_decode(model, Ts, bw, lambda T, model=model: dec_cfgs(model, T), L, auto)
     log(f"[{time.time() - t0:.0f}s]")
     if "paged" in only:
-        bench_paged(
-            bw,
-            [(64, 8192, 2**31 - 1, 16), (64, 8192, 128, 16), (8, 32768, 2**31 - 1, 16)],
-            lambda B: (1, 2) if B >= 32 else (4, 16),
-            kv_dtypes,
-        )
+        paged_cases = [(64, 8192, 2**31 - 1, 16), (64, 8192, 128, 16), (8, 32768, 2**31 - 1, 16)]
+        if args.sweep:
+            launches = list(itertools.product((64, 128, 256), (2, 3, 4), (4, 8)))
+            bench_paged(bw, [paged_cases[0], paged_cases[2]], lambda B: (1,) if B >= 32 else (8,), kv_dtypes, launches)
+        else:
+            bench_paged(bw, paged_cases, lambda B: (1, 2) if B >= 32 else (4, 16), kv_dtypes)
     log(f"[{time.time() - t0:.0f}s]")
     if "flash" in only:
         fcfgs = [
@@ -653,12 +655,17 @@ def main():
             dict(block_q=64, block_kv=64, num_warps=4, num_stages=3),
             dict(block_q=128, block_kv=128, num_warps=8, num_stages=3),
         ]
-        bench_flash(
-            mm,
-            [(1, 8192, 0, 2**31 - 1), (1, 8192, 0, 128), (4, 2048, 2048, 2**31 - 1)],
-            fcfgs if not args.quick else fcfgs[:1],
-            kv_dtypes,
-        )
+        flash_cases = [(1, 8192, 0, 2**31 - 1), (1, 8192, 0, 128), (4, 2048, 2048, 2**31 - 1)]
+        if args.sweep:
+            grid = itertools.product((64, 128, 256), (64, 128), (4, 8), (3,))
+            more = ((128, 32, 8, 3), (64, 32, 4, 3), (128, 64, 8, 2), (256, 64, 8, 2))
+            fcfgs = [
+                dict(block_q=bq, block_kv=bkv, num_warps=w, num_stages=st)
+                for bq, bkv, w, st in [*grid, *more]
+                if not (bq == 256 and w == 4)
+            ]
+            flash_cases = [flash_cases[0], flash_cases[2]]
+        bench_flash(mm, flash_cases, fcfgs if not args.quick else fcfgs[:1], kv_dtypes)
     log(f"[{time.time() - t0:.0f}s]")
     if "ragged" in only:
         bench_ragged_decode("20b", 1, bw)
