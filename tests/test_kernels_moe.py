@@ -221,6 +221,25 @@ def test_grouped_prefill_matches_reference(valid):
     assert _rel(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("P,I,block_n", [(301, 320, 256), (37, 64, 64)])
+def test_swiglu_epilogue_matches_xla(P, I, block_n):
+    """The grouped path's gate/up epilogue kernel against the XLA expression it replaced: sorted experts with
+    empty ones (0, 2, the last), values past the clamp on both sides, row and feature tiles cut short."""
+    E = 5
+    rng = np.random.default_rng(P)
+    e = jnp.asarray(np.sort(rng.choice([1, 3], size=P)), jnp.int32)
+    z = jnp.asarray(rng.normal(size=(P, 2 * I)) * 10 * 2.0**-14, jnp.bfloat16)  # |z| * 2^14 up to ~40
+    bias = jnp.asarray(rng.normal(size=(E, 2, I)), jnp.bfloat16)
+    got = moe_dense.swiglu_epilogue(z, e, bias, limit=LIMIT, alpha=ALPHA, block_n=block_n, interpret=True)
+    zf, bf = z.astype(jnp.float32) * 2.0**14, bias.astype(jnp.float32)
+    want = expert_format.clamped_swiglu(zf[:, :I] + bf[e, 0], zf[:, I:] + bf[e, 1], LIMIT, ALPHA)
+    assert (np.abs(np.asarray(zf)) > LIMIT + 3).mean() > 0.3
+    assert got.dtype == jnp.bfloat16 and got.shape == (P, I)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(want.astype(jnp.bfloat16), np.float32), rtol=2**-7
+    )
+
+
 def test_grouped_prefill_limits(monkeypatch):
     rng = np.random.default_rng(0)
     small = expert_format.prepare_experts(_experts(rng, 4, 128, 256, jnp.bfloat16))  # D: 2 K steps

@@ -273,6 +273,40 @@ def bench_moe_prefill(model, T, mm, configs, bw, ragged=True):
     )
 
 
+def bench_swiglu_epilogue(model, T, bw, configs):
+    """The grouped path's gate/up epilogue (`moe_dense.swiglu_epilogue`) on `T * k` rows sorted by expert, against
+    the XLA fusion it replaced and the copy bandwidth (bytes read + written)."""
+    s = kc.SHAPES[model]
+    E, I, P = s["E"], s["I"], T * s["k"]
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(P), 3)
+    z = (jax.random.normal(k1, (P, 2 * I), jnp.float32) * 2.0**-13).astype(jnp.bfloat16)
+    e = jnp.sort(jax.random.randint(k2, (P,), 0, E, jnp.int32))
+    bias = jax.random.normal(k3, (E, 2, I), jnp.float32).astype(jnp.bfloat16)
+    nbytes = 3 * P * I * 2
+
+    @jax.jit
+    def xla(z, e, bias):
+        zf, b = z.astype(jnp.float32) * 2.0**expert_format.F16_SHIFT, bias.astype(jnp.float32)
+        g, u = zf[:, :I] + b[e, 0], zf[:, I:] + b[e, 1]
+        return expert_format.clamped_swiglu(g, u, kc.LIMIT, kc.ALPHA).astype(jnp.bfloat16)
+
+    t_xla = timeit(xla, z, e, bias)
+    best = fastest(
+        f"swiglu_epilogue {model} T={T}",
+        configs,
+        lambda cfg: jax.jit(lambda z, e, b: moe_dense.swiglu_epilogue(z, e, b, limit=kc.LIMIT, alpha=kc.ALPHA, **cfg)),
+        (z, e, bias),
+        1,
+        lambda t, cfg: f"  swiglu_epilogue {model} P={P} {t * 1e3:7.3f} ms {nbytes / t / 1e12:5.2f} TB/s cfg={cfg}",
+    )
+    if best:
+        log(
+            f"ROW swiglu_epilogue {model:4s} T={T} P={P} | pallas {best[0] * 1e3:7.3f} ms "
+            f"{nbytes / best[0] / 1e12:5.2f} TB/s ({nbytes / best[0] / bw * 100:4.1f}% of copy) | XLA "
+            f"{t_xla * 1e3:7.3f} ms {nbytes / t_xla / 1e12:5.2f} TB/s | cfg={best[1]}"
+        )
+
+
 def bench_linear(bw, Ts, configs, L=8):
     """Decode projections over L stacked layers (more bytes than L2): the kernel reading each layer in
     place vs XLA on the stacked weight (layer slice copied, then GEMM) and on separate arrays (no copy)."""
@@ -575,7 +609,7 @@ def main():
     only = (
         set(args.only.split(","))
         if args.only
-        else {"linear", "linear_mosaic", "moe_decode", "paged", "flash", "moe_prefill", "ragged"}
+        else {"linear", "linear_mosaic", "moe_decode", "paged", "flash", "moe_prefill", "moe_epilogue", "ragged"}
     )
 
     auto, triton = (KernelConfig(impl="pallas", mosaic=m).for_device() for m in (None, False))
@@ -709,6 +743,15 @@ def main():
                     ]
                 )
                 bench_moe_prefill(model, T, mm, cfgs[:1] if args.quick else cfgs, bw, ragged=T >= 4096)
+    log(f"[{time.time() - t0:.0f}s]")
+    if "moe_epilogue" in only:
+        ecfgs = [
+            dict(block_m=bm, block_n=bn, num_warps=w)
+            for bm, bn, w in ((32, 256, 4), (16, 512, 4), (64, 256, 8), (64, 64, 4), (128, 64, 4), (8, 1024, 4))
+        ]
+        for T in (int(t) for t in args.prefill_tokens.split(",")):
+            for model in (m for m in args.models.split(",") if kc.SHAPES[m]["E"] <= moe_dense.GROUP):  # grouped
+                bench_swiglu_epilogue(model, T, bw, ecfgs[:1] if args.quick else ecfgs)
     log(f"[{time.time() - t0:.0f}s]")
     log("\nSUMMARY")
     for line in LINES:

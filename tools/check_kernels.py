@@ -23,6 +23,7 @@ from pallas_kernels import (
     flash_attention,
     linear_decode,
     linear_mosaic,
+    moe_dense,
     moe_reference,
     paged_attention,
 )
@@ -124,6 +125,26 @@ def check_linear_mosaic(key):
     return rows
 
 
+def check_swiglu_epilogue(key):
+    """The grouped path's gate/up epilogue kernel against the XLA expression it replaced (20b shapes, rows sorted
+    by expert with empty experts, values past the clamp): equal up to f32 rounding order and the GPU's exp."""
+    rows = []
+    s = kc.SHAPES["20b"]
+    E, I = s["E"], s["I"]
+    for P in (777 * 4, 4099 * 4, 16384 * 4):
+        key, k1, k2, k3 = jax.random.split(key, 4)
+        z = (jax.random.normal(k1, (P, 2 * I), jnp.float32) * 2.0**-12).astype(jnp.bfloat16)  # x 2^14: sd 4
+        e = jnp.sort(jax.random.choice(k2, jnp.arange(1, E - 1, 2, dtype=jnp.int32), (P,)))
+        bias = jax.random.normal(k3, (E, 2, I), jnp.float32).astype(jnp.bfloat16)
+        got = moe_dense.swiglu_epilogue(z, e, bias, limit=kc.LIMIT, alpha=kc.ALPHA)
+        zf, b = z.astype(jnp.float32) * 2.0**expert_format.F16_SHIFT, bias.astype(jnp.float32)
+        want = expert_format.clamped_swiglu(zf[:, :I] + b[e, 0], zf[:, I:] + b[e, 1], kc.LIMIT, kc.ALPHA)
+        e_, fin = rel(got, want.astype(jnp.bfloat16))
+        rows.append(("swiglu_epilogue", f"20b P={P} even experts and the last empty, vs XLA", e_, fin))
+        print(*rows[-1], flush=True)
+    return rows
+
+
 def moe(kernels: KernelConfig, **override):
     """`moe_reference.moe`'s signature on the kernels: routing, then the experts on the kernel `kernels` chooses for
     the rows, with `override` replacing the kernel or launch settings it names -> (out, kernel that ran)."""
@@ -193,6 +214,8 @@ def main():
         rows.append((name.strip(), f"{model} T={T} empty={list(empty)} {kernel}", e, fin))
         print(*rows[-1], flush=True)
         del ex, kx
+
+    rows += check_swiglu_epilogue(key)
 
     for name, (B, S, ctxs, window, sink_scale, splits, kv) in {
         "paged_decode": (5, 16, [5, 127, 128, 4097, 0], 128, 20.0, None, "auto"),
