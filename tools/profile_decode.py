@@ -1,6 +1,6 @@
 """Where a decode step's time goes: a `jax.profiler` trace of the engine's compiled decode step, summed
 per GPU kernel, next to the step's wall time. `--prefill 8x1024` traces a prefill call instead (8 fresh
-prompts of 1,024 tokens in one call, as the max_throughput profile packs them).
+prompts of 1,024 tokens in one call, as the max_throughput profile packs them), or as well with `--batch`.
 
 Same setup as tools.bench_decode (random weights in the kernels' layout, synthetic paged context);
 one device call of `--steps` tokens is traced. The summary says how much of the wall time the GPU was
@@ -86,7 +86,9 @@ def main() -> None:
     runtime.prepare()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="gpt-oss-20b", help="preset name or a HF config.json path")
-    ap.add_argument("--batch", default="1", help="comma-separated batch sizes")
+    ap.add_argument(
+        "--batch", default=None, help="comma-separated batch sizes (default 1; with --prefill, none unless given)"
+    )
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
@@ -98,7 +100,7 @@ def main() -> None:
     )
     ap.add_argument("--temperature", type=float, default=0.0, help="every row's sampling temperature (0: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--prefill", default="", help="comma-separated ROWSxTOKENS prefill calls to trace instead")
+    ap.add_argument("--prefill", default="", help="comma-separated ROWSxTOKENS prefill calls to trace")
     ap.add_argument(
         "--speculative",
         type=int,
@@ -133,54 +135,51 @@ def main() -> None:
     cfg = model_config(args.preset)
     params = random_params(cfg, kernels)
     results = []
-    if args.prefill:
-        for spec in args.prefill.split(","):
-            rows, T = (int(v) for v in spec.split("x"))
-            step = prefill_step(params, cfg, rows, T, kernels)
-            results.append(profile(step, 1, f"prefill {rows}x{T}", "call", dict(rows=rows, tokens=T), args))
-    else:
-        for B in [int(b) for b in args.batch.split(",")]:
-            if args.speculative:
-                spec = speculative.SpeculativeConfig("oracle", args.speculative)
-                drafter = speculative.make_drafter(spec, cfg.vocab_size, args.context + args.steps * 8 + 8)
-                step = speculative_step(
-                    params,
-                    cfg,
-                    B,
-                    args.context,
-                    kernels,
-                    drafter,
-                    num_steps=args.steps,
-                    draft_params=drafter.params(spec),
-                    draft=not args.no_draft,
-                )
-                what = f"B={B} ctx={args.context} {'no-draft' if args.no_draft else 'verify'} k={args.speculative}"
-                meta = dict(batch=B, context=args.context, steps=args.steps, speculative=args.speculative)
-                meta.update(draft=not args.no_draft)
-                results.append(profile(step, args.steps, what, "verify_step", meta, args))
-                continue
-            step = decode_step(
+    for spec in args.prefill.split(",") if args.prefill else []:
+        rows, T = (int(v) for v in spec.split("x"))
+        step = prefill_step(params, cfg, rows, T, kernels)
+        results.append(profile(step, 1, f"prefill {rows}x{T}", "call", dict(rows=rows, tokens=T), args))
+    batches = args.batch or ("" if args.prefill else "1")
+    for B in [int(b) for b in batches.split(",") if b]:
+        if args.speculative:
+            spec = speculative.SpeculativeConfig("oracle", args.speculative)
+            drafter = speculative.make_drafter(spec, cfg.vocab_size, args.context + args.steps * 8 + 8)
+            step = speculative_step(
                 params,
                 cfg,
                 B,
                 args.context,
                 kernels,
+                drafter,
                 num_steps=args.steps,
-                temperature=args.temperature,
-                top_p=args.top_p,
+                draft_params=drafter.params(spec),
+                draft=not args.no_draft,
             )
-            results.append(
-                profile(
-                    step,
-                    args.steps,
-                    f"B={B} ctx={args.context} T={args.temperature} top_p={args.top_p}",
-                    "token",
-                    dict(
-                        batch=B, context=args.context, steps=args.steps, temperature=args.temperature, top_p=args.top_p
-                    ),
-                    args,
-                )
+            what = f"B={B} ctx={args.context} {'no-draft' if args.no_draft else 'verify'} k={args.speculative}"
+            meta = dict(batch=B, context=args.context, steps=args.steps, speculative=args.speculative)
+            meta.update(draft=not args.no_draft)
+            results.append(profile(step, args.steps, what, "verify_step", meta, args))
+            continue
+        step = decode_step(
+            params,
+            cfg,
+            B,
+            args.context,
+            kernels,
+            num_steps=args.steps,
+            temperature=args.temperature,
+            top_p=args.top_p,
+        )
+        results.append(
+            profile(
+                step,
+                args.steps,
+                f"B={B} ctx={args.context} T={args.temperature} top_p={args.top_p}",
+                "token",
+                dict(batch=B, context=args.context, steps=args.steps, temperature=args.temperature, top_p=args.top_p),
+                args,
             )
+        )
     if args.hlo_dump:
         sources = kernel_sources(args.hlo_dump)
         for r in results:
