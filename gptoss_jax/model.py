@@ -27,7 +27,8 @@ NULL_PAGE = 0  # write target of padded or already-cached tokens; never read at 
 @struct.dataclass
 class Pools:
     """One layer type's pools, all its layers: K and V `[L, P, S, K, H]` in the cache dtype and, for an FP8 cache,
-    their per-(slot, head) scales `[L, P, S, K]` (`pallas_kernels.kv_quant`; None otherwise)."""
+    their per-(slot, head) scales `[L, P, K, S]` (`pallas_kernels.kv_quant`, which says why that order; None
+    otherwise)."""
 
     k: jax.Array
     v: jax.Array
@@ -46,7 +47,7 @@ class Pools:
 
     def scales(self) -> dict:
         """The kernels' scale arguments."""
-        return dict(k_scale_PSK=self.k_scale, v_scale_PSK=self.v_scale)
+        return dict(k_scale_PKS=self.k_scale, v_scale_PKS=self.v_scale)
 
 
 @struct.dataclass
@@ -61,9 +62,9 @@ class PagedKVCache:
     v_sliding: jax.Array  # [Ls, Ps, S, K, H]
     k_full: jax.Array  # [Lf, Pf, S, K, H]
     v_full: jax.Array  # [Lf, Pf, S, K, H]
-    k_sliding_scale: jax.Array | None = None  # f32 [Ls, Ps, S, K]
+    k_sliding_scale: jax.Array | None = None  # f32 [Ls, Ps, K, S]
     v_sliding_scale: jax.Array | None = None
-    k_full_scale: jax.Array | None = None  # f32 [Lf, Pf, S, K]
+    k_full_scale: jax.Array | None = None  # f32 [Lf, Pf, K, S]
     v_full_scale: jax.Array | None = None
 
     @classmethod
@@ -77,7 +78,7 @@ class PagedKVCache:
         scales = {}
         if kv_quant.is_quantized(dtype):
             scales = {
-                f"{kv}_{kind}_scale": jnp.ones(shape[:-1], jnp.float32)
+                f"{kv}_{kind}_scale": jnp.ones((*shape[:2], cfg.num_kv_heads, page_size), jnp.float32)
                 for kv in "kv"
                 for kind, shape in (("sliding", s), ("full", f))
             }
@@ -235,7 +236,12 @@ def _write(pools: Pools, at: tuple, k_BTKH, v_BTKH) -> Pools:
     if pools.k_scale is None:
         return pools.replace(k=pools.k.at[at].set(k_BTKH), v=pools.v.at[at].set(v_BTKH))
     (k, k_scale), (v, v_scale) = kv_quant.quantize(k_BTKH), kv_quant.quantize(v_BTKH)
-    return Pools(*(a.at[at].set(x) for a, x in zip(jax.tree.leaves(pools), (k, v, k_scale, v_scale))))
+    return Pools(
+        pools.k.at[at].set(k),
+        pools.v.at[at].set(v),
+        kv_quant.set_scales(pools.k_scale, at, k_scale),
+        kv_quant.set_scales(pools.v_scale, at, v_scale),
+    )
 
 
 def _attention_new_token(

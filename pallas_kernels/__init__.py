@@ -168,14 +168,14 @@ def attention(
     sinks_N,
     window: int,
     *,
-    k_scale_PSK=None,
-    v_scale_PSK=None,
+    k_scale_PKS=None,
+    v_scale_PKS=None,
     kernels: KernelConfig,
 ):
     """Paged attention with sinks (FP8 pools with their `kv_quant` scales); the contract is in docs/engine.md
     ("Kernel interface")."""
     args = (q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sinks_N, window)
-    scales = dict(k_scale_PSK=k_scale_PSK, v_scale_PSK=v_scale_PSK)
+    scales = dict(k_scale_PKS=k_scale_PKS, v_scale_PKS=v_scale_PKS)
     B, T, N, H = q_BTNH.shape
     c = _choose("attention", B, (T, N, k_pages_PSKH.shape[2], H), q_BTNH.dtype, kernels)
     if c.kernel == "reference":
@@ -213,8 +213,8 @@ def attention_new_token(
     window: int,
     done_BK,
     *,
-    k_scale_PSK=None,
-    v_scale_PSK=None,
+    k_scale_PKS=None,
+    v_scale_PKS=None,
     null_page: int,
     kernels: KernelConfig,
 ):
@@ -241,8 +241,8 @@ def attention_new_token(
         sinks_LN,
         window,
         done_BK,
-        k_scale_PSK=k_scale_PSK,
-        v_scale_PSK=v_scale_PSK,
+        k_scale_PKS=k_scale_PKS,
+        v_scale_PKS=v_scale_PKS,
         null_page=null_page,
         **c.kw,
     )

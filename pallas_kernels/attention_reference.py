@@ -32,8 +32,8 @@ def attention(
     sinks_N: jax.Array,
     window: int,
     *,
-    k_scale_PSK: jax.Array | None = None,
-    v_scale_PSK: jax.Array | None = None,
+    k_scale_PKS: jax.Array | None = None,
+    v_scale_PKS: jax.Array | None = None,
     return_sink_mass: bool = False,
 ):
     """Causal attention of queries at absolute positions `q_pos_BT` (-1 = padding) over paged keys.
@@ -42,8 +42,9 @@ def attention(
     denominator only, so probabilities sum to less than 1 and a row with no visible key yields 0.
     `return_sink_mass` (static; for inspection) also returns the probability each head gives its sink,
     `[B, T, N]` fp32 = 1 - (mass on the keys); padded queries give 1. An FP8 pool comes with its per-(slot, head)
-    scales `k_scale_PSK`/`v_scale_PSK` (`kv_quant`): the scores are the dots with the stored values times the key's
-    scale, and the values are weighted by the probability times the value's scale, as the kernels do.
+    scales `k_scale_PKS`/`v_scale_PKS` (`kv_quant`, laid out `[P, K, S]`): the scores are the dots with the stored
+    values times the key's scale, and the values are weighted by the probability times the value's scale, as the
+    kernels do.
     """
     B, T, N, H = q_BTNH.shape
     S, K = k_pages_PSKH.shape[1], k_pages_PSKH.shape[2]
@@ -58,8 +59,9 @@ def attention(
     q = q_BTNH.reshape(B, T, K, G, H)
     logits = jnp.einsum("btkgh,bjkh->bkgtj", q, k_BJKH.astype(q.dtype), preferred_element_type=jnp.float32)
     logits = logits * (H**-0.5)
-    if k_scale_PSK is not None:  # [B, J, K] -> [B, K, 1, 1, J]
-        logits = logits * k_scale_PSK[pages_Bn].reshape(B, n * S, K).transpose(0, 2, 1)[:, :, None, None, :]
+    scale_BKJ = lambda a: a[pages_Bn].transpose(0, 2, 1, 3).reshape(B, K, n * S)  # noqa: E731
+    if k_scale_PKS is not None:
+        logits = logits * scale_BKJ(k_scale_PKS)[:, :, None, None, :]
     qp = q_pos_BT[:, None, None, :, None]
     kp = kv_pos_BJ[:, None, None, None, :]
     visible = (kp <= qp) & (qp - kp < window)
@@ -70,8 +72,8 @@ def attention(
     denom = jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sinks - m)
     p = p / denom
     pv = p
-    if v_scale_PSK is not None:
-        pv = p * v_scale_PSK[pages_Bn].reshape(B, n * S, K).transpose(0, 2, 1)[:, :, None, None, :]
+    if v_scale_PKS is not None:
+        pv = p * scale_BKJ(v_scale_PKS)[:, :, None, None, :]
     out = jnp.einsum("bkgtj,bjkh->btkgh", pv, v_BJKH.astype(jnp.float32))
     out = out.reshape(B, T, N, H).astype(q_BTNH.dtype)
     if not return_sink_mass:

@@ -85,7 +85,8 @@ def _kernel(
         v = plt.load(v_ref.at[slots[:, None], kh, hcols], mask=in_range, other=0.0).astype(q.dtype)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale  # [bq, bkv]
         if quantized:
-            k_scale, v_scale = (plt.load(r.at[slots, kh], mask=kpos < hi, other=0.0) for r in (ks_ref, vs_ref))
+            at = kv_quant.scale_index(pages, kh, k_ref.shape[1], page_size)
+            k_scale, v_scale = (plt.load(r.at[at], mask=kpos < hi, other=0.0) for r in (ks_ref, vs_ref))
             s = s * k_scale[None, :]
         d = pos[:, None] - kpos[None, :]
         vis = (d >= 0) & (d < window)
@@ -123,8 +124,8 @@ def attention(
     sinks_N,
     window,
     *,
-    k_scale_PSK=None,
-    v_scale_PSK=None,
+    k_scale_PKS=None,
+    v_scale_PKS=None,
     block_q=64,
     block_kv=64,
     num_warps=4,
@@ -132,7 +133,7 @@ def attention(
     interpret=None,
 ):
     """Paged prefill attention (T > 1); same function as `attention_reference.attention` (FP8 pools with their
-    scales `[P, S, K]` too).
+    scales `[P, K, S]` too).
 
     block_q counts (token, head) rows and must be a multiple of G = N // K."""
     B, T, N, H = q_BTNH.shape
@@ -149,7 +150,7 @@ def attention(
     return pl.pallas_call(
         functools.partial(
             _kernel,
-            quantized=k_scale_PSK is not None,
+            quantized=k_scale_PKS is not None,
             bq=bq,
             G=G,
             page_size=S,
@@ -170,5 +171,5 @@ def attention(
         q_BTNH,
         k_pages_PSKH.reshape(P * S, K, H),
         v_pages_PSKH.reshape(P * S, K, H),
-        *([] if k_scale_PSK is None else [a.reshape(P * S, K) for a in (k_scale_PSK, v_scale_PSK)]),
+        *([] if k_scale_PKS is None else [a.reshape(-1) for a in (k_scale_PKS, v_scale_PKS)]),
     )

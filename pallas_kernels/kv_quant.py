@@ -5,6 +5,11 @@ Why one scale per (token, head): it needs no calibration and never clips (each v
 and it is written with the token, so a page never has to be re-quantized as it fills. Per KV head or per page scales
 would save the scale's 4 bytes per 64 (6% of an fp8 entry) but either clip outliers or need the page's whole
 content first; docs/BENCHMARKS.md (issue 33) measures the error of each choice against the bf16 cache.
+
+Where the scales live: a pool `[P, S, K, H]` keeps its scales as `[P, K, S]`, so that the S scales one KV head's page
+holds are contiguous (64 bytes for 16 slots). Laid out `[P, S, K]`, the scale of one (slot, head) is 4 bytes at a stride
+of K * 4 bytes, and the kernels' per-key loads then fetch a 32-byte sector per key, as many sectors as the key's 64
+fp8 values (docs/kernels.md).
 """
 
 import jax
@@ -36,6 +41,18 @@ def quantize(x_H: jax.Array) -> tuple[jax.Array, jax.Array]:
     return (x / scale[..., None]).astype(FP8), scale
 
 
+def scales_PKS(scale_PSK: jax.Array) -> jax.Array:
+    """Scales `[..., P, S, K]` (as `quantize` returns them for a pool `[..., P, S, K, H]`) in the pools' layout
+    `[..., P, K, S]`."""
+    return jnp.swapaxes(scale_PSK, -1, -2)
+
+
+def set_scales(scale_PKS: jax.Array, at: tuple, scale: jax.Array) -> jax.Array:
+    """`scale_PKS` with the scales `[..., K]` of the vectors written at (page, slot) `at` (index arrays `[...]`)."""
+    page, slot = at
+    return scale_PKS.at[page[..., None], jnp.arange(scale_PKS.shape[1]), slot[..., None]].set(scale)
+
+
 def dequantize(q_H: jax.Array, scale: jax.Array | None, dtype=jnp.float32) -> jax.Array:
     """The stored values in `dtype` (a pool without scales is returned as it is, cast)."""
     if scale is None:
@@ -60,3 +77,9 @@ def value_weights(p, v_scale, dtype=jnp.float16):
     cannot underflow f16."""
     top = jnp.maximum(jnp.max(v_scale), 1e-30)
     return (p * (v_scale / top)[None, :]).astype(dtype), top
+
+
+def scale_index(pages, kh, K: int, S: int):
+    """Where the scales of KV head `kh`'s slots in `pages` sit in a pool's flat `[P * K * S]` scales, in key order:
+    `[len(pages) * S]`, each page's S contiguous."""
+    return ((pages[:, None] * K + kh) * S + jnp.arange(S)[None, :]).reshape(pages.shape[0] * S)

@@ -54,12 +54,19 @@ def _attend(
     num_splits,
     max_pages,
     scale,
+    transposed_pv,
     page_offset=0,
 ):
     """Online softmax of the `[gp, H]` queries of KV head `kh` over split `sp`'s share of the key blocks
     covering positions `[lo, hi)` of row `b`, continuing from `(m, l, acc)`. Pages are the table's entries
     plus `page_offset` (a layer's first page in a pool of all layers). `scale_refs`: the FP8 pools' per-(slot,
-    head) scales `(k, v)` (`kv_quant`), or None."""
+    head) scales `(k, v)` (`kv_quant`), flat `[P * K * S]`, or None.
+
+    `transposed_pv` takes the weighted values as `V^T w^T` (`[H, gp]`, the same products) instead of `w V`: on
+    Hopper Triton then makes it a wgmma (M = H = 64) whose V operand it converts in registers, stores to shared
+    memory as f16 and reads back with ldmatrix.trans; as `w V` (an mma.sync with M = 16) it reads an e4m3 V from
+    shared memory one byte per load (LDS.U8: there is no 8-bit ldmatrix.trans), 64 loads a thread per 128 keys
+    (docs/kernels.md)."""
     bkv = page_size * pages_per_block
     blk_lo = lo // bkv
     blk_hi = (hi + bkv - 1) // bkv
@@ -85,7 +92,8 @@ def _attend(
         v = plt.load(v_ref.at[rows[:, None], kh, hcols], mask=ok[:, None], other=0.0).astype(q.dtype)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale  # [gp, bkv]
         if scale_refs is not None:
-            k_scale, v_scale = (plt.load(r.at[rows, kh], mask=ok, other=0.0) for r in scale_refs)
+            at = kv_quant.scale_index(pages, kh, k_ref.shape[1], page_size)
+            k_scale, v_scale = (plt.load(r.at[at], mask=ok, other=0.0) for r in scale_refs)
             s = s * k_scale[None, :]
         s = jnp.where(ok[None, :], s, NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -93,15 +101,17 @@ def _attend(
         p = jnp.exp(s - m_new[:, None])
         p = jnp.where(ok[None, :], p, 0.0)
         l = l * alpha + jnp.sum(p, axis=1)
-        if scale_refs is None:
-            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        w, top = (p.astype(v.dtype), 1.0) if scale_refs is None else kv_quant.value_weights(p, v_scale, v.dtype)
+        if transposed_pv:  # acc [H, gp]
+            acc = acc * alpha[None, :] + jnp.dot(v.T, w.T, preferred_element_type=jnp.float32) * top
         else:
-            w, top = kv_quant.value_weights(p, v_scale, v.dtype)
-            pv = jnp.dot(w, v, preferred_element_type=jnp.float32) * top
-        acc = acc * alpha[:, None] + pv
+            acc = acc * alpha[:, None] + jnp.dot(w, v, preferred_element_type=jnp.float32) * top
         return m_new, l, acc
 
-    return jax.lax.fori_loop(first, jnp.maximum(last, first), body, (m, l, acc))
+    if not transposed_pv:
+        return jax.lax.fori_loop(first, jnp.maximum(last, first), body, (m, l, acc))
+    m, l, acc_HG = jax.lax.fori_loop(first, jnp.maximum(last, first), body, (m, l, acc.T))
+    return m, l, acc_HG.T
 
 
 def _kernel(bt_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, *refs, quantized, **config):
@@ -219,8 +229,9 @@ def _new_token_kernel(
         k_out[row, kh, :] = k_store
         v_out[row, kh, :] = v_store
         if quantized:
-            ks_out[row, kh] = k_scale
-            vs_out[row, kh] = v_scale
+            at = ((page_offset + page) * k_ref.shape[1] + kh) * S + wslot_ref[b]
+            ks_out[at] = k_scale
+            vs_out[at] = v_scale
 
     s_new = jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32)[None, :], axis=1) * config["scale"]
     m = jnp.where(here, s_new, NEG)
@@ -301,8 +312,8 @@ def new_token_reference(
     sinks_LN,
     window,
     *,
-    k_scale_PSK=None,
-    v_scale_PSK=None,
+    k_scale_PKS=None,
+    v_scale_PKS=None,
 ):
     """`attention_new_token` as the model computes it without the kernel: sums, bias, cast, `rope.apply`, both
     pools written at (page + offset, slot) (null-page writes included; FP8 pools with `kv_quant.quantize`),
@@ -314,11 +325,11 @@ def new_token_reference(
     )
     q, k = (rope.apply(a, cos_BF[:, None], sin_BF[:, None]) for a in (q, k))
     at = (write_page_B + page_offset, write_slot_B)
-    pools, scales = [k_pages_PSKH, v_pages_PSKH], [k_scale_PSK, v_scale_PSK]
+    pools, scales = [k_pages_PSKH, v_pages_PSKH], [k_scale_PKS, v_scale_PKS]
     for i, x in enumerate((k[:, 0], v[:, 0])):
         if scales[i] is not None:
             x, sc = kv_quant.quantize(x)
-            scales[i] = scales[i].at[at].set(sc)
+            scales[i] = kv_quant.set_scales(scales[i], at, sc)
         pools[i] = pools[i].at[at].set(x)
     out = attention_reference.attention(
         q,
@@ -327,8 +338,8 @@ def new_token_reference(
         q_pos_B[:, None],
         sinks_LN[layer],
         window,
-        k_scale_PSK=scales[0],
-        v_scale_PSK=scales[1],
+        k_scale_PKS=scales[0],
+        v_scale_PKS=scales[1],
     )
     return out, *pools, *scales
 
@@ -354,11 +365,11 @@ def _combine(o, m, l, sinks_N, G, dtype):
     return (num / den[..., None]).reshape(B, 1, K * G, H).astype(dtype)
 
 
-def _flat_scales(k_scale_PSK, v_scale_PSK) -> list:
-    """The FP8 pools' scales as `[P * S, K]` operands (none for a pool without scales)."""
-    if k_scale_PSK is None:
+def _flat_scales(k_scale_PKS, v_scale_PKS) -> list:
+    """The FP8 pools' scales as flat `[P * K * S]` operands (none for a pool without scales)."""
+    if k_scale_PKS is None:
         return []
-    return [a.reshape(-1, a.shape[-1]) for a in (k_scale_PSK, v_scale_PSK)]
+    return [a.reshape(-1) for a in (k_scale_PKS, v_scale_PKS)]
 
 
 def _partials_shapes(B, K, ns, gp, H):
@@ -369,7 +380,16 @@ def _partials_shapes(B, K, ns, gp, H):
     )
 
 
-_LAUNCH = ("block_kv", "num_splits", "split_programs", "max_splits", "num_warps", "num_stages", "interpret")
+_LAUNCH = (
+    "block_kv",
+    "num_splits",
+    "split_programs",
+    "max_splits",
+    "num_warps",
+    "num_stages",
+    "transposed_pv",
+    "interpret",
+)
 
 
 @functools.partial(jax.jit, static_argnames=("window", "null_page") + _LAUNCH)
@@ -390,8 +410,8 @@ def attention_new_token(
     window,
     done_BK=None,
     *,
-    k_scale_PSK=None,
-    v_scale_PSK=None,
+    k_scale_PKS=None,
+    v_scale_PKS=None,
     null_page=0,
     block_kv=64,
     num_splits=None,
@@ -399,6 +419,7 @@ def attention_new_token(
     max_splits=32,
     num_warps=4,
     num_stages=3,
+    transposed_pv=False,
     interpret=None,
 ):
     """One new token per row, from the split-K partial sums of its q, k and v projections
@@ -411,10 +432,10 @@ def attention_new_token(
     as is `write_page_B` (`null_page` = no write); `write_slot_B` is the slot in the page.
     `done_BK` (int32 `[B, K]`, all 0; updated in place when donated) counts finished splits, and every launch
     leaves it at 0: a decode step threads one through all its layers, where a fresh one each layer would cost a
-    memset kernel on the critical path. None: a fresh one. FP8 pools come with their scales `[P, S, K]`
+    memset kernel on the critical path. None: a fresh one. FP8 pools come with their scales `[P, K, S]`
     (`kv_quant`), written beside them. Returns (out, k pages, v pages, done_BK, k scales, v scales), the scales
     None without. `num_splits` None: `default_splits`. The launch settings' defaults are `KernelConfig`'s
-    (`attention_*`).
+    (`attention_*`); `transposed_pv`: `_attend`'s.
 
     The same function as `new_token_reference`, except that null-page writes are skipped."""
     q_parts, k_parts, v_parts = qkv_parts
@@ -426,14 +447,14 @@ def attention_new_token(
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
-    flat = [a.reshape(P * S, K, H) for a in (k_pages_PSKH, v_pages_PSKH)] + _flat_scales(k_scale_PSK, v_scale_PSK)
+    flat = [a.reshape(P * S, K, H) for a in (k_pages_PSKH, v_pages_PSKH)] + _flat_scales(k_scale_PKS, v_scale_PKS)
     dtype = cos_BF.dtype
     if done_BK is None:
         done_BK = jnp.zeros((B, K), jnp.int32)
     outs = pl.pallas_call(
         functools.partial(
             _new_token_kernel,
-            quantized=k_scale_PSK is not None,
+            quantized=k_scale_PKS is not None,
             window=min(int(window), 2**31 - 1),
             null_page=null_page,
             G=G,
@@ -443,6 +464,7 @@ def attention_new_token(
             num_splits=ns,
             max_pages=M,
             scale=H**-0.5,
+            transposed_pv=transposed_pv,
         ),
         grid=(B, K, ns),
         out_shape=(
@@ -473,7 +495,7 @@ def attention_new_token(
     )
     out, written, done_BK = outs[3], outs[4:-1], outs[-1]
     k_pages, v_pages = (a.reshape(k_pages_PSKH.shape) for a in written[:2])
-    k_scale, v_scale = (a.reshape(k_scale_PSK.shape) for a in written[2:]) if k_scale_PSK is not None else (None, None)
+    k_scale, v_scale = (a.reshape(k_scale_PKS.shape) for a in written[2:]) if k_scale_PKS is not None else (None, None)
     return out.reshape(B, 1, N, H), k_pages, v_pages, done_BK, k_scale, v_scale
 
 
@@ -487,18 +509,19 @@ def attention(
     sinks_N,
     window,
     *,
-    k_scale_PSK=None,
-    v_scale_PSK=None,
+    k_scale_PKS=None,
+    v_scale_PKS=None,
     block_kv=64,
     num_splits=None,
     split_programs=1024,
     max_splits=32,
     num_warps=4,
     num_stages=3,
+    transposed_pv=False,
     interpret=None,
 ):
     """Paged decode attention (T = 1); same function as `attention_reference.attention` (FP8 pools with their
-    scales too)."""
+    scales `[P, K, S]` too). `transposed_pv`: `_attend`'s."""
     B, T, N, H = q_BTNH.shape
     if T != 1:
         raise ValueError("paged_attention.attention is the decode kernel (T = 1)")
@@ -515,7 +538,7 @@ def attention(
     q = jnp.pad(q, ((0, 0), (0, 0), (0, gp - G), (0, 0)))
     k_flat = k_pages_PSKH.reshape(P * S, K, H)
     v_flat = v_pages_PSKH.reshape(P * S, K, H)
-    scales = _flat_scales(k_scale_PSK, v_scale_PSK)
+    scales = _flat_scales(k_scale_PKS, v_scale_PKS)
 
     o, m, l = pl.pallas_call(
         functools.partial(
@@ -526,6 +549,7 @@ def attention(
             num_splits=ns,
             max_pages=M,
             scale=H**-0.5,
+            transposed_pv=transposed_pv,
         ),
         grid=(B, K, ns),
         out_shape=_partials_shapes(B, K, ns, gp, H),

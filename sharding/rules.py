@@ -153,8 +153,8 @@ class Layout:
 
     def cache_shardings(self, cache, num_kv_heads: int):
         """`cache_sharding` for every array of a KV cache pytree (arrays or shapes): the FP8 pools' scales
-        `[layers, pages, slot, kv_heads]` split as their pools."""
-        scales = self.sharding(("layers", "pages", None, "kv_heads"), num_kv_heads)
+        `[layers, pages, kv_heads, slot]` split as their pools."""
+        scales = self.sharding(("layers", "pages", "kv_heads", None), num_kv_heads)
         return jax.tree.map(lambda a: self.cache_sharding(num_kv_heads) if a.ndim == 5 else scales, cache)
 
     def padded_shapes(self, shapes: params_lib.Params) -> params_lib.Params:

@@ -40,7 +40,7 @@ def attention(layout, block, num_kv_heads: int, in_kinds: tuple, out_kinds):
     kinds = {
         "rows": rows,
         "pool": pool,
-        "scales": P(*pool[:4]),
+        "scales": P(*pool[:2], pool[3], pool[2]),  # [layers, pages, kv_heads, slot]
         "heads": P(rows[0], None, heads_axis(layout, num_kv_heads)),
         "same": P(),
     }

@@ -30,19 +30,22 @@ def _case(seed, B, N, K, H, S, ctxs, sink_scale):
 
 
 @pytest.mark.parametrize(
-    "window,S,ctxs,sink_scale,splits",
+    "window,S,ctxs,sink_scale,splits,transposed_pv",
     [
-        (FULL, 16, [1, 37, 200], 1.0, 1),
-        (FULL, 16, [1, 37, 200], 1.0, 3),
-        (128, 8, [5, 130, 300, 0], 30.0, 2),  # shorter and longer than the window, a padded row, big sinks
-        (128, 32, [129, 64], 1.0, 1),
+        (FULL, 16, [1, 37, 200], 1.0, 1, False),
+        (FULL, 16, [1, 37, 200], 1.0, 3, False),
+        (128, 8, [5, 130, 300, 0], 30.0, 2, False),  # shorter and longer than the window, a padded row, big sinks
+        (128, 32, [129, 64], 1.0, 1, False),
+        (128, 8, [5, 130, 300, 0], 30.0, 2, True),
     ],
 )
-def test_paged_decode_matches_reference(window, S, ctxs, sink_scale, splits):
+def test_paged_decode_matches_reference(window, S, ctxs, sink_scale, splits, transposed_pv):
     B = len(ctxs)
     q, kp, vp, bt, pos, sinks = _case(len(ctxs) * 10 + S, B, 16, 2, 64, S, ctxs, sink_scale)
     ref = attention_reference.attention(q, kp, vp, bt, pos, sinks, window)
-    out = paged_attention.attention(q, kp, vp, bt, pos, sinks, window, block_kv=32, num_splits=splits, interpret=True)
+    out = paged_attention.attention(
+        q, kp, vp, bt, pos, sinks, window, block_kv=32, num_splits=splits, transposed_pv=transposed_pv, interpret=True
+    )
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     assert np.isfinite(out).all()
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
@@ -182,25 +185,43 @@ def test_decode_step_takes_the_new_token_kernel_and_matches_reference(monkeypatc
 
 
 def _fp8(pages_PSKH, rng):
-    """The pages stored as an FP8 cache stores them (`kv_quant.quantize`), after giving each (slot, head) vector its
-    own magnitude (1e-3 .. 1e3) so that a scale that is not per vector would show."""
+    """The pages stored as an FP8 cache stores them (`kv_quant.quantize`, scales laid out `[P, K, S]`), after giving
+    each (slot, head) vector its own magnitude (1e-3 .. 1e3) so that a scale that is not per vector would show."""
     mag = 10.0 ** rng.uniform(-3, 3, size=pages_PSKH.shape[:-1] + (1,))
-    return kv_quant.quantize(jnp.asarray(np.asarray(pages_PSKH, np.float32) * mag, jnp.bfloat16))
+    pages, scale_PSK = kv_quant.quantize(jnp.asarray(np.asarray(pages_PSKH, np.float32) * mag, jnp.bfloat16))
+    return pages, kv_quant.scales_PKS(scale_PSK)
 
 
+@pytest.mark.parametrize("transposed_pv", [False, True])
 @pytest.mark.parametrize("window,S,ctxs,splits", [(FULL, 16, [1, 37, 200], 3), (128, 8, [5, 130, 300, 0], 2)])
-def test_paged_decode_fp8_matches_reference(window, S, ctxs, splits):
+def test_paged_decode_fp8_matches_reference(window, S, ctxs, splits, transposed_pv):
     rng = np.random.default_rng(7)
     q, kp, vp, bt, pos, sinks = _case(len(ctxs) * 10 + S, len(ctxs), 16, 2, 64, S, ctxs, 1.0)
     (kp, ks), (vp, vs) = _fp8(kp, rng), _fp8(vp, rng)
-    scales = dict(k_scale_PSK=ks, v_scale_PSK=vs)
+    scales = dict(k_scale_PKS=ks, v_scale_PKS=vs)
     ref = attention_reference.attention(q, kp, vp, bt, pos, sinks, window, **scales)
     out = paged_attention.attention(
-        q, kp, vp, bt, pos, sinks, window, **scales, block_kv=32, num_splits=splits, interpret=True
+        q,
+        kp,
+        vp,
+        bt,
+        pos,
+        sinks,
+        window,
+        **scales,
+        block_kv=32,
+        num_splits=splits,
+        transposed_pv=transposed_pv,
+        interpret=True,
     )
     # the stored values, dequantized, through the bf16 reference: the scales are applied where they belong
     deq = attention_reference.attention(
-        q, *(kv_quant.dequantize(p, s, jnp.bfloat16) for p, s in ((kp, ks), (vp, vs))), bt, pos, sinks, window
+        q,
+        *(kv_quant.dequantize(p, kv_quant.scales_PKS(s), jnp.bfloat16) for p, s in ((kp, ks), (vp, vs))),
+        bt,
+        pos,
+        sinks,
+        window,
     )
     out, ref, deq = (np.asarray(a, np.float64) for a in (out, ref, deq))
     assert np.isfinite(out).all()
@@ -213,7 +234,7 @@ def test_prefill_flash_fp8_matches_reference(window, chunks):
     rng = np.random.default_rng(8)
     q, kp, vp, bt, pos, sinks = _prefill_case(len(chunks) + 4, 8, 2, 16, 4, chunks, 21, 1.0)
     (kp, ks), (vp, vs) = _fp8(kp, rng), _fp8(vp, rng)
-    scales = dict(k_scale_PSK=ks, v_scale_PSK=vs)
+    scales = dict(k_scale_PKS=ks, v_scale_PKS=vs)
     ref = attention_reference.attention(q, kp, vp, bt, pos, sinks, window, **scales)
     out = flash_attention.attention(q, kp, vp, bt, pos, sinks, window, **scales, block_q=16, block_kv=8, interpret=True)
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
@@ -221,7 +242,8 @@ def test_prefill_flash_fp8_matches_reference(window, chunks):
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
 
 
-def test_new_token_attention_fp8_writes_and_attends_like_reference():
+@pytest.mark.parametrize("transposed_pv", [False, True])
+def test_new_token_attention_fp8_writes_and_attends_like_reference(transposed_pv):
     """The new-token kernel on FP8 pools: it stores each fresh token's k and v with its scale as `kv_quant.quantize`
     does (the reference), leaves every other slot alone, and attends to the stored values."""
     rng = np.random.default_rng(9)
@@ -239,10 +261,22 @@ def test_new_token_attention_fp8_writes_and_attends_like_reference():
     cos, sin = (jnp.asarray(f(angle), jnp.bfloat16) for f in (np.cos, np.sin))
     sinks = jnp.asarray(rng.normal(size=(3, N)), jnp.float32)
     args = (jnp.asarray(bt), P, jnp.asarray(pos), jnp.asarray(wpage), jnp.asarray(wslot), sinks, window)
-    scales = dict(k_scale_PSK=ks, v_scale_PSK=vs)
+    scales = dict(k_scale_PKS=ks, v_scale_PKS=vs)
     ref, *ref_pools = paged_attention.new_token_reference(parts, biases, 2, cos, sin, kp, vp, *args, **scales)
     out, got_k, got_v, done, got_ks, got_vs = paged_attention.attention_new_token(
-        parts, biases, 2, cos, sin, kp, vp, *args, **scales, block_kv=8, num_splits=2, interpret=True
+        parts,
+        biases,
+        2,
+        cos,
+        sin,
+        kp,
+        vp,
+        *args,
+        **scales,
+        block_kv=8,
+        num_splits=2,
+        transposed_pv=transposed_pv,
+        interpret=True,
     )
     assert got_k.dtype == kv_quant.FP8 and got_ks.dtype == jnp.float32
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)

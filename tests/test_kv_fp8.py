@@ -82,7 +82,8 @@ def test_forward_writes_and_reads_an_fp8_cache():
             assert cache.k_full.dtype == kv_quant.FP8 and cache.k_full_scale.dtype == jnp.float32
             for kind in ("sliding", "full"):
                 pools = cache.pools(kind == "sliding")
-                written = np.asarray(pools.k_scale)[:, 1:4].reshape(pools.k.shape[0], -1, cfg.num_kv_heads)[:, : T + 1]
+                scale_LPSK = np.swapaxes(np.asarray(pools.k_scale), -1, -2)
+                written = scale_LPSK[:, 1:4].reshape(pools.k.shape[0], -1, cfg.num_kv_heads)[:, : T + 1]
                 assert (written != 1.0).all()  # every written (slot, head) got its own scale
                 assert np.abs(np.asarray(pools.k[:, 1:4], np.float32)).max() == kv_quant.FP8_MAX
     a, b = (np.asarray(hidden[n], np.float64) for n in ("fp8", "fp32"))
@@ -102,6 +103,7 @@ def test_fp8_cache_sharded_like_its_pools(small_checkpoint, mode):
         small_checkpoint, dtype="float32", kv_cache_dtype="fp8", progress=False, model_parallel=2, parallel_mode=mode
     )
     cache = llm.engine.runner.cache
-    assert cache.k_full_scale.sharding.spec[:4] == cache.k_full.sharding.spec[:4]
+    pool = cache.k_full.sharding.spec
+    assert tuple(cache.k_full_scale.sharding.spec) == (*pool[:2], pool[3], pool[2])  # [layers, pages, kv_heads, slot]
     got = llm.logits(ids)
     assert np.linalg.norm(got - one) / np.linalg.norm(one) < 1e-5

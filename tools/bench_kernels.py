@@ -489,21 +489,26 @@ def _reference(window: int):
     return jax.jit(lambda *a: attention_reference.attention(*a[:6], window, **a[6]))
 
 
-def bench_paged(bw, cases, split_opts, kv_dtypes=("auto",), launches=((64, 3, 4), (128, 3, 4))):
-    """Decode attention; `launches`: the (block_kv, num_stages, num_warps) settings swept with each split count."""
+def bench_paged(
+    bw, cases, split_opts, kv_dtypes=("auto",), launches=((64, 3, 4), (128, 3, 4)), fp8_transposed=(False,)
+):
+    """Decode attention; `launches`: the (block_kv, num_stages, num_warps) settings swept with each split count, an
+    FP8 cache's also with each `transposed_pv` of `fp8_transposed`."""
     for (B, ctx, window, S), kv_dtype in itertools.product(cases, kv_dtypes):
         q, kp, vp, bt, pos, sinks = kc.paged(jax.random.PRNGKey(B + ctx), B, 64, 8, 64, S, [ctx] * B)
         kp, vp, scales, value_bytes = kc.as_kv_cache(kp, vp, kv_dtype)
         vis = min(ctx, window)
         nbytes = B * vis * 8 * 64 * 2 * value_bytes
         best = None
-        for ns, (bkv, stages, warps) in itertools.product(split_opts(B), launches):
+        transposed = fp8_transposed if kv_dtype == "fp8" else (False,)
+        for ns, (bkv, stages, warps), tpv in itertools.product(split_opts(B), launches, transposed):
+            kw = dict(num_splits=ns, block_kv=bkv, num_stages=stages, num_warps=warps, transposed_pv=tpv)
             f = jax.jit(
-                lambda q, kp, vp, bt, pos, sinks, scales, ns=ns, bkv=bkv, st=stages, w=warps: paged_attention.attention(
-                    q, kp, vp, bt, pos, sinks, window, **scales, num_splits=ns, block_kv=bkv, num_stages=st, num_warps=w
+                lambda q, kp, vp, bt, pos, sinks, scales, kw=kw: paged_attention.attention(
+                    q, kp, vp, bt, pos, sinks, window, **scales, **kw
                 )
             )
-            launch = f"splits={ns} bkv={bkv} stages={stages} warps={warps}"
+            launch = f"splits={ns} bkv={bkv} stages={stages} warps={warps}" + (" transposed_pv" if tpv else "")
             t = timed(f"paged B={B} ctx={ctx} {launch}", f, q, kp, vp, bt, pos, sinks, scales, n=20)
             if t is None:
                 continue
@@ -601,6 +606,11 @@ def main():
     ap.add_argument(
         "--sweep", action="store_true", help="attention: a wider grid of launch settings, on the long-context cases"
     )
+    ap.add_argument(
+        "--decode-launches",
+        default="",
+        help="with --sweep: the decode grid as BKV:STAGES:WARPS[,...] (default: 64,128,256 x 2,3,4,5,7 x 2,4,8)",
+    )
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     kv_dtypes = tuple(args.kv_cache_dtypes.split(","))
@@ -677,9 +687,12 @@ def main():
     log(f"[{time.time() - t0:.0f}s]")
     if "paged" in only:
         paged_cases = [(64, 8192, 2**31 - 1, 16), (64, 8192, 128, 16), (8, 32768, 2**31 - 1, 16)]
-        if args.sweep:
-            launches = list(itertools.product((64, 128, 256), (2, 3, 4), (4, 8)))
-            bench_paged(bw, [paged_cases[0], paged_cases[2]], lambda B: (1,) if B >= 32 else (8,), kv_dtypes, launches)
+        if args.sweep:  # stages >= 5: two K/V buffers (the loads hang off the block table's: docs/kernels.md)
+            launches = list(itertools.product((64, 128, 256), (2, 3, 4, 5, 7), (2, 4, 8)))
+            if args.decode_launches:
+                launches = [tuple(int(x) for x in c.split(":")) for c in args.decode_launches.split(",")]
+            cases = [paged_cases[0], paged_cases[2]]
+            bench_paged(bw, cases, lambda B: (1,) if B >= 32 else (8,), kv_dtypes, launches, (False, True))
         else:
             bench_paged(bw, paged_cases, lambda B: (1, 2) if B >= 32 else (4, 16), kv_dtypes)
     log(f"[{time.time() - t0:.0f}s]")
@@ -692,7 +705,8 @@ def main():
         flash_cases = [(1, 8192, 0, 2**31 - 1), (1, 8192, 0, 128), (4, 2048, 2048, 2**31 - 1)]
         if args.sweep:
             grid = itertools.product((64, 128, 256), (64, 128), (4, 8), (3,))
-            more = ((128, 32, 8, 3), (64, 32, 4, 3), (128, 64, 8, 2), (256, 64, 8, 2))
+            more = ((128, 32, 8, 3), (64, 32, 4, 3), (128, 64, 8, 2), (256, 64, 8, 2), (128, 64, 8, 5), (64, 64, 4, 5))
+            more += ((128, 128, 8, 5), (64, 64, 4, 7), (128, 64, 8, 7))
             fcfgs = [
                 dict(block_q=bq, block_kv=bkv, num_warps=w, num_stages=st)
                 for bq, bkv, w, st in [*grid, *more]

@@ -74,4 +74,5 @@ def as_kv_cache(kp, vp, kv_cache_dtype: str) -> tuple:
     if kv_cache_dtype == "auto":
         return kp, vp, {}, kp.dtype.itemsize
     (kq, ks), (vq, vs) = kv_quant.quantize(kp), kv_quant.quantize(vp)
-    return kq, vq, dict(k_scale_PSK=ks, v_scale_PSK=vs), kv_quant.value_bytes(kq.dtype, kp.shape[-1])
+    scales = dict(k_scale_PKS=kv_quant.scales_PKS(ks), v_scale_PKS=kv_quant.scales_PKS(vs))
+    return kq, vq, scales, kv_quant.value_bytes(kq.dtype, kp.shape[-1])
