@@ -65,7 +65,10 @@ class KernelConfig:
     attention_block_kv: int = 64  # keys per block of the decode kernels
     attention_stages: int = 3  # their Triton pipeline stages
     attention_warps: int = 4
-    attention_split_programs: int = 1024  # sequence splits aim at this many programs (~8 per SM on 132 SMs)
+    # Sequence splits aim at this many programs (~4 per SM on 132 SMs). 512 rather than 1,024: the 20b decode step at
+    # 64 rows of 8,192 context took 11.23 against 12.41 ms (one split a (row, KV head) instead of two, BENCHMARKS §16);
+    # up to 2 rows (32 splits, the cap) and from 128 (1 split) nothing changes.
+    attention_split_programs: int = 512
     attention_max_splits: int = 32  # splits per (row, KV head), at most
     # Up to this many tokens per row (a speculative verify step: k + 1) the decode kernel attends, one query row per
     # token (their K/V are written first, so each sees its causal prefix): its sequence splits keep the SMs busy,

@@ -54,19 +54,12 @@ def _attend(
     num_splits,
     max_pages,
     scale,
-    transposed_pv,
     page_offset=0,
 ):
     """Online softmax of the `[gp, H]` queries of KV head `kh` over split `sp`'s share of the key blocks
     covering positions `[lo, hi)` of row `b`, continuing from `(m, l, acc)`. Pages are the table's entries
     plus `page_offset` (a layer's first page in a pool of all layers). `scale_refs`: the FP8 pools' per-(slot,
-    head) scales `(k, v)` (`kv_quant`), flat `[P * K * S]`, or None.
-
-    `transposed_pv` takes the weighted values as `V^T w^T` (`[H, gp]`, the same products) instead of `w V`: on
-    Hopper Triton then makes it a wgmma (M = H = 64) whose V operand it converts in registers, stores to shared
-    memory as f16 and reads back with ldmatrix.trans; as `w V` (an mma.sync with M = 16) it reads an e4m3 V from
-    shared memory one byte per load (LDS.U8: there is no 8-bit ldmatrix.trans), 64 loads a thread per 128 keys
-    (docs/kernels.md)."""
+    head) scales `(k, v)` (`kv_quant`), flat `[P * K * S]`, or None."""
     bkv = page_size * pages_per_block
     blk_lo = lo // bkv
     blk_hi = (hi + bkv - 1) // bkv
@@ -102,16 +95,10 @@ def _attend(
         p = jnp.where(ok[None, :], p, 0.0)
         l = l * alpha + jnp.sum(p, axis=1)
         w, top = (p.astype(v.dtype), 1.0) if scale_refs is None else kv_quant.value_weights(p, v_scale, v.dtype)
-        if transposed_pv:  # acc [H, gp]
-            acc = acc * alpha[None, :] + jnp.dot(v.T, w.T, preferred_element_type=jnp.float32) * top
-        else:
-            acc = acc * alpha[:, None] + jnp.dot(w, v, preferred_element_type=jnp.float32) * top
+        acc = acc * alpha[:, None] + jnp.dot(w, v, preferred_element_type=jnp.float32) * top
         return m_new, l, acc
 
-    if not transposed_pv:
-        return jax.lax.fori_loop(first, jnp.maximum(last, first), body, (m, l, acc))
-    m, l, acc_HG = jax.lax.fori_loop(first, jnp.maximum(last, first), body, (m, l, acc.T))
-    return m, l, acc_HG.T
+    return jax.lax.fori_loop(first, jnp.maximum(last, first), body, (m, l, acc))
 
 
 def _kernel(bt_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, *refs, quantized, **config):
@@ -380,16 +367,7 @@ def _partials_shapes(B, K, ns, gp, H):
     )
 
 
-_LAUNCH = (
-    "block_kv",
-    "num_splits",
-    "split_programs",
-    "max_splits",
-    "num_warps",
-    "num_stages",
-    "transposed_pv",
-    "interpret",
-)
+_LAUNCH = ("block_kv", "num_splits", "split_programs", "max_splits", "num_warps", "num_stages", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=("window", "null_page") + _LAUNCH)
@@ -415,11 +393,10 @@ def attention_new_token(
     null_page=0,
     block_kv=64,
     num_splits=None,
-    split_programs=1024,
+    split_programs=512,
     max_splits=32,
     num_warps=4,
     num_stages=3,
-    transposed_pv=False,
     interpret=None,
 ):
     """One new token per row, from the split-K partial sums of its q, k and v projections
@@ -435,7 +412,7 @@ def attention_new_token(
     memset kernel on the critical path. None: a fresh one. FP8 pools come with their scales `[P, K, S]`
     (`kv_quant`), written beside them. Returns (out, k pages, v pages, done_BK, k scales, v scales), the scales
     None without. `num_splits` None: `default_splits`. The launch settings' defaults are `KernelConfig`'s
-    (`attention_*`); `transposed_pv`: `_attend`'s.
+    (`attention_*`).
 
     The same function as `new_token_reference`, except that null-page writes are skipped."""
     q_parts, k_parts, v_parts = qkv_parts
@@ -464,7 +441,6 @@ def attention_new_token(
             num_splits=ns,
             max_pages=M,
             scale=H**-0.5,
-            transposed_pv=transposed_pv,
         ),
         grid=(B, K, ns),
         out_shape=(
@@ -513,15 +489,14 @@ def attention(
     v_scale_PKS=None,
     block_kv=64,
     num_splits=None,
-    split_programs=1024,
+    split_programs=512,
     max_splits=32,
     num_warps=4,
     num_stages=3,
-    transposed_pv=False,
     interpret=None,
 ):
     """Paged decode attention (T = 1); same function as `attention_reference.attention` (FP8 pools with their
-    scales `[P, K, S]` too). `transposed_pv`: `_attend`'s."""
+    scales `[P, K, S]` too)."""
     B, T, N, H = q_BTNH.shape
     if T != 1:
         raise ValueError("paged_attention.attention is the decode kernel (T = 1)")
@@ -549,7 +524,6 @@ def attention(
             num_splits=ns,
             max_pages=M,
             scale=H**-0.5,
-            transposed_pv=transposed_pv,
         ),
         grid=(B, K, ns),
         out_shape=_partials_shapes(B, K, ns, gp, H),

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from gptoss_jax import config, engine_config
-from pallas_kernels import KernelConfig
+from pallas_kernels import KernelConfig, paged_attention
 from pallas_kernels.choice import CPU, H100, H200, Device, choose
 
 PALLAS = KernelConfig(impl="pallas")
@@ -102,7 +102,22 @@ def test_attention(device):
     assert _choices("attention", None, device, shape=(1, *heads)) == ["new_token"] * 5 + ["paged"]
     assert set(_choices("attention", None, device, shape=(512, *heads))) == {"flash"}
     launch = choose("attention", 1, (1, *heads), jnp.bfloat16, device, dataclasses.replace(PALLAS, attention_stages=2))
-    assert launch.kw == dict(block_kv=64, num_stages=2, num_warps=4, split_programs=1024, max_splits=32)
+    assert launch.kw == dict(block_kv=64, num_stages=2, num_warps=4, split_programs=512, max_splits=32)
+
+
+def test_decode_attention_splits_by_rows():
+    """The default split target (512 programs) gives one sequence split a (row, KV head) from 64 rows (the 8k-context
+    step measured fastest so, BENCHMARKS §16) and keeps batch 1-2 at the cap of 32 (the batch-1 step's setting)."""
+    c = KernelConfig()
+    M, S = 131072 // 16, 16  # a server's widest block table: splits do not depend on the context
+
+    def splits(B):
+        return paged_attention.default_splits(
+            B, 8, M, S, c.attention_block_kv, c.attention_split_programs, c.attention_max_splits
+        )
+
+    assert [splits(B) for B in (1, 2, 4, 8, 16, 32, 64, 128, 256)] == [32, 32, 16, 8, 4, 2, 1, 1, 1]
+    assert paged_attention.default_splits(1, 8, 64, S, 64, 512, 32) == 8  # a 1,024-key table: 2 blocks a split
 
 
 def test_config_fields_are_the_switches():

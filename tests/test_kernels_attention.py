@@ -30,22 +30,19 @@ def _case(seed, B, N, K, H, S, ctxs, sink_scale):
 
 
 @pytest.mark.parametrize(
-    "window,S,ctxs,sink_scale,splits,transposed_pv",
+    "window,S,ctxs,sink_scale,splits",
     [
-        (FULL, 16, [1, 37, 200], 1.0, 1, False),
-        (FULL, 16, [1, 37, 200], 1.0, 3, False),
-        (128, 8, [5, 130, 300, 0], 30.0, 2, False),  # shorter and longer than the window, a padded row, big sinks
-        (128, 32, [129, 64], 1.0, 1, False),
-        (128, 8, [5, 130, 300, 0], 30.0, 2, True),
+        (FULL, 16, [1, 37, 200], 1.0, 1),
+        (FULL, 16, [1, 37, 200], 1.0, 3),
+        (128, 8, [5, 130, 300, 0], 30.0, 2),  # shorter and longer than the window, a padded row, big sinks
+        (128, 32, [129, 64], 1.0, 1),
     ],
 )
-def test_paged_decode_matches_reference(window, S, ctxs, sink_scale, splits, transposed_pv):
+def test_paged_decode_matches_reference(window, S, ctxs, sink_scale, splits):
     B = len(ctxs)
     q, kp, vp, bt, pos, sinks = _case(len(ctxs) * 10 + S, B, 16, 2, 64, S, ctxs, sink_scale)
     ref = attention_reference.attention(q, kp, vp, bt, pos, sinks, window)
-    out = paged_attention.attention(
-        q, kp, vp, bt, pos, sinks, window, block_kv=32, num_splits=splits, transposed_pv=transposed_pv, interpret=True
-    )
+    out = paged_attention.attention(q, kp, vp, bt, pos, sinks, window, block_kv=32, num_splits=splits, interpret=True)
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     assert np.isfinite(out).all()
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
@@ -192,9 +189,8 @@ def _fp8(pages_PSKH, rng):
     return pages, kv_quant.scales_PKS(scale_PSK)
 
 
-@pytest.mark.parametrize("transposed_pv", [False, True])
 @pytest.mark.parametrize("window,S,ctxs,splits", [(FULL, 16, [1, 37, 200], 3), (128, 8, [5, 130, 300, 0], 2)])
-def test_paged_decode_fp8_matches_reference(window, S, ctxs, splits, transposed_pv):
+def test_paged_decode_fp8_matches_reference(window, S, ctxs, splits):
     rng = np.random.default_rng(7)
     q, kp, vp, bt, pos, sinks = _case(len(ctxs) * 10 + S, len(ctxs), 16, 2, 64, S, ctxs, 1.0)
     (kp, ks), (vp, vs) = _fp8(kp, rng), _fp8(vp, rng)
@@ -211,7 +207,6 @@ def test_paged_decode_fp8_matches_reference(window, S, ctxs, splits, transposed_
         **scales,
         block_kv=32,
         num_splits=splits,
-        transposed_pv=transposed_pv,
         interpret=True,
     )
     # the stored values, dequantized, through the bf16 reference: the scales are applied where they belong
@@ -242,8 +237,7 @@ def test_prefill_flash_fp8_matches_reference(window, chunks):
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
 
 
-@pytest.mark.parametrize("transposed_pv", [False, True])
-def test_new_token_attention_fp8_writes_and_attends_like_reference(transposed_pv):
+def test_new_token_attention_fp8_writes_and_attends_like_reference():
     """The new-token kernel on FP8 pools: it stores each fresh token's k and v with its scale as `kv_quant.quantize`
     does (the reference), leaves every other slot alone, and attends to the stored values."""
     rng = np.random.default_rng(9)
@@ -275,7 +269,6 @@ def test_new_token_attention_fp8_writes_and_attends_like_reference(transposed_pv
         **scales,
         block_kv=8,
         num_splits=2,
-        transposed_pv=transposed_pv,
         interpret=True,
     )
     assert got_k.dtype == kv_quant.FP8 and got_ks.dtype == jnp.float32

@@ -489,26 +489,22 @@ def _reference(window: int):
     return jax.jit(lambda *a: attention_reference.attention(*a[:6], window, **a[6]))
 
 
-def bench_paged(
-    bw, cases, split_opts, kv_dtypes=("auto",), launches=((64, 3, 4), (128, 3, 4)), fp8_transposed=(False,)
-):
-    """Decode attention; `launches`: the (block_kv, num_stages, num_warps) settings swept with each split count, an
-    FP8 cache's also with each `transposed_pv` of `fp8_transposed`."""
+def bench_paged(bw, cases, split_opts, kv_dtypes=("auto",), launches=((64, 3, 4), (128, 3, 4))):
+    """Decode attention; `launches`: the (block_kv, num_stages, num_warps) settings swept with each split count."""
     for (B, ctx, window, S), kv_dtype in itertools.product(cases, kv_dtypes):
         q, kp, vp, bt, pos, sinks = kc.paged(jax.random.PRNGKey(B + ctx), B, 64, 8, 64, S, [ctx] * B)
         kp, vp, scales, value_bytes = kc.as_kv_cache(kp, vp, kv_dtype)
         vis = min(ctx, window)
         nbytes = B * vis * 8 * 64 * 2 * value_bytes
         best = None
-        transposed = fp8_transposed if kv_dtype == "fp8" else (False,)
-        for ns, (bkv, stages, warps), tpv in itertools.product(split_opts(B), launches, transposed):
-            kw = dict(num_splits=ns, block_kv=bkv, num_stages=stages, num_warps=warps, transposed_pv=tpv)
+        for ns, (bkv, stages, warps) in itertools.product(split_opts(B), launches):
+            kw = dict(num_splits=ns, block_kv=bkv, num_stages=stages, num_warps=warps)
             f = jax.jit(
                 lambda q, kp, vp, bt, pos, sinks, scales, kw=kw: paged_attention.attention(
                     q, kp, vp, bt, pos, sinks, window, **scales, **kw
                 )
             )
-            launch = f"splits={ns} bkv={bkv} stages={stages} warps={warps}" + (" transposed_pv" if tpv else "")
+            launch = f"splits={ns} bkv={bkv} stages={stages} warps={warps}"
             t = timed(f"paged B={B} ctx={ctx} {launch}", f, q, kp, vp, bt, pos, sinks, scales, n=20)
             if t is None:
                 continue
@@ -692,7 +688,7 @@ def main():
             if args.decode_launches:
                 launches = [tuple(int(x) for x in c.split(":")) for c in args.decode_launches.split(",")]
             cases = [paged_cases[0], paged_cases[2]]
-            bench_paged(bw, cases, lambda B: (1,) if B >= 32 else (8,), kv_dtypes, launches, (False, True))
+            bench_paged(bw, cases, lambda B: (1,) if B >= 32 else (8,), kv_dtypes, launches)
         else:
             bench_paged(bw, paged_cases, lambda B: (1, 2) if B >= 32 else (4, 16), kv_dtypes)
     log(f"[{time.time() - t0:.0f}s]")

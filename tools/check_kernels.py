@@ -217,40 +217,34 @@ def main():
 
     rows += check_swiglu_epilogue(key)
 
-    for name, (B, S, ctxs, window, sink_scale, splits, kv, tpv) in {
-        "paged_decode": (5, 16, [5, 127, 128, 4097, 0], 128, 20.0, None, "auto", False),
-        "paged_decode ": (2, 64, [8191, 70], 2**31 - 1, 5.0, None, "auto", False),
-        "paged_decode  ": (5, 16, [5, 127, 128, 4097, 0], 128, 20.0, None, "fp8", False),
-        "paged_decode   ": (2, 64, [8191, 70], 2**31 - 1, 5.0, None, "fp8", False),
-        "paged_decode    ": (2, 64, [8191, 70], 2**31 - 1, 5.0, None, "auto", True),
-        "paged_decode     ": (5, 16, [5, 127, 128, 4097, 0], 128, 20.0, None, "fp8", True),
-        "paged_decode      ": (2, 64, [8191, 70], 2**31 - 1, 5.0, None, "fp8", True),
+    for name, (B, S, ctxs, window, sink_scale, splits, kv) in {
+        "paged_decode": (5, 16, [5, 127, 128, 4097, 0], 128, 20.0, None, "auto"),
+        "paged_decode ": (2, 64, [8191, 70], 2**31 - 1, 5.0, None, "auto"),
+        "paged_decode  ": (5, 16, [5, 127, 128, 4097, 0], 128, 20.0, None, "fp8"),
+        "paged_decode   ": (2, 64, [8191, 70], 2**31 - 1, 5.0, None, "fp8"),
     }.items():
         key, k1 = jax.random.split(key)
         q, kp, vp, bt, pos, sinks = kc.paged(k1, B, 64, 8, 64, S, ctxs, sink_scale)
         kp, vp, scales, _ = kc.as_kv_cache(kp, vp, kv)
         ref = attention_reference.attention(q, kp, vp, bt, pos, sinks, window, **scales)
-        out = paged_attention.attention(
-            q, kp, vp, bt, pos, sinks, window, **scales, num_splits=splits, transposed_pv=tpv
-        )
+        out = paged_attention.attention(q, kp, vp, bt, pos, sinks, window, **scales, num_splits=splits)
         e, fin = rel(out, ref)
         rows.append(
             (
                 name.strip(),
                 f"kv={kv} B={B} page={S} ctx={ctxs} win={'full' if window > 2**30 else window} "
-                f"sinks*{sink_scale} splits={splits}" + (" transposed_pv" if tpv else ""),
+                f"sinks*{sink_scale} splits={splits}",
                 e,
                 fin,
             )
         )
         print(*rows[-1], flush=True)
 
-    for name, (B, S, ctxs, window, sink_scale, kv, tpv) in {
-        "paged_decode_new_token": (1, 16, [1000], 2**31 - 1, 1.0, "auto", False),
-        "paged_decode_new_token ": (6, 16, [1, 129, 300, 8191, 0, 17], 128, 20.0, "auto", False),
-        "paged_decode_new_token  ": (1, 16, [1000], 2**31 - 1, 1.0, "fp8", False),
-        "paged_decode_new_token   ": (6, 16, [1, 129, 300, 8191, 0, 17], 128, 20.0, "fp8", False),
-        "paged_decode_new_token    ": (6, 16, [1, 129, 300, 8191, 0, 17], 128, 20.0, "fp8", True),
+    for name, (B, S, ctxs, window, sink_scale, kv) in {
+        "paged_decode_new_token": (1, 16, [1000], 2**31 - 1, 1.0, "auto"),
+        "paged_decode_new_token ": (6, 16, [1, 129, 300, 8191, 0, 17], 128, 20.0, "auto"),
+        "paged_decode_new_token  ": (1, 16, [1000], 2**31 - 1, 1.0, "fp8"),
+        "paged_decode_new_token   ": (6, 16, [1, 129, 300, 8191, 0, 17], 128, 20.0, "fp8"),
     }.items():
         key, k1, k2 = jax.random.split(key, 3)
         _, kp, vp, bt, pos, sinks = kc.paged(k1, B, 64, 8, 64, S, ctxs, sink_scale)
@@ -261,7 +255,7 @@ def main():
             *args[:3], *args[3:5], kp, vp, bt, 0, pos[:, 0], *args[5:], sinks, window, **scales
         )
         out, got_k, _, _, *got_scales = paged_attention.attention_new_token(
-            *args[:3], *args[3:5], kp, vp, bt, 0, pos[:, 0], *args[5:], sinks, window, **scales, transposed_pv=tpv
+            *args[:3], *args[3:5], kp, vp, bt, 0, pos[:, 0], *args[5:], sinks, window, **scales
         )
         e, fin = rel(out, ref)
         # page 0, the null page, is where the reference writes padding rows
@@ -272,7 +266,7 @@ def main():
             (
                 name.strip(),
                 f"kv={kv} B={B} ctx={ctxs} win={'full' if window > 2**30 else window} sinks*{sink_scale} "
-                f"k-cache err {ek:.1e}" + (" transposed_pv" if tpv else ""),
+                f"k-cache err {ek:.1e}",
                 max(e, ek),
                 fin,
             )
