@@ -359,6 +359,13 @@ def swiglu_epilogue(z_P2I, e_P, bias_E2I, *, limit, alpha, block_m=32, block_n=2
     )(e_P.astype(jnp.int32), z_P2I, bias_E2I)
 
 
+def swiglu_epilogue_reference(z_P2I, e_P, bias_E2I, *, limit, alpha):
+    """`swiglu_epilogue` in XLA (the fusion it replaced): the same function, the bias gathered per element."""
+    I = z_P2I.shape[1] // 2
+    z, b = z_P2I.astype(jnp.float32) * 2.0**F16_SHIFT, bias_E2I.astype(jnp.float32)
+    return clamped_swiglu(z[:, :I] + b[e_P, 0], z[:, I:] + b[e_P, 1], limit, alpha).astype(jnp.bfloat16)
+
+
 @functools.partial(jax.jit, static_argnames=("swiglu_limit", "swiglu_alpha", "interpret"))
 def experts_grouped(
     x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, *, swiglu_limit, swiglu_alpha, interpret=None

@@ -13,6 +13,7 @@ Mosaic GPU kernels, each prefill sweep from what it picks on this GPU.
 """
 
 import argparse
+import functools
 import itertools
 import sys
 import time
@@ -284,12 +285,7 @@ def bench_swiglu_epilogue(model, T, bw, configs):
     bias = jax.random.normal(k3, (E, 2, I), jnp.float32).astype(jnp.bfloat16)
     nbytes = 3 * P * I * 2
 
-    @jax.jit
-    def xla(z, e, bias):
-        zf, b = z.astype(jnp.float32) * 2.0**expert_format.F16_SHIFT, bias.astype(jnp.float32)
-        g, u = zf[:, :I] + b[e, 0], zf[:, I:] + b[e, 1]
-        return expert_format.clamped_swiglu(g, u, kc.LIMIT, kc.ALPHA).astype(jnp.bfloat16)
-
+    xla = jax.jit(functools.partial(moe_dense.swiglu_epilogue_reference, limit=kc.LIMIT, alpha=kc.ALPHA))
     t_xla = timeit(xla, z, e, bias)
     best = fastest(
         f"swiglu_epilogue {model} T={T}",
