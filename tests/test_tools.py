@@ -207,3 +207,24 @@ def test_variants_are_kernel_configs():
             parse_variant(spec)
     res = _python("-m", "tools.ab_decode", "--variant", "x:no_such_field=1", check=False)
     assert res.returncode == 2 and "no field 'no_such_field'" in res.stderr, res.stderr
+
+
+def test_bench_throughput_jobs_carry_their_own_settings():
+    """A job's own settings (after ':') apply to that job only; a malformed entry names itself."""
+    from tools.bench_throughput import parse_jobs
+
+    jobs = parse_jobs("1024/1024,8192/1024x512:kv_cache_dtype=fp8;max_num_seqs=512", 256, "max_throughput")
+    assert jobs == [
+        ("throughput 1024/1024", "max_throughput", 256, 1024, 1024, {}),
+        (
+            "throughput 8192/1024 kv_cache_dtype=fp8;max_num_seqs=512",
+            "max_throughput",
+            512,
+            8192,
+            1024,
+            {"kv_cache_dtype": "fp8", "max_num_seqs": 512},
+        ),
+    ]
+    for bad in ("8192x64", "8192/1024x64:max_num_seqs"):
+        with pytest.raises(ValueError, match="max_num_seqs|INPUT/OUTPUT"):
+            parse_jobs(bad, 256, "max_throughput")

@@ -11,6 +11,7 @@ the kernels' layout.
     python -m tools.bench_throughput --jobs 8192/1024x64,32768/1024x16 --skip latency --set kv_cache_dtype=fp8
     python -m tools.bench_throughput --smoke                                   # tiny model, CPU check
     python -m tools.bench_throughput --jobs 1024/1024x512 --set max_num_seqs=512 --set max_prefill_seqs=8
+    python -m tools.bench_throughput --jobs '8192/1024x512,8192/1024x512:kv_cache_dtype=fp8;max_num_seqs=512'
     python -m tools.bench_throughput --jobs 1024/1024x256 --set 'kernels={moe_route_max_tokens: 0}'
     python -m tools.bench_throughput --jobs 1024/1024x256 --skip latency --trace-step 300   # GPU idle time, host split
 """
@@ -186,6 +187,32 @@ def run_job(
     }
 
 
+def _setting(item: str) -> tuple[str, object]:
+    """`KEY=VALUE` (the value as YAML) from `--set` or a job's own settings."""
+    key, eq, value = item.partition("=")
+    if not eq or not key:
+        raise ValueError(f"setting {item!r}: expected KEY=VALUE, e.g. max_num_seqs=512")
+    return key, yaml.safe_load(value)
+
+
+def parse_jobs(specs: str, num_requests: int, profile: str) -> list[tuple[str, str, int, int, int, dict]]:
+    """`--jobs`: (name, profile, requests, input length, output length, the job's own settings) per entry."""
+    jobs = []
+    for spec in specs.split(","):
+        job, _, own = spec.partition(":")
+        lens, _, n = job.partition("x")
+        try:
+            inp, out = (int(v) for v in lens.split("/"))
+            n = int(n or num_requests)
+        except ValueError:
+            raise ValueError(
+                f"--jobs: '{spec}' is not INPUT/OUTPUT[xREQUESTS][:KEY=VALUE;...], e.g. 1024/1024x256"
+            ) from None
+        name = f"throughput {inp}/{out}" + (f" {own}" if own else "")
+        jobs.append((name, profile, n, inp, out, dict(_setting(item) for item in own.split(";") if item)))
+    return jobs
+
+
 def main() -> None:
     runtime.prepare()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -195,7 +222,8 @@ def main() -> None:
     ap.add_argument(
         "--jobs",
         default="1024/1024x256,8192/1024x64,32768/1024x16",
-        help="comma-separated INPUT/OUTPUT[xREQUESTS] throughput jobs",
+        help="comma-separated INPUT/OUTPUT[xREQUESTS][:KEY=VALUE;...] throughput jobs (each with its own engine "
+        "settings, over --set's)",
     )
     ap.add_argument("--latency-input-len", type=int, default=1024)
     ap.add_argument("--latency-output-len", type=int, default=256)
@@ -225,12 +253,10 @@ def main() -> None:
     ap.add_argument("--out", default="throughput.json")
     args = ap.parse_args()
     overrides = {}
-    settings = {}
-    for item in args.set:
-        key, eq, value = item.partition("=")
-        if not eq:
-            ap.error(f"--set {item!r}: expected KEY=VALUE, e.g. max_num_seqs=512")
-        settings[key] = yaml.safe_load(value)
+    try:
+        settings = dict(_setting(item) for item in args.set)
+    except ValueError as e:
+        ap.error(str(e))
     if args.smoke:
         cfg = config.from_hf_dict(SMOKE)
         args.jobs, args.latency_input_len, args.latency_output_len = "24/16x8", 24, 16
@@ -244,15 +270,11 @@ def main() -> None:
         )
     else:
         cfg = config.preset(args.preset)
-    jobs = []
-    for spec in args.jobs.split(","):
-        try:
-            lens, _, n = spec.partition("x")
-            inp, out = (int(v) for v in lens.split("/"))
-            jobs.append((f"throughput {inp}/{out}", args.throughput_config, int(n or args.num_requests), inp, out))
-        except ValueError:
-            ap.error(f"--jobs: '{spec}' is not INPUT/OUTPUT[xREQUESTS], e.g. 1024/1024x256")
-    jobs.append(("latency", args.latency_config, 1, args.latency_input_len, args.latency_output_len))
+    try:
+        jobs = parse_jobs(args.jobs, args.num_requests, args.throughput_config)
+    except ValueError as e:
+        ap.error(str(e))
+    jobs.append(("latency", args.latency_config, 1, args.latency_input_len, args.latency_output_len, {}))
     kernels = resolved(KernelConfig(impl=args.impl or "auto"))
     result = {
         "preset": "smoke" if args.smoke else args.preset,
@@ -271,12 +293,12 @@ def main() -> None:
     result["param_bytes"] = params_lib.nbytes(params)
     print(f"random weights: {result['param_bytes'] / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f}s", flush=True)
     rng = np.random.default_rng(0)
-    for name, profile, n, input_len, output_len in jobs:
+    for name, profile, n, input_len, output_len, own_settings in jobs:
         if args.skip and name.startswith(args.skip):
             continue
         t0 = time.perf_counter()
         max_len = input_len + output_len
-        job_settings = {**overrides, **(settings if name.startswith("throughput") else {})}
+        job_settings = {**overrides, **(settings if name.startswith("throughput") else {}), **own_settings}
         # One block-table width (the job's length, or a server's `--max-model-len` with the profile's widths), and
         # prefill buckets from the prompt length up: a short fixed set of programs, no prompt padded past its length.
         chunk = engine_config.load(profile, **job_settings).prefill_chunk_size
