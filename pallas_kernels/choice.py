@@ -113,6 +113,11 @@ class KernelConfig:
     # with 128-row tiles is faster (H200, 120b: 3.11 against 4.83 ms a layer at 2,048 tokens, equal at 4,096;
     # BENCHMARKS §15).
     moe_dense_tile_rows: int = 128
+    # On Hopper, bf16 models with at most this many experts run those dense GEMMs on the grouped Mosaic GPU ragged dot,
+    # every expert of the layer dequantized at once (20b's 32: 1.6 GB; 120b's 128: 6.4 GB, which
+    # `kv_cache.activation_bytes` reserves either way); more experts (or fewer than `moe_dense_tile_rows` rows per
+    # expert past 32 experts) stay on the Triton GEMMs, dequantized 32 at a time.
+    moe_grouped_experts: int = 32
     # bf16 models from 2 to `moe_mosaic_rows` routed rows per expert take the Mosaic GPU kernels on Hopper: 20b
     # batch 256 in 16.6 ms against 18.5 ms for the Triton kernels (§4c).
     moe_mosaic_rows: int = 32
@@ -246,7 +251,8 @@ def choose(op: str, rows: int, shape: tuple[int, ...], dtype, device: Device, co
             gemv=_gemv16(rows)[1],
         )
     if pairs >= c.moe_dense_rows * E:
-        if half and mosaic and moe_dense.grouped_fits(D, I, E, pairs):
+        rows_ok = E <= moe_dense.GROUP or pairs >= c.moe_dense_tile_rows * E
+        if half and mosaic and rows_ok and moe_dense.grouped_fits(D, I, E, pairs, c.moe_grouped_experts):
             return Choice("grouped")
         if half and pairs < c.moe_dense_tile_rows * E:
             return _choice(

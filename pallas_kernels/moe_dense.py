@@ -16,14 +16,15 @@ gate/up rows, stored in phase order for the GEMV kernels, come out of the dequan
 order, so the GEMMs read contiguous tiles.  Transient memory: one group of `group` experts in bf16
 (32 experts of 20b/120b: 1.6 GB); larger expert sets (120b: 128) run group by group into one output.
 
-On Hopper, bf16 models whose experts dequantize in one group (20b) take `experts_grouped` instead: the pairs'
-rows gathered in expert order and two grouped GEMMs in jax's own Mosaic GPU ragged dot
-(`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`: TMA, wgmma with one step in flight, a persistent grid).
-On the 20b shapes at 16,384 tokens it ran the gate/up GEMM in 3.31 ms and the down in 1.62 ms (80% of the
-bf16 matmul rate) against 4.92 and 2.64 ms for the Triton GEMMs here (H200, docs/BENCHMARKS.md §4g). Its
-outputs are bf16 (the gate/up biases and SwiGLU follow in `swiglu_epilogue`, the down bias in XLA, in f32), as
-in transformers' bf16 experts. It computes every tile of its row count, so expert groups (each would need its own
-rows) stay on the Triton GEMMs.
+On Hopper, bf16 models whose experts dequantize in one group (20b's 32; 120b's 128 where
+`KernelConfig.moe_grouped_experts` allows) take `experts_grouped` instead: the pairs' rows gathered in expert order
+and two grouped GEMMs in jax's own Mosaic GPU ragged dot (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`: TMA,
+wgmma with one step in flight, a persistent grid). On the 20b shapes at 16,384 tokens it ran the gate/up GEMM in
+3.31 ms and the down in 1.62 ms (80% of the bf16 matmul rate) against 4.92 and 2.64 ms for the Triton GEMMs here
+(H200, docs/BENCHMARKS.md §4g). Its outputs are bf16 (the gate/up biases and SwiGLU follow in `swiglu_epilogue`, the
+down bias in XLA, in f32), as in transformers' bf16 experts. It computes every tile of its row count, so expert
+groups (each would need its own rows) stay on the Triton GEMMs: a set too large to dequantize at once is not
+grouped.
 """
 
 import functools
@@ -294,10 +295,10 @@ def experts(
     return moe_slots.combine(y, order, valid_TK, T, k, x_TD.dtype)
 
 
-def grouped_fits(D: int, I: int, E: int, pairs: int) -> bool:
-    """`experts_grouped`'s shapes: every expert in one dequantized group, D and I in whole 64-wide K steps (at
-    least 4: the ragged dot pipelines 4), at least one 128-row tile of (token, expert) pairs."""
-    return E <= GROUP and I % 64 == D % 64 == 0 and min(D, I) >= 256 and pairs >= 128
+def grouped_fits(D: int, I: int, E: int, pairs: int, max_experts: int = GROUP) -> bool:
+    """`experts_grouped`'s shapes: every expert in one dequantized group (at most `max_experts`), D and I in whole
+    64-wide K steps (at least 4: the ragged dot pipelines 4), at least one 128-row tile of (token, expert) pairs."""
+    return E <= max_experts and I % 64 == D % 64 == 0 and min(D, I) >= 256 and pairs >= 128
 
 
 def grouped_matmul(lhs_PK, w_GNK, sizes_G, *, interpret=False):
@@ -376,7 +377,7 @@ def experts_grouped(
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     E, _, I, W = kexp.gu_words.shape[-4:]
-    if not grouped_fits(8 * W, I, E, idx_TK.size):
+    if not grouped_fits(8 * W, I, E, idx_TK.size, max_experts=E):
         raise ValueError(
             f"experts_grouped: experts {kexp.gu_words.shape} (words) with {idx_TK.size} pairs do not "
             "fit the grouped GEMMs (see grouped_fits)"

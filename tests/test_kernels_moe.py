@@ -1,5 +1,7 @@
 """The Pallas MXFP4 MoE kernels (CPU interpret mode) against `moe_reference` on fresh random inputs."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -369,3 +371,18 @@ def test_invalid_pairs_are_skipped_and_contribute_zero(cfg):
     ref = moe_reference.apply_experts(x, idx, jnp.where(valid, w, 0.0), ex, swiglu_limit=LIMIT, swiglu_alpha=ALPHA)
     assert np.all(np.asarray(out[0], np.float32) == 0.0)
     assert _rel(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("device", [H200, CPU], ids=["hopper", "cpu"])
+def test_grouped_prefill_for_all_120b_experts(device):
+    """`moe_grouped_experts: 128` sends the 120b prefill's dense GEMMs to the grouped ragged dot on Hopper, every expert
+    dequantized at once, from `moe_dense_tile_rows` rows per expert; below, and elsewhere, nothing changes."""
+    cfg = dataclasses.replace(KERNELS, moe_grouped_experts=128)
+
+    def kernel(T, kernels):
+        return choose("experts", T, (2880, 2880, 128, 4), jnp.bfloat16, device, kernels).kernel
+
+    assert kernel(32768, KERNELS) == "dense"
+    assert kernel(32768, cfg) == kernel(4096, cfg) == ("grouped" if device.hopper else "dense")
+    assert kernel(2048, cfg) == kernel(2048, KERNELS) == "mma"  # 64 rows per expert: the fused 128-row tiles
+    assert kernel(8192, dataclasses.replace(KERNELS, moe_grouped_experts=64)) == "dense"

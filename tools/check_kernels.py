@@ -165,13 +165,20 @@ def main():
     runtime.prepare()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
+    ap.add_argument("--only", default="", help="comma-separated prefixes of the case names to run (default: all)")
     args = ap.parse_args()
+    prefixes = tuple(p for p in args.only.split(",") if p)
+
+    def want(name: str) -> bool:
+        return not prefixes or name.startswith(prefixes)
+
     key = jax.random.PRNGKey(args.seed)
     rows = []
     print(f"device: {jax.devices()[0].device_kind}  seed {args.seed}")
 
     # the kernel the engine would run on this GPU, and the Pallas-Triton kernels alone
     auto, triton = (KernelConfig(impl="pallas", mosaic=m).for_device() for m in (None, False))
+    grouped = KernelConfig(impl="pallas", moe_grouped_experts=128).for_device()  # 120b's experts at once
     for name, (model, T, empty, fn) in {
         "moe_decode": ("20b", 1, (), moe(triton)),
         "moe_decode ": ("20b", 3, (0, 5), moe(triton)),
@@ -197,11 +204,14 @@ def main():
         "moe_prefill mma": ("120b", 1001, (), moe(triton, kernel="mma")),  # the Triton fused mma kernels, same size
         "moe_prefill tiles": ("120b", 2305, (4, 100), moe(auto)),  # 72 rows per expert: mma's 128-row tiles
         "moe_prefill dense": ("120b", 4099, (4, 100), moe(auto)),  # 4 expert groups, 128 rows per expert: dense
+        "moe_prefill grouped 120b": ("120b", 4099, (0, 100, 127), moe(grouped)),  # all 128: grouped on Hopper
         # Mosaic GPU mid-batch kernels (picked on Hopper from 2 to 32 rows per expert)
         "moe_mosaic": ("20b", 64, (3,), moe(auto)),  # 8 rows per expert: 16-row slots
         "moe_mosaic ": ("120b", 333, (5,), moe(auto)),  # 10.4 rows per expert: 32-row slots
         "moe_mosaic bm8": ("20b", 100, (), moe(auto, kernel="mosaic", block_m=8, stages=3)),  # experts in several slots
     }.items():
+        if not want(name):
+            continue
         s = kc.SHAPES[model]
         key, k1, k2 = jax.random.split(key, 3)
         ex = kc.experts(k1, s["E"], s["D"], s["I"])
@@ -214,7 +224,8 @@ def main():
         print(*rows[-1], flush=True)
         del ex, kx
 
-    rows += check_swiglu_epilogue(key)
+    if want("swiglu_epilogue"):
+        rows += check_swiglu_epilogue(key)
 
     for name, (B, S, ctxs, window, sink_scale, splits, kv) in {
         "paged_decode": (5, 16, [5, 127, 128, 4097, 0], 128, 20.0, None, "auto"),
@@ -222,6 +233,8 @@ def main():
         "paged_decode  ": (5, 16, [5, 127, 128, 4097, 0], 128, 20.0, None, "fp8"),
         "paged_decode   ": (2, 64, [8191, 70], 2**31 - 1, 5.0, None, "fp8"),
     }.items():
+        if not want(name):
+            continue
         key, k1 = jax.random.split(key)
         q, kp, vp, bt, pos, sinks = kc.paged(k1, B, 64, 8, 64, S, ctxs, sink_scale)
         kp, vp, scales, _ = kc.as_kv_cache(kp, vp, kv)
@@ -245,6 +258,8 @@ def main():
         "paged_decode_new_token  ": (1, 16, [1000], 2**31 - 1, 1.0, "fp8"),
         "paged_decode_new_token   ": (6, 16, [1, 129, 300, 8191, 0, 17], 128, 20.0, "fp8"),
     }.items():
+        if not want(name):
+            continue
         key, k1, k2 = jax.random.split(key, 3)
         _, kp, vp, bt, pos, sinks = kc.paged(k1, B, 64, 8, 64, S, ctxs, sink_scale)
         kp, vp, scales, _ = kc.as_kv_cache(kp, vp, kv)
@@ -280,6 +295,8 @@ def main():
         "flash_prefill    ": ([(0, 300), (100, 77), (0, 0)], 300, 2**31 - 1, 1.0, {}, "fp8"),
         "flash_prefill     ": ([(0, 300), (4000, 250), (7, 3)], 300, 128, 20.0, {}, "fp8"),
     }.items():
+        if not want(name):
+            continue
         key, k1 = jax.random.split(key)
         q, kp, vp, bt, pos, sinks = kc.prefill(k1, 64, 8, 64, 16, chunks, T, sink_scale)
         kp, vp, scales, _ = kc.as_kv_cache(kp, vp, kv)
@@ -304,6 +321,8 @@ def main():
         "linear_decode  ": (64, 512, 2880, 2),
         "linear_decode   ": (33, 1000, 300, 2),
     }.items():
+        if not want(name):
+            continue
         key, k1, k2, k3 = jax.random.split(key, 4)
         x = jax.random.normal(k1, (T, K), jnp.float32).astype(jnp.bfloat16)
         w = (jax.random.normal(k2, (L, O, K), jnp.float32) * 0.02).astype(jnp.bfloat16)
@@ -311,8 +330,9 @@ def main():
         e, fin = rel(linear_decode.linear(x, w, b, L - 1), linear_decode.reference(x, w, b, L - 1))
         rows.append((name.strip(), f"T={T} O={O} K={K} layer {L - 1} of {L}", e, fin))
         print(*rows[-1], flush=True)
-    rows += check_linear_many(key)
-    if Device.current().hopper:
+    if want("linear_many"):
+        rows += check_linear_many(key)
+    if want("linear_mosaic") and Device.current().hopper:
         rows += check_linear_mosaic(key)
 
     print(f"\n{'kernel':14s} {'case':70s} {'rel_err':>9s} finite pass")
