@@ -95,7 +95,10 @@ class ModelRunner:
         if ec.max_model_len and ec.max_model_len > capacity:
             raise ValueError(
                 f"max_model_len={ec.max_model_len} exceeds the KV cache capacity of {capacity} tokens "
-                f"({self.num_pages_full - 1} pages of {ec.page_size})"
+                f"({self.num_pages_full - 1} pages of {ec.page_size}; the sliding-window layers hold "
+                f"{self.num_pages_sliding - 1} pages, a call's tokens and the window for each of max_num_seqs="
+                f"{ec.max_num_seqs}, prefill_chunk_size={ec.prefill_chunk_size}): lower max_model_len, max_num_seqs "
+                "or prefill_chunk_size, raise gpu_memory_utilization, or set kv_cache_dtype: fp8"
             )
         self.max_model_len = min(ec.max_model_len or mc.max_position_embeddings, capacity)
         self._ctx_buckets = ec.context_buckets(self.max_model_len)

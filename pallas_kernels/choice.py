@@ -115,9 +115,10 @@ class KernelConfig:
     moe_dense_tile_rows: int = 128
     # On Hopper, bf16 models with at most this many experts run those dense GEMMs on the grouped Mosaic GPU ragged dot,
     # every expert of the layer dequantized at once (20b's 32: 1.6 GB; 120b's 128: 6.4 GB, which
-    # `kv_cache.activation_bytes` reserves either way); more experts (or fewer than `moe_dense_tile_rows` rows per
-    # expert past 32 experts) stay on the Triton GEMMs, dequantized 32 at a time.
-    moe_grouped_experts: int = 32
+    # `kv_cache.activation_bytes` reserves either way); past 32 experts only from `moe_dense_tile_rows` rows per
+    # expert. 120b on an H200, a 2 x 8,192-token prefill call: 535.6 against 585.8 ms on the Triton GEMMs in groups
+    # of 32; its 8,192/1,024 job +7.7% (BENCHMARKS §17). 32 keeps the 120b on the Triton GEMMs.
+    moe_grouped_experts: int = 128
     # bf16 models from 2 to `moe_mosaic_rows` routed rows per expert take the Mosaic GPU kernels on Hopper: 20b
     # batch 256 in 16.6 ms against 18.5 ms for the Triton kernels (§4c).
     moe_mosaic_rows: int = 32

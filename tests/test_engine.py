@@ -662,3 +662,11 @@ def test_processors_survive_preemption(engine):
     assert engine.stats().num_preemptions > before
     for rid, (p, sp) in reqs.items():
         assert together[rid] == alone(engine, p, sp)
+
+
+def test_max_model_len_past_the_cache_names_what_took_it(small_checkpoint):
+    """A context the cache cannot hold is refused at start-up, naming the settings that size the pools."""
+    with pytest.raises(
+        ValueError, match=r"max_model_len=60 exceeds .* 48 tokens .*max_num_seqs=4, prefill_chunk_size=8"
+    ):
+        Engine(small_checkpoint, dtype="float32", progress=False, warmup=False, **{**SMALL, "max_model_len": 60})

@@ -27,9 +27,9 @@ def _choices(op, preset, device, dtype=jnp.bfloat16, kernels=PALLAS, shape=None)
 def test_moe_on_hopper(device):
     """bf16 on Hopper: the fused decode block to 8 tokens, the half-precision GEMV while experts average <= 2 rows,
     the Mosaic kernels to 32 rows per expert, then dequantized dense GEMMs (the 20b's 32 experts on the grouped
-    Mosaic GEMMs, the 120b's 128 in Triton groups)."""
+    Mosaic GEMMs, the 120b's 128 too, from 128 rows per expert)."""
     assert _choices("moe", "gpt-oss-20b", device) == ["route", "route", "gemv16", "mosaic", "mosaic", "grouped"]
-    assert _choices("moe", "gpt-oss-120b", device) == ["route", "route", "gemv16", "gemv16", "mosaic", "dense"]
+    assert _choices("moe", "gpt-oss-120b", device) == ["route", "route", "gemv16", "gemv16", "mosaic", "grouped"]
     assert _choices("experts", "gpt-oss-20b", device) == ["gemv16", "gemv16", "gemv16", "mosaic", "mosaic", "grouped"]
 
 

@@ -283,12 +283,12 @@ def test_prefill_regimes(device):
     assert auto_config(256, 4, 32, jnp.bfloat16)["kernel"] == mid  # 32 rows per expert
     assert auto_config(8192, 4, 32, jnp.bfloat16)["kernel"] == ("grouped" if device.hopper else "dense")
     assert auto_config(8192, 4, 32, jnp.float32)["kernel"] == "dense"
-    assert auto_config(32768, 4, 128, jnp.bfloat16)["kernel"] == "dense"  # 120b: 4 expert groups
+    assert auto_config(32768, 4, 128, jnp.bfloat16)["kernel"] == ("grouped" if device.hopper else "dense")  # 120b
     assert auto_config(1024, 4, 128, jnp.bfloat16)["kernel"] == mid  # 32 rows per expert
     # 120b from 64 to 127 rows per expert: the fused kernel's 128-row tiles, not the half-empty dense ones
     tiles = choose("experts", 2048, (2880, 2880, 128, 4), jnp.bfloat16, device, KERNELS)
     assert (tiles.kernel, tiles.kw["block_m"]) == ("mma", 128)
-    assert auto_config(4096, 4, 128, jnp.bfloat16)["kernel"] == "dense"
+    assert auto_config(4096, 4, 128, jnp.bfloat16)["kernel"] == ("grouped" if device.hopper else "dense")
 
 
 def test_dispatch_slots_cover_every_pair_once():
@@ -375,14 +375,13 @@ def test_invalid_pairs_are_skipped_and_contribute_zero(cfg):
 
 @pytest.mark.parametrize("device", [H200, CPU], ids=["hopper", "cpu"])
 def test_grouped_prefill_for_all_120b_experts(device):
-    """`moe_grouped_experts: 128` sends the 120b prefill's dense GEMMs to the grouped ragged dot on Hopper, every expert
-    dequantized at once, from `moe_dense_tile_rows` rows per expert; below, and elsewhere, nothing changes."""
-    cfg = dataclasses.replace(KERNELS, moe_grouped_experts=128)
+    """`moe_grouped_experts` (128) sends the 120b prefill's dense GEMMs to the grouped ragged dot on Hopper, every
+    expert dequantized at once, from `moe_dense_tile_rows` rows per expert; 32 keeps them on the Triton groups."""
+    triton_groups = dataclasses.replace(KERNELS, moe_grouped_experts=32)
 
     def kernel(T, kernels):
         return choose("experts", T, (2880, 2880, 128, 4), jnp.bfloat16, device, kernels).kernel
 
-    assert kernel(32768, KERNELS) == "dense"
-    assert kernel(32768, cfg) == kernel(4096, cfg) == ("grouped" if device.hopper else "dense")
-    assert kernel(2048, cfg) == kernel(2048, KERNELS) == "mma"  # 64 rows per expert: the fused 128-row tiles
-    assert kernel(8192, dataclasses.replace(KERNELS, moe_grouped_experts=64)) == "dense"
+    assert kernel(32768, triton_groups) == "dense"
+    assert kernel(32768, KERNELS) == kernel(4096, KERNELS) == ("grouped" if device.hopper else "dense")
+    assert kernel(2048, KERNELS) == kernel(2048, triton_groups) == "mma"  # 64 rows per expert: the fused 128-row tiles

@@ -178,7 +178,7 @@ def main():
 
     # the kernel the engine would run on this GPU, and the Pallas-Triton kernels alone
     auto, triton = (KernelConfig(impl="pallas", mosaic=m).for_device() for m in (None, False))
-    grouped = KernelConfig(impl="pallas", moe_grouped_experts=128).for_device()  # 120b's experts at once
+    groups = KernelConfig(impl="pallas", moe_grouped_experts=32).for_device()  # 120b on the Triton GEMMs
     for name, (model, T, empty, fn) in {
         "moe_decode": ("20b", 1, (), moe(triton)),
         "moe_decode ": ("20b", 3, (0, 5), moe(triton)),
@@ -203,8 +203,8 @@ def main():
         "moe_prefill ": ("120b", 1001, (), moe(auto)),  # 31 rows per expert: Mosaic on Hopper
         "moe_prefill mma": ("120b", 1001, (), moe(triton, kernel="mma")),  # the Triton fused mma kernels, same size
         "moe_prefill tiles": ("120b", 2305, (4, 100), moe(auto)),  # 72 rows per expert: mma's 128-row tiles
-        "moe_prefill dense": ("120b", 4099, (4, 100), moe(auto)),  # 4 expert groups, 128 rows per expert: dense
-        "moe_prefill grouped 120b": ("120b", 4099, (0, 100, 127), moe(grouped)),  # all 128: grouped on Hopper
+        "moe_prefill dense": ("120b", 4099, (4, 100), moe(groups)),  # 4 expert groups, 128 rows per expert: dense
+        "moe_prefill grouped 120b": ("120b", 4099, (0, 100, 127), moe(auto)),  # all 128 at once: grouped on Hopper
         # Mosaic GPU mid-batch kernels (picked on Hopper from 2 to 32 rows per expert)
         "moe_mosaic": ("20b", 64, (3,), moe(auto)),  # 8 rows per expert: 16-row slots
         "moe_mosaic ": ("120b", 333, (5,), moe(auto)),  # 10.4 rows per expert: 32-row slots
