@@ -122,15 +122,16 @@ def _torch_time(fn, *args, warmup: int = 3, reps: int = 5, calls: int = 10) -> f
     return statistics.median(times)
 
 
-def decode_bytes(cfg: config.ModelConfig, batch: int, context: int) -> float:
+def decode_bytes(cfg: config.ModelConfig, batch: int, context: int, kv_value_bytes: float = 2.0) -> float:
     """Fewest bytes one decode step must read: non-expert weights, the distinct routed experts (expected count
-    for uniform routing), the unembedding, and the visible KV cache."""
+    for uniform routing), the unembedding, and the visible KV cache (`kv_value_bytes` a cached value: 2 for bf16,
+    `kv_quant.value_bytes` for FP8 with its share of the scales)."""
     D, I, E, k = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.experts_per_token
     H, N, K = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     attn = 2 * (D * H * (N + 2 * K) + N * H * D) + 2 * E * D
     expert = (2 * I * D + D * I) * 4.25 / 8 + 2 * (2 * I + D)
     distinct = E * (1 - (1 - k / E) ** batch)
-    kv_per_tok = 2 * K * H * 2
+    kv_per_tok = 2 * K * H * kv_value_bytes
     kv = sum(
         batch * kv_per_tok * (min(context, cfg.sliding_window) if cfg.is_sliding(layer) else context)
         for layer in range(cfg.num_layers)

@@ -23,6 +23,7 @@ from gptoss_jax import config
 from tools.common import decode_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
+FP8_8K = "throughput 8192/1024 kv_cache_dtype=fp8;max_num_seqs=192"  # two waves of running requests, not one
 # (model, job in the file, results file): today's figures, BENCHMARKS.md's first table.
 CURRENT = [
     ("20b", "latency", "throughput_20b_workers_h200.json"),
@@ -30,21 +31,24 @@ CURRENT = [
     ("20b", "throughput 8192/1024", "engine_20b_long_bf16kv_h200.json"),
     ("20b", "throughput 32768/1024", "engine_20b_long_bf16kv_h200.json"),
     ("120b", "latency", "engine_120b_b1_back_h200.json"),
-    ("120b", "throughput 1024/1024", "engine_120b_linear_mosaic_h200.json"),
+    ("120b", "throughput 1024/1024", "engine_120b_grouped_h200.json"),
     ("120b", "throughput 8192/1024", "engine_120b_8k_merged_h200.json"),
+    ("120b", FP8_8K, "engine_120b_grouped_h200.json"),
 ]
-# job -> (batch, mean context over the decode phase): where its point sits on the roofline
+# job -> (batch, mean context over the decode phase, bytes a cached value takes): where its point sits on the roofline
 JOB_SHAPE = {
-    "latency": (1, 1024 + 128),
-    "throughput 1024/1024": (256, 1024 + 512),
-    "throughput 8192/1024": (64, 8704),
-    "throughput 32768/1024": (16, 33280),
+    "latency": (1, 1024 + 128, 2.0),
+    "throughput 1024/1024": (256, 1024 + 512, 2.0),
+    "throughput 8192/1024": (64, 8704, 2.0),
+    "throughput 32768/1024": (16, 33280, 2.0),
+    FP8_8K: (192, 8704, 1.0625),
 }
 JOB_NAME = {
     "latency": "batch 1, 1k/256",
     "throughput 1024/1024": "256 x 1k/1k",
     "throughput 8192/1024": "64 x 8k/1k",
     "throughput 32768/1024": "16 x 32k/1k",
+    FP8_8K: "384 x 8k/1k, FP8 KV, 192 running",
 }
 # Published figures (not measured here): (model, label, device, output tok/s per GPU, tok/s per user or None, source)
 ANCHORS = [
@@ -87,8 +91,8 @@ def current(results: Path) -> list[dict]:
 
 def ceiling(model: str, job: str, copy_TBps: float) -> float:
     """The memory roofline of a job's decode steps in output tok/s per GPU at the same run's copy bandwidth."""
-    batch, context = JOB_SHAPE[job]
-    return batch * copy_TBps * 1e12 / decode_bytes(config.preset(MODELS[model]), batch, context)
+    batch, context, value_bytes = JOB_SHAPE[job]
+    return batch * copy_TBps * 1e12 / decode_bytes(config.preset(MODELS[model]), batch, context, value_bytes)
 
 
 def _added(path: Path) -> str:
@@ -124,7 +128,7 @@ def plot_current(results: Path, out: Path) -> Path:
                 lw=1.2,
                 label=f"memory roofline, context {context:,} (copy {bw / 1e12:.2f} TB/s, same runs)",
             )
-        for r, marker in zip(mine, "osD"):
+        for r, marker in zip(mine, "osD^v"):  # up to 5 jobs a model
             user = 1e3 / r["tpot_ms"]
             ax.loglog(
                 r["tok_s"],
