@@ -325,7 +325,7 @@ def _attention_block(
     if (
         layout is None
         and not inspect
-        and pallas_kernels.fuses_new_token(q_shape, cfg.num_kv_heads, t_BTD.dtype, kernels)
+        and pallas_kernels.fuses_new_token(q_shape, cfg.num_kv_heads, pools.k.dtype, kernels)
     ):
         stacked.update({n: getattr(dense_all, n) for n in ("q_b", "k_b", "v_b", "sinks")})
         return _attention_new_token(

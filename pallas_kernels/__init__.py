@@ -177,7 +177,7 @@ def attention(
     args = (q_BTNH, k_pages_PSKH, v_pages, block_tables_BM, q_pos_BT, sinks_N, window)
     scales = dict(k_scale_PKS=k_scale_PKS, v_scale_PKS=v_scale_PKS)
     B, T, N, H = q_BTNH.shape
-    c = _choose("attention", B, (T, N, k_pages_PSKH.shape[2], H), q_BTNH.dtype, kernels)
+    c = _choose("attention", B, (T, N, k_pages_PSKH.shape[2], H), k_pages_PSKH.dtype, kernels)
     if c.kernel == "reference":
         return attention_reference.attention(*args, **scales)
     if c.kernel == "paged_rows":  # one decode query row per token, each with its row's table and own position
@@ -188,11 +188,11 @@ def attention(
     return kernel.attention(*args, **scales, **c.kw)
 
 
-def fuses_new_token(q_shape_BTNH: tuple, num_kv_heads: int, dtype, kernels: KernelConfig) -> bool:
-    """Whether decode of this shape takes `attention_new_token` (with the kernels, up to
-    `KernelConfig.new_token_rows` rows of one token)."""
+def fuses_new_token(q_shape_BTNH: tuple, num_kv_heads: int, kv_dtype, kernels: KernelConfig) -> bool:
+    """Whether decode of this shape over a KV cache of `kv_dtype` takes `attention_new_token` (with the kernels, up
+    to `KernelConfig.new_token_rows` rows of one token)."""
     B, T, N, H = q_shape_BTNH
-    return _choose("attention", B, (T, N, num_kv_heads, H), dtype, kernels).kernel == "new_token"
+    return _choose("attention", B, (T, N, num_kv_heads, H), kv_dtype, kernels).kernel == "new_token"
 
 
 def attention_new_token(

@@ -427,7 +427,7 @@ def attention_new_token(
     memset kernel on the critical path. None: a fresh one. FP8 pools come with their scales `[P, K, S]`
     (`kv_quant`), written beside them, and keep their values `[P, K, H, S]`. Returns (out, k pages, v pages,
     done_BK, k scales, v scales), the scales None without. `num_splits` None: `default_splits`. The launch
-    settings' defaults are `KernelConfig`'s (`attention_*`).
+    settings' defaults are `KernelConfig`'s (`attention_*`; FP8 pools: `attention_fp8_*`).
 
     The same function as `new_token_reference`, except that null-page writes are skipped."""
     q_parts, k_parts, v_parts = qkv_parts
