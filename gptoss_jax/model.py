@@ -26,9 +26,9 @@ NULL_PAGE = 0  # write target of padded or already-cached tokens; never read at 
 
 @struct.dataclass
 class Pools:
-    """One layer type's pools, all its layers: K and V `[L, P, S, K, H]` in the cache dtype and, for an FP8 cache,
-    their per-(slot, head) scales `[L, P, K, S]` (`pallas_kernels.kv_quant`, which says why that order; None
-    otherwise)."""
+    """One layer type's pools, all its layers: K and V `[L, P, S, K, H]` in the cache dtype and, for an FP8 cache, V
+    transposed within each page, `[L, P, K, H, S]`, and their per-(slot, head) scales `[L, P, K, S]`
+    (`pallas_kernels.kv_quant`, which says why those orders; None otherwise)."""
 
     k: jax.Array
     v: jax.Array
@@ -59,9 +59,9 @@ class PagedKVCache:
     pool (`pallas_kernels.kv_quant`); the scale fields are None otherwise."""
 
     k_sliding: jax.Array  # [Ls, Ps, S, K, H]
-    v_sliding: jax.Array  # [Ls, Ps, S, K, H]
+    v_sliding: jax.Array  # [Ls, Ps, S, K, H]; FP8: [Ls, Ps, K, H, S]
     k_full: jax.Array  # [Lf, Pf, S, K, H]
-    v_full: jax.Array  # [Lf, Pf, S, K, H]
+    v_full: jax.Array  # [Lf, Pf, S, K, H]; FP8: [Lf, Pf, K, H, S]
     k_sliding_scale: jax.Array | None = None  # f32 [Ls, Ps, K, S]
     v_sliding_scale: jax.Array | None = None
     k_full_scale: jax.Array | None = None  # f32 [Lf, Pf, K, S]
@@ -75,8 +75,10 @@ class PagedKVCache:
         ls, lf = (cfg.num_layers + 1) // 2, cfg.num_layers // 2
         tail = (page_size, cfg.num_kv_heads, cfg.head_dim)
         s, f = (ls, num_pages_sliding) + tail, (lf, num_pages_full) + tail
+        values = dict(v_sliding=s, v_full=f)
         scales = {}
         if kv_quant.is_quantized(dtype):
+            values = {name: (*shape[:2], cfg.num_kv_heads, cfg.head_dim, page_size) for name, shape in values.items()}
             scales = {
                 f"{kv}_{kind}_scale": jnp.ones((*shape[:2], cfg.num_kv_heads, page_size), jnp.float32)
                 for kv in "kv"
@@ -84,11 +86,19 @@ class PagedKVCache:
             }
         return cls(
             k_sliding=jnp.zeros(s, dtype),
-            v_sliding=jnp.zeros(s, dtype),
             k_full=jnp.zeros(f, dtype),
-            v_full=jnp.zeros(f, dtype),
+            **{name: jnp.zeros(shape, dtype) for name, shape in values.items()},
             **scales,
         )
+
+    def logical_axes(self) -> "PagedKVCache":
+        """Each array's logical axes (`sharding.rules`): the pools `[layers, pages, slot, kv_heads, head_dim]`, an
+        FP8 cache's values `[layers, pages, kv_heads, head_dim, slot]` and scales `[layers, pages, kv_heads, slot]`."""
+        pool = ("layers", "pages", None, "kv_heads", None)
+        if self.k_full_scale is None:
+            return PagedKVCache(pool, pool, pool, pool)
+        values, scales = ("layers", "pages", "kv_heads", None, None), ("layers", "pages", "kv_heads", None)
+        return PagedKVCache(pool, values, pool, values, scales, scales, scales, scales)
 
     @property
     def page_size(self) -> int:
@@ -232,13 +242,14 @@ def _attention(
 
 
 def _write(pools: Pools, at: tuple, k_BTKH, v_BTKH) -> Pools:
-    """New K and V into (page, slot) `at` of flat pools; an FP8 pool stores them with `kv_quant.quantize`."""
+    """New K and V into (page, slot) `at` of flat pools; an FP8 pool stores them with `kv_quant.quantize` (its values
+    `[P, K, H, S]`)."""
     if pools.k_scale is None:
         return pools.replace(k=pools.k.at[at].set(k_BTKH), v=pools.v.at[at].set(v_BTKH))
     (k, k_scale), (v, v_scale) = kv_quant.quantize(k_BTKH), kv_quant.quantize(v_BTKH)
     return Pools(
         pools.k.at[at].set(k),
-        pools.v.at[at].set(v),
+        kv_quant.set_values(pools.v, at, v),
         kv_quant.set_scales(pools.k_scale, at, k_scale),
         kv_quant.set_scales(pools.v_scale, at, v_scale),
     )
@@ -314,7 +325,7 @@ def _attention_block(
     if (
         layout is None
         and not inspect
-        and pallas_kernels.fuses_new_token(q_shape, cfg.num_kv_heads, t_BTD.dtype, kernels)
+        and pallas_kernels.fuses_new_token(q_shape, cfg.num_kv_heads, pools.k.dtype, kernels)
     ):
         stacked.update({n: getattr(dense_all, n) for n in ("q_b", "k_b", "v_b", "sinks")})
         return _attention_new_token(
@@ -323,7 +334,7 @@ def _attention_block(
     heads_axis = tensor_parallel.heads_axis(layout, cfg.num_kv_heads) if layout is not None else None
     block = functools.partial(_attention, cfg, window=window, kernels=kernels, inspect=inspect, heads_axis=heads_axis)
     if layout is not None:
-        pool_kinds = Pools("pool", "pool", *(None if a is None else "scales" for a in (pools.k_scale, pools.v_scale)))
+        pool_kinds = Pools("pool", "pool") if pools.k_scale is None else Pools("pool", "values", "scales", "scales")
         in_kinds = ("same", "same", "rows", pool_kinds, jax.tree.map(lambda _: "rows", inp))
         out_kinds = AttentionOutputs("rows", pool_kinds, None, "heads" if inspect else None)
         block = tensor_parallel.attention(layout, block, cfg.num_kv_heads, in_kinds, out_kinds)

@@ -162,7 +162,7 @@ def _expert_placement(sharding):
 def attention(
     q_BTNH,
     k_pages_PSKH,
-    v_pages_PSKH,
+    v_pages,
     block_tables_BM,
     q_pos_BT,
     sinks_N,
@@ -172,27 +172,27 @@ def attention(
     v_scale_PKS=None,
     kernels: KernelConfig,
 ):
-    """Paged attention with sinks (FP8 pools with their `kv_quant` scales); the contract is in docs/engine.md
-    ("Kernel interface")."""
-    args = (q_BTNH, k_pages_PSKH, v_pages_PSKH, block_tables_BM, q_pos_BT, sinks_N, window)
+    """Paged attention with sinks (FP8 pools with their `kv_quant` scales, values `[P, K, H, S]`); the contract is in
+    docs/engine.md ("Kernel interface")."""
+    args = (q_BTNH, k_pages_PSKH, v_pages, block_tables_BM, q_pos_BT, sinks_N, window)
     scales = dict(k_scale_PKS=k_scale_PKS, v_scale_PKS=v_scale_PKS)
     B, T, N, H = q_BTNH.shape
-    c = _choose("attention", B, (T, N, k_pages_PSKH.shape[2], H), q_BTNH.dtype, kernels)
+    c = _choose("attention", B, (T, N, k_pages_PSKH.shape[2], H), k_pages_PSKH.dtype, kernels)
     if c.kernel == "reference":
         return attention_reference.attention(*args, **scales)
     if c.kernel == "paged_rows":  # one decode query row per token, each with its row's table and own position
-        rows = (q_BTNH.reshape(B * T, 1, N, H), k_pages_PSKH, v_pages_PSKH, jnp.repeat(block_tables_BM, T, axis=0))
+        rows = (q_BTNH.reshape(B * T, 1, N, H), k_pages_PSKH, v_pages, jnp.repeat(block_tables_BM, T, axis=0))
         o = paged_attention.attention(*rows, q_pos_BT.reshape(B * T, 1), sinks_N, window, **scales, **c.kw)
         return o.reshape(B, T, N, H)
     kernel = flash_attention if c.kernel == "flash" else paged_attention  # prefill chunk / decode
     return kernel.attention(*args, **scales, **c.kw)
 
 
-def fuses_new_token(q_shape_BTNH: tuple, num_kv_heads: int, dtype, kernels: KernelConfig) -> bool:
-    """Whether decode of this shape takes `attention_new_token` (with the kernels, up to
-    `KernelConfig.new_token_rows` rows of one token)."""
+def fuses_new_token(q_shape_BTNH: tuple, num_kv_heads: int, kv_dtype, kernels: KernelConfig) -> bool:
+    """Whether decode of this shape over a KV cache of `kv_dtype` takes `attention_new_token` (with the kernels, up
+    to `KernelConfig.new_token_rows` rows of one token)."""
     B, T, N, H = q_shape_BTNH
-    return _choose("attention", B, (T, N, num_kv_heads, H), dtype, kernels).kernel == "new_token"
+    return _choose("attention", B, (T, N, num_kv_heads, H), kv_dtype, kernels).kernel == "new_token"
 
 
 def attention_new_token(
@@ -203,7 +203,7 @@ def attention_new_token(
     cos_BF,
     sin_BF,
     k_pages_PSKH,
-    v_pages_PSKH,
+    v_pages,
     block_tables_BM,
     page_offset,
     q_pos_B,
@@ -232,7 +232,7 @@ def attention_new_token(
         cos_BF,
         sin_BF,
         k_pages_PSKH,
-        v_pages_PSKH,
+        v_pages,
         block_tables_BM,
         page_offset,
         q_pos_B,

@@ -10,6 +10,8 @@ visible key, so sliding layers cost O(window), not O(context).
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import kv_quant
+
 
 def _visible_pages(block_tables_BM: jax.Array, q_pos_BT: jax.Array, page_size: int, window: int, T: int):
     """Block-table columns `[B, n]` a row's queries can see: all of them for full attention, else the
@@ -26,7 +28,7 @@ def _visible_pages(block_tables_BM: jax.Array, q_pos_BT: jax.Array, page_size: i
 def attention(
     q_BTNH: jax.Array,
     k_pages_PSKH: jax.Array,
-    v_pages_PSKH: jax.Array,
+    v_pages: jax.Array,
     block_tables_BM: jax.Array,
     q_pos_BT: jax.Array,
     sinks_N: jax.Array,
@@ -41,10 +43,10 @@ def attention(
     A query at position `p` sees keys `p-window+1 .. p`. Each head's sink logit joins the softmax
     denominator only, so probabilities sum to less than 1 and a row with no visible key yields 0.
     `return_sink_mass` (static; for inspection) also returns the probability each head gives its sink,
-    `[B, T, N]` fp32 = 1 - (mass on the keys); padded queries give 1. An FP8 pool comes with its per-(slot, head)
-    scales `k_scale_PKS`/`v_scale_PKS` (`kv_quant`, laid out `[P, K, S]`): the scores are the dots with the stored
-    values times the key's scale, and the values are weighted by the probability times the value's scale, as the
-    kernels do.
+    `[B, T, N]` fp32 = 1 - (mass on the keys); padded queries give 1. The values are laid out as the keys,
+    `[P, S, K, H]`, except in an FP8 pool: `[P, K, H, S]` (`kv_quant`), with the per-(slot, head) scales
+    `k_scale_PKS`/`v_scale_PKS` (laid out `[P, K, S]`): the scores are the dots with the stored values times the
+    key's scale, and the values are weighted by the probability times the value's scale, as the kernels do.
     """
     B, T, N, H = q_BTNH.shape
     S, K = k_pages_PSKH.shape[1], k_pages_PSKH.shape[2]
@@ -53,7 +55,8 @@ def attention(
     pages_Bn = jnp.take_along_axis(block_tables_BM, cols_Bn, axis=1)
     n = cols_Bn.shape[1]
     k_BJKH = k_pages_PSKH[pages_Bn].reshape(B, n * S, K, H)
-    v_BJKH = v_pages_PSKH[pages_Bn].reshape(B, n * S, K, H)
+    v_BnSKH = v_pages[pages_Bn] if v_scale_PKS is None else kv_quant.values_PSKH(v_pages[pages_Bn])
+    v_BJKH = v_BnSKH.reshape(B, n * S, K, H)
     kv_pos_BJ = (cols_Bn[:, :, None] * S + jnp.arange(S)).reshape(B, n * S)
 
     q = q_BTNH.reshape(B, T, K, G, H)

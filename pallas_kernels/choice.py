@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import linear_decode, linear_mosaic, moe_dense, moe_mosaic
+from pallas_kernels import kv_quant, linear_decode, linear_mosaic, moe_dense, moe_mosaic
 
 IMPLS = ("reference", "pallas")
 OPS = ("attention", "projection", "moe", "experts")
@@ -65,6 +65,12 @@ class KernelConfig:
     attention_block_kv: int = 64  # keys per block of the decode kernels
     attention_stages: int = 3  # their Triton pipeline stages
     attention_warps: int = 4
+    # The same over an FP8 KV cache: its best in the H200 sweep at 64 rows x 8,192 and 8 x 32,768 context (279.5 and
+    # 153.1 us, against 314.5 and 180.8 at 64/3/4; BENCHMARKS §16). Measured with the FP8 values laid out as the keys,
+    # `[P, S, K, H]`, before they were stored `[P, K, H, S]` (kv_quant); not yet swept since.
+    attention_fp8_block_kv: int = 128
+    attention_fp8_stages: int = 5  # 5 stages: two K/V buffers (docs/kernels.md)
+    attention_fp8_warps: int = 2
     # Sequence splits aim at this many programs (~4 per SM on 132 SMs). 512 rather than 1,024: the 20b decode step at
     # 64 rows of 8,192 context took 11.23 against 12.41 ms (one split a (row, KV head) instead of two, BENCHMARKS §16);
     # up to 2 rows (32 splits, the cap) and from 128 (1 split) nothing changes.
@@ -192,8 +198,9 @@ def _choice(kernel: str, **launch) -> Choice:
 def choose(op: str, rows: int, shape: tuple[int, ...], dtype, device: Device, config: KernelConfig) -> Choice:
     """The kernel for `op` on `rows` rows of a model of `shape`, in `dtype`, on `device`, under `config`:
 
-    - "attention": rows = sequences, shape = (tokens per row, q heads, KV heads, head dim) -> "reference";
-      "new_token" or "paged" (one token per row); "paged_rows" (a few tokens per row); "flash" (prefill chunks).
+    - "attention": rows = sequences, shape = (tokens per row, q heads, KV heads, head dim), dtype = the KV cache's
+      (an FP8 cache's decode takes its own launch settings) -> "reference"; "new_token" or "paged" (one token per
+      row); "paged_rows" (a few tokens per row); "flash" (prefill chunks).
     - "projection": rows = tokens, shape = (input features, output features of each weight sharing the input)
       -> "reference" (XLA's GEMM), "mosaic" or "gemv" (`fuse`: the weights share one launch).
     - "moe": rows = tokens, shape = (hidden, intermediate, experts, top-k) -> "route" (the fused decode block) or
@@ -208,11 +215,11 @@ def choose(op: str, rows: int, shape: tuple[int, ...], dtype, device: Device, co
         return Choice("reference")
     c = config
     if op == "attention":
-        T = shape[0]
+        T, fp8 = shape[0], kv_quant.is_quantized(dtype)
         decode_kw = dict(
-            block_kv=c.attention_block_kv,
-            num_stages=c.attention_stages,
-            num_warps=c.attention_warps,
+            block_kv=c.attention_fp8_block_kv if fp8 else c.attention_block_kv,
+            num_stages=c.attention_fp8_stages if fp8 else c.attention_stages,
+            num_warps=c.attention_fp8_warps if fp8 else c.attention_warps,
             split_programs=c.attention_split_programs,
             max_splits=c.attention_max_splits,
         )

@@ -82,7 +82,12 @@ def _kernel(
         slots = (pages[:, None] * page_size + jnp.arange(page_size)[None, :]).reshape(bkv)
         in_range = (kpos < hi)[:, None]
         k = plt.load(k_ref.at[slots[:, None], kh, hcols], mask=in_range, other=0.0).astype(q.dtype)
-        v = plt.load(v_ref.at[slots[:, None], kh, hcols], mask=in_range, other=0.0).astype(q.dtype)
+        if quantized:  # the FP8 value pool `[P, K, H, S]`: [H, bkv], keys contiguous (`paged_attention._attend`)
+            at = kv_quant.value_index(pages, kh, k_ref.shape[1], H, page_size)
+            seen = kv_quant.value_mask(blk * pages_per_block, bkv, page_size, 0, hi)
+            v = plt.load(v_ref.at[at], mask=seen[None, :], other=0.0).astype(q.dtype)
+        else:
+            v = plt.load(v_ref.at[slots[:, None], kh, hcols], mask=in_range, other=0.0).astype(q.dtype)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale  # [bq, bkv]
         if quantized:
             at = kv_quant.scale_index(pages, kh, k_ref.shape[1], page_size)
@@ -97,7 +102,7 @@ def _kernel(
         l = l * alpha + jnp.sum(p, axis=1)
         if quantized:
             w, top = kv_quant.value_weights(p, v_scale, v.dtype)
-            pv = jnp.dot(w, v, preferred_element_type=jnp.float32) * top
+            pv = jax.lax.dot_general(w, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * top
         else:
             pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         acc = acc * alpha[:, None] + pv
@@ -118,7 +123,7 @@ def _kernel(
 def attention(
     q_BTNH,
     k_pages_PSKH,
-    v_pages_PSKH,
+    v_pages,
     block_tables_BM,
     q_pos_BT,
     sinks_N,
@@ -133,7 +138,7 @@ def attention(
     interpret=None,
 ):
     """Paged prefill attention (T > 1); same function as `attention_reference.attention` (FP8 pools with their
-    scales `[P, K, S]` too).
+    scales `[P, K, S]` and values `[P, K, H, S]` too).
 
     block_q counts (token, head) rows and must be a multiple of G = N // K."""
     B, T, N, H = q_BTNH.shape
@@ -170,6 +175,6 @@ def attention(
         sinks_N.astype(jnp.float32),
         q_BTNH,
         k_pages_PSKH.reshape(P * S, K, H),
-        v_pages_PSKH.reshape(P * S, K, H),
+        v_pages.reshape(P * S, K, H) if k_scale_PKS is None else v_pages.reshape(-1),
         *([] if k_scale_PKS is None else [a.reshape(-1) for a in (k_scale_PKS, v_scale_PKS)]),
     )

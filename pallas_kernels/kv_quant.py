@@ -10,6 +10,12 @@ Where the scales live: a pool `[P, S, K, H]` keeps its scales as `[P, K, S]`, so
 holds are contiguous (64 bytes for 16 slots). Laid out `[P, S, K]`, the scale of one (slot, head) is 4 bytes at a stride
 of K * 4 bytes, and the kernels' per-key loads then fetch a 32-byte sector per key, as many sectors as the key's 64
 fp8 values (docs/kernels.md).
+
+Where the values live: an FP8 value pool is transposed within each page, `[P, K, H, S]` (keys stay `[P, S, K, H]`).
+In the attention dot `w V`, V is the B operand, and each thread needs consecutive *keys* of one head-dim column: bf16
+gets them with `ldmatrix.trans`, but Hopper has no 8-bit `ldmatrix.trans`, so from `[P, S, K, H]` Triton reads every
+e4m3 value with its own byte load. With the keys of a (page, head, dim) contiguous, a block of V loads as `[H, keys]`,
+as K loads, and its dot takes it as K's does (docs/kernels.md, "Attention over an FP8 KV cache").
 """
 
 import jax
@@ -47,6 +53,23 @@ def scales_PKS(scale_PSK: jax.Array) -> jax.Array:
     return jnp.swapaxes(scale_PSK, -1, -2)
 
 
+def values_PKHS(v_PSKH: jax.Array) -> jax.Array:
+    """Values `[..., P, S, K, H]` (as `quantize` returns them for a pool's pages) in an FP8 value pool's layout
+    `[..., P, K, H, S]`."""
+    return jnp.moveaxis(v_PSKH, -3, -1)
+
+
+def values_PSKH(v_PKHS: jax.Array) -> jax.Array:
+    """An FP8 value pool `[..., P, K, H, S]` in the key pools' layout `[..., P, S, K, H]`."""
+    return jnp.moveaxis(v_PKHS, -1, -3)
+
+
+def set_values(v_PKHS: jax.Array, at: tuple, v_KH: jax.Array) -> jax.Array:
+    """`v_PKHS` with the values `[..., K, H]` written at (page, slot) `at` (index arrays `[...]`)."""
+    page, slot = at
+    return v_PKHS.at[page, :, :, slot].set(v_KH)
+
+
 def set_scales(scale_PKS: jax.Array, at: tuple, scale: jax.Array) -> jax.Array:
     """`scale_PKS` with the scales `[..., K]` of the vectors written at (page, slot) `at` (index arrays `[...]`)."""
     page, slot = at
@@ -77,6 +100,21 @@ def value_weights(p, v_scale, dtype=jnp.float16):
     cannot underflow f16."""
     top = jnp.maximum(jnp.max(v_scale), 1e-30)
     return (p * (v_scale / top)[None, :]).astype(dtype), top
+
+
+def value_index(pages, kh, K: int, H: int, S: int):
+    """Where the values of KV head `kh`'s slots in `pages` sit in an FP8 value pool's flat `[P * K * H * S]`, as a
+    `[H, len(pages) * S]` tile: a head-dim row per row, keys in order along it, each page's S contiguous."""
+    at = ((pages[None, :, None] * K + kh) * H + jnp.arange(H)[:, None, None]) * S + jnp.arange(S)[None, None, :]
+    return at.reshape(H, pages.shape[0] * S)
+
+
+def value_mask(first_page, n_keys: int, S: int, lo, hi):
+    """Which keys an FP8 value load reads, `[n_keys]` from page `first_page` on: every slot of a page holding a key
+    of `[lo, hi)`. A mask per key would change within a page's S contiguous bytes, and Triton then loads them one by
+    one; the slots a page adds weigh 0 and hold finite values (a pool holds zeros and what `quantize` wrote)."""
+    page = first_page + jax.lax.div(jnp.arange(n_keys), S)  # (`//` lowers to ops Triton cannot see through)
+    return (page >= lo // S) & (page * S < hi)
 
 
 def scale_index(pages, kh, K: int, S: int):

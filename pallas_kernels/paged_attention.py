@@ -59,7 +59,8 @@ def _attend(
     """Online softmax of the `[gp, H]` queries of KV head `kh` over split `sp`'s share of the key blocks
     covering positions `[lo, hi)` of row `b`, continuing from `(m, l, acc)`. Pages are the table's entries
     plus `page_offset` (a layer's first page in a pool of all layers). `scale_refs`: the FP8 pools' per-(slot,
-    head) scales `(k, v)` (`kv_quant`), flat `[P * K * S]`, or None."""
+    head) scales `(k, v)` (`kv_quant`), flat `[P * K * S]`, or None; with them `v_ref` is the FP8 value pool
+    `[P, K, H, S]` flat (`kv_quant.value_index`)."""
     bkv = page_size * pages_per_block
     blk_lo = lo // bkv
     blk_hi = (hi + bkv - 1) // bkv
@@ -82,7 +83,12 @@ def _attend(
         rows = (pages[:, None] * page_size + jnp.arange(page_size)[None, :]).reshape(bkv)
         # (a float `other`: Triton casts no integer to fp8)
         k = plt.load(k_ref.at[rows[:, None], kh, hcols], mask=ok[:, None], other=0.0).astype(q.dtype)
-        v = plt.load(v_ref.at[rows[:, None], kh, hcols], mask=ok[:, None], other=0.0).astype(q.dtype)
+        if scale_refs is None:
+            v = plt.load(v_ref.at[rows[:, None], kh, hcols], mask=ok[:, None], other=0.0).astype(q.dtype)  # [bkv, H]
+        else:  # [H, bkv], keys contiguous: 16-byte loads, and a dot operand read as K's, not byte by byte
+            at = kv_quant.value_index(pages, kh, k_ref.shape[1], q.shape[1], page_size)
+            seen = kv_quant.value_mask(blk * pages_per_block, bkv, page_size, lo, hi)
+            v = plt.load(v_ref.at[at], mask=seen[None, :], other=0.0).astype(q.dtype)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale  # [gp, bkv]
         if scale_refs is not None:
             at = kv_quant.scale_index(pages, kh, k_ref.shape[1], page_size)
@@ -95,7 +101,8 @@ def _attend(
         p = jnp.where(ok[None, :], p, 0.0)
         l = l * alpha + jnp.sum(p, axis=1)
         w, top = (p.astype(v.dtype), 1.0) if scale_refs is None else kv_quant.value_weights(p, v_scale, v.dtype)
-        acc = acc * alpha[:, None] + jnp.dot(w, v, preferred_element_type=jnp.float32) * top
+        pv_dims = (((1,), (0 if scale_refs is None else 1,)), ((), ()))  # w @ v, or w @ v.T for [H, bkv]
+        acc = acc * alpha[:, None] + jax.lax.dot_general(w, v, pv_dims, preferred_element_type=jnp.float32) * top
         return m_new, l, acc
 
     return jax.lax.fori_loop(first, jnp.maximum(last, first), body, (m, l, acc))
@@ -167,8 +174,9 @@ def _new_token_kernel(
     is being written, so no split reads it); the last split of the (row, KV head) to finish merges them all
     (`_merge_splits`).
     A row whose write goes to the null page (padding, a prefix-cached position) reads its key from the cache.
-    With `quantized` (FP8 pools), `refs` starts with the pools' scales and their outputs follow `v_out`; the new
-    token's k and v are stored as `kv_quant.quantize` does, and split 0 attends to the stored (rounded) values."""
+    With `quantized` (FP8 pools), `refs` starts with the pools' scales and their outputs follow `v_out`, and the
+    value pool is `[P, K, H, S]` flat; the new token's k and v are stored as `kv_quant.quantize` does, and split 0
+    attends to the stored (rounded) values."""
     if quantized:
         ks_ref, vs_ref, _, o_ref, m_ref, l_ref, out_ref, k_out, v_out, ks_out, vs_out, done_ref = refs
         scale_refs = (ks_ref, vs_ref)
@@ -214,11 +222,13 @@ def _new_token_kernel(
     def _():
         row = (page_offset + page) * S + wslot_ref[b]
         k_out[row, kh, :] = k_store
-        v_out[row, kh, :] = v_store
-        if quantized:
-            at = ((page_offset + page) * k_ref.shape[1] + kh) * S + wslot_ref[b]
-            ks_out[at] = k_scale
-            vs_out[at] = v_scale
+        if not quantized:
+            v_out[row, kh, :] = v_store
+        else:
+            head = (page_offset + page) * k_ref.shape[1] + kh  # the (page, KV head) written
+            v_out[(head * H + h) * S + wslot_ref[b]] = v_store  # the slot's column of its [H, S]
+            ks_out[head * S + wslot_ref[b]] = k_scale
+            vs_out[head * S + wslot_ref[b]] = v_scale
 
     s_new = jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32)[None, :], axis=1) * config["scale"]
     m = jnp.where(here, s_new, NEG)
@@ -290,7 +300,7 @@ def new_token_reference(
     cos_BF,
     sin_BF,
     k_pages_PSKH,
-    v_pages_PSKH,
+    v_pages,
     block_tables_BM,
     page_offset,
     q_pos_B,
@@ -303,8 +313,9 @@ def new_token_reference(
     v_scale_PKS=None,
 ):
     """`attention_new_token` as the model computes it without the kernel: sums, bias, cast, `rope.apply`, both
-    pools written at (page + offset, slot) (null-page writes included; FP8 pools with `kv_quant.quantize`),
-    `attention_reference` through the offset table. Returns (out, k pages, v pages, k scales, v scales)."""
+    pools written at (page + offset, slot) (null-page writes included; FP8 pools with `kv_quant.quantize`, values
+    `[P, K, H, S]`), `attention_reference` through the offset table. Returns (out, k pages, v pages, k scales,
+    v scales)."""
     B, H, dtype = q_pos_B.shape[0], k_pages_PSKH.shape[-1], cos_BF.dtype
     q, k, v = (
         (jnp.sum(y, 0) + b[layer].astype(jnp.float32)).astype(dtype).reshape(B, 1, -1, H)
@@ -312,12 +323,14 @@ def new_token_reference(
     )
     q, k = (rope.apply(a, cos_BF[:, None], sin_BF[:, None]) for a in (q, k))
     at = (write_page_B + page_offset, write_slot_B)
-    pools, scales = [k_pages_PSKH, v_pages_PSKH], [k_scale_PKS, v_scale_PKS]
+    pools, scales = [k_pages_PSKH, v_pages], [k_scale_PKS, v_scale_PKS]
     for i, x in enumerate((k[:, 0], v[:, 0])):
-        if scales[i] is not None:
-            x, sc = kv_quant.quantize(x)
-            scales[i] = kv_quant.set_scales(scales[i], at, sc)
-        pools[i] = pools[i].at[at].set(x)
+        if scales[i] is None:
+            pools[i] = pools[i].at[at].set(x)
+            continue
+        x, sc = kv_quant.quantize(x)
+        scales[i] = kv_quant.set_scales(scales[i], at, sc)
+        pools[i] = kv_quant.set_values(pools[i], at, x) if i else pools[i].at[at].set(x)
     out = attention_reference.attention(
         q,
         *pools,
@@ -352,11 +365,13 @@ def _combine(o, m, l, sinks_N, G, dtype):
     return (num / den[..., None]).reshape(B, 1, K * G, H).astype(dtype)
 
 
-def _flat_scales(k_scale_PKS, v_scale_PKS) -> list:
-    """The FP8 pools' scales as flat `[P * K * S]` operands (none for a pool without scales)."""
+def _flat_pools(k_pages_PSKH, v_pages, k_scale_PKS, v_scale_PKS) -> list:
+    """The kernels' pool operands: keys `[P * S, K, H]`; values as keys, or an FP8 pool's `[P * K * H * S]`; an FP8
+    pool's scales flat `[P * K * S]`."""
+    P, S, K, H = k_pages_PSKH.shape
     if k_scale_PKS is None:
-        return []
-    return [a.reshape(-1) for a in (k_scale_PKS, v_scale_PKS)]
+        return [a.reshape(P * S, K, H) for a in (k_pages_PSKH, v_pages)]
+    return [k_pages_PSKH.reshape(P * S, K, H), *(a.reshape(-1) for a in (v_pages, k_scale_PKS, v_scale_PKS))]
 
 
 def _partials_shapes(B, K, ns, gp, H):
@@ -378,7 +393,7 @@ def attention_new_token(
     cos_BF,
     sin_BF,
     k_pages_PSKH,
-    v_pages_PSKH,
+    v_pages,
     block_tables_BM,
     page_offset,
     q_pos_B,
@@ -410,21 +425,21 @@ def attention_new_token(
     `done_BK` (int32 `[B, K]`, all 0; updated in place when donated) counts finished splits, and every launch
     leaves it at 0: a decode step threads one through all its layers, where a fresh one each layer would cost a
     memset kernel on the critical path. None: a fresh one. FP8 pools come with their scales `[P, K, S]`
-    (`kv_quant`), written beside them. Returns (out, k pages, v pages, done_BK, k scales, v scales), the scales
-    None without. `num_splits` None: `default_splits`. The launch settings' defaults are `KernelConfig`'s
-    (`attention_*`).
+    (`kv_quant`), written beside them, and keep their values `[P, K, H, S]`. Returns (out, k pages, v pages,
+    done_BK, k scales, v scales), the scales None without. `num_splits` None: `default_splits`. The launch
+    settings' defaults are `KernelConfig`'s (`attention_*`; FP8 pools: `attention_fp8_*`).
 
     The same function as `new_token_reference`, except that null-page writes are skipped."""
     q_parts, k_parts, v_parts = qkv_parts
     B = q_parts.shape[1]
-    P, S, K, H = k_pages_PSKH.shape
+    _, S, K, H = k_pages_PSKH.shape
     N = q_parts.shape[2] // H
     M = block_tables_BM.shape[1]
     G, gp, ppb, ns = _geometry(B, N, S, K, M, block_kv, num_splits, split_programs, max_splits)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
-    flat = [a.reshape(P * S, K, H) for a in (k_pages_PSKH, v_pages_PSKH)] + _flat_scales(k_scale_PKS, v_scale_PKS)
+    flat = _flat_pools(k_pages_PSKH, v_pages, k_scale_PKS, v_scale_PKS)
     dtype = cos_BF.dtype
     if done_BK is None:
         done_BK = jnp.zeros((B, K), jnp.int32)
@@ -470,7 +485,7 @@ def attention_new_token(
         done_BK,
     )
     out, written, done_BK = outs[3], outs[4:-1], outs[-1]
-    k_pages, v_pages = (a.reshape(k_pages_PSKH.shape) for a in written[:2])
+    k_pages, v_pages = (a.reshape(p.shape) for a, p in zip(written[:2], (k_pages_PSKH, v_pages)))
     k_scale, v_scale = (a.reshape(k_scale_PKS.shape) for a in written[2:]) if k_scale_PKS is not None else (None, None)
     return out.reshape(B, 1, N, H), k_pages, v_pages, done_BK, k_scale, v_scale
 
@@ -479,7 +494,7 @@ def attention_new_token(
 def attention(
     q_BTNH,
     k_pages_PSKH,
-    v_pages_PSKH,
+    v_pages,
     block_tables_BM,
     q_pos_BT,
     sinks_N,
@@ -496,11 +511,11 @@ def attention(
     interpret=None,
 ):
     """Paged decode attention (T = 1); same function as `attention_reference.attention` (FP8 pools with their
-    scales `[P, K, S]` too)."""
+    scales `[P, K, S]` and values `[P, K, H, S]` too)."""
     B, T, N, H = q_BTNH.shape
     if T != 1:
         raise ValueError("paged_attention.attention is the decode kernel (T = 1)")
-    P, S, K, _ = k_pages_PSKH.shape
+    _, S, K, _ = k_pages_PSKH.shape
     M = block_tables_BM.shape[1]
     G, gp, ppb, ns = _geometry(B, N, S, K, M, block_kv, num_splits, split_programs, max_splits)
     if interpret is None:
@@ -511,14 +526,12 @@ def attention(
     lo = jnp.maximum(hi - min(int(window), 2**31 - 1), 0).astype(jnp.int32)
     q = q_BTNH[:, 0].reshape(B, K, G, H)
     q = jnp.pad(q, ((0, 0), (0, 0), (0, gp - G), (0, 0)))
-    k_flat = k_pages_PSKH.reshape(P * S, K, H)
-    v_flat = v_pages_PSKH.reshape(P * S, K, H)
-    scales = _flat_scales(k_scale_PKS, v_scale_PKS)
+    pools = _flat_pools(k_pages_PSKH, v_pages, k_scale_PKS, v_scale_PKS)
 
     o, m, l = pl.pallas_call(
         functools.partial(
             _kernel,
-            quantized=bool(scales),
+            quantized=k_scale_PKS is not None,
             page_size=S,
             pages_per_block=ppb,
             num_splits=ns,
@@ -530,5 +543,5 @@ def attention(
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_decode_attention",
-    )(block_tables_BM.astype(jnp.int32), lo, hi, q, k_flat, v_flat, *scales)
+    )(block_tables_BM.astype(jnp.int32), lo, hi, q, *pools)
     return _combine(o, m, l, sinks_N, G, q_BTNH.dtype)

@@ -152,10 +152,11 @@ class Layout:
         return self.sharding(("layers", "pages", None, "kv_heads", None), num_kv_heads)
 
     def cache_shardings(self, cache, num_kv_heads: int):
-        """`cache_sharding` for every array of a KV cache pytree (arrays or shapes): the FP8 pools' scales
-        `[layers, pages, kv_heads, slot]` split as their pools."""
-        scales = self.sharding(("layers", "pages", "kv_heads", None), num_kv_heads)
-        return jax.tree.map(lambda a: self.cache_sharding(num_kv_heads) if a.ndim == 5 else scales, cache)
+        """A sharding for every array of a KV cache (`model.PagedKVCache`, of arrays or shapes), by its
+        `logical_axes`: an FP8 cache's values `[layers, pages, kv_heads, head_dim, slot]` and scales `[layers, pages,
+        kv_heads, slot]` split as the pools (`cache_sharding`)."""
+        axes = cache.logical_axes()
+        return jax.tree.map(lambda a: self.sharding(a, num_kv_heads), axes, is_leaf=lambda x: isinstance(x, tuple))
 
     def padded_shapes(self, shapes: params_lib.Params) -> params_lib.Params:
         """`shapes` (either expert layout) with the expert axis padded to a multiple of the `model` axis."""

@@ -30,8 +30,9 @@ def attention(layout, block, num_kv_heads: int, in_kinds: tuple, out_kinds):
     """`block(stacked, per_layer, *args)` run per device. `stacked` and `per_layer` are dicts keyed by `STACKED` /
     `PER_LAYER` `params.Layers` fields, split by the table. `in_kinds` (one per arg) and `out_kinds` are pytrees of
     the args' and the outputs' structure whose leaves say how each array is split: "rows" (leading batch axis, over
-    the attention ranks), "pool" (the KV pools), "scales" (an FP8 pool's scales), "heads" (`[B, T, heads]`, heads
-    as the weights split them), or "same" (replicated)."""
+    the attention ranks), "pool" (the KV pools), "values" (an FP8 pool's values, `[..., kv_heads, head_dim, slot]`),
+    "scales" (an FP8 pool's scales), "heads" (`[B, T, heads]`, heads as the weights split them), or "same"
+    (replicated)."""
     axes = params_lib.logical_axes().layers
     spec = lambda logical: layout.spec(logical, num_kv_heads)  # noqa: E731
     stacked = {n: spec(getattr(axes, n)) for n in STACKED}
@@ -40,6 +41,7 @@ def attention(layout, block, num_kv_heads: int, in_kinds: tuple, out_kinds):
     kinds = {
         "rows": rows,
         "pool": pool,
+        "values": P(*pool[:2], pool[3], pool[4], pool[2]),  # [layers, pages, kv_heads, head_dim, slot]
         "scales": P(*pool[:2], pool[3], pool[2]),  # [layers, pages, kv_heads, slot]
         "heads": P(rows[0], None, heads_axis(layout, num_kv_heads)),
         "same": P(),

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from gptoss_jax import config, engine_config
-from pallas_kernels import KernelConfig, paged_attention
+from pallas_kernels import KernelConfig, kv_quant, paged_attention
 from pallas_kernels.choice import CPU, H100, H200, Device, choose
 
 PALLAS = KernelConfig(impl="pallas")
@@ -103,6 +103,21 @@ def test_attention(device):
     assert set(_choices("attention", None, device, shape=(512, *heads))) == {"flash"}
     launch = choose("attention", 1, (1, *heads), jnp.bfloat16, device, dataclasses.replace(PALLAS, attention_stages=2))
     assert launch.kw == dict(block_kv=64, num_stages=2, num_warps=4, split_programs=512, max_splits=32)
+
+
+def test_fp8_decode_attention_takes_its_own_launch():
+    """Over an FP8 KV cache (the dtype the attention choice is given is the cache's) the decode kernels take the
+    `attention_fp8_*` launch, one token per row or a few; prefill keeps the flash settings."""
+    heads, fp8 = (64, 8, 64), kv_quant.FP8
+    for T, kernel in ((1, "new_token"), (4, "paged_rows")):
+        launch = choose("attention", 64, (T, *heads), fp8, H200, PALLAS)
+        assert launch.kernel == kernel
+        assert launch.kw == dict(block_kv=128, num_stages=5, num_warps=2, split_programs=512, max_splits=32)
+    assert choose("attention", 512, (1, *heads), fp8, H200, PALLAS).kw["block_kv"] == 128  # the paged kernel
+    assert (
+        choose("attention", 1, (512, *heads), fp8, H200, PALLAS).kw
+        == choose("attention", 1, (512, *heads), jnp.bfloat16, H200, PALLAS).kw
+    )
 
 
 def test_decode_attention_splits_by_rows():

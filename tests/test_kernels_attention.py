@@ -181,19 +181,20 @@ def test_decode_step_takes_the_new_token_kernel_and_matches_reference(monkeypatc
         np.testing.assert_array_equal(new[:, 1:], ref[:, 1:])  # nothing else written (page 0 is the null page)
 
 
-def _fp8(pages_PSKH, rng):
-    """The pages stored as an FP8 cache stores them (`kv_quant.quantize`, scales laid out `[P, K, S]`), after giving
-    each (slot, head) vector its own magnitude (1e-3 .. 1e3) so that a scale that is not per vector would show."""
+def _fp8(pages_PSKH, rng, values=False):
+    """The pages stored as an FP8 cache stores them (`kv_quant.quantize`, scales laid out `[P, K, S]`, `values`
+    `[P, K, H, S]`), after giving each (slot, head) vector its own magnitude (1e-3 .. 1e3) so that a scale that is
+    not per vector would show."""
     mag = 10.0 ** rng.uniform(-3, 3, size=pages_PSKH.shape[:-1] + (1,))
     pages, scale_PSK = kv_quant.quantize(jnp.asarray(np.asarray(pages_PSKH, np.float32) * mag, jnp.bfloat16))
-    return pages, kv_quant.scales_PKS(scale_PSK)
+    return kv_quant.values_PKHS(pages) if values else pages, kv_quant.scales_PKS(scale_PSK)
 
 
 @pytest.mark.parametrize("window,S,ctxs,splits", [(FULL, 16, [1, 37, 200], 3), (128, 8, [5, 130, 300, 0], 2)])
 def test_paged_decode_fp8_matches_reference(window, S, ctxs, splits):
     rng = np.random.default_rng(7)
     q, kp, vp, bt, pos, sinks = _case(len(ctxs) * 10 + S, len(ctxs), 16, 2, 64, S, ctxs, 1.0)
-    (kp, ks), (vp, vs) = _fp8(kp, rng), _fp8(vp, rng)
+    (kp, ks), (vp, vs) = _fp8(kp, rng), _fp8(vp, rng, values=True)
     scales = dict(k_scale_PKS=ks, v_scale_PKS=vs)
     ref = attention_reference.attention(q, kp, vp, bt, pos, sinks, window, **scales)
     out = paged_attention.attention(
@@ -212,7 +213,10 @@ def test_paged_decode_fp8_matches_reference(window, S, ctxs, splits):
     # the stored values, dequantized, through the bf16 reference: the scales are applied where they belong
     deq = attention_reference.attention(
         q,
-        *(kv_quant.dequantize(p, kv_quant.scales_PKS(s), jnp.bfloat16) for p, s in ((kp, ks), (vp, vs))),
+        *(
+            kv_quant.dequantize(p, kv_quant.scales_PKS(s), jnp.bfloat16)
+            for p, s in ((kp, ks), (kv_quant.values_PSKH(vp), vs))
+        ),
         bt,
         pos,
         sinks,
@@ -228,7 +232,7 @@ def test_paged_decode_fp8_matches_reference(window, S, ctxs, splits):
 def test_prefill_flash_fp8_matches_reference(window, chunks):
     rng = np.random.default_rng(8)
     q, kp, vp, bt, pos, sinks = _prefill_case(len(chunks) + 4, 8, 2, 16, 4, chunks, 21, 1.0)
-    (kp, ks), (vp, vs) = _fp8(kp, rng), _fp8(vp, rng)
+    (kp, ks), (vp, vs) = _fp8(kp, rng), _fp8(vp, rng, values=True)
     scales = dict(k_scale_PKS=ks, v_scale_PKS=vs)
     ref = attention_reference.attention(q, kp, vp, bt, pos, sinks, window, **scales)
     out = flash_attention.attention(q, kp, vp, bt, pos, sinks, window, **scales, block_q=16, block_kv=8, interpret=True)
@@ -245,7 +249,7 @@ def test_new_token_attention_fp8_writes_and_attends_like_reference():
     pos = np.array([0, 5, 17, 61, -1], np.int32)
     B, M = len(pos), 64 // S + 1
     P = B * M + 1
-    (kp, ks), (vp, vs) = (_fp8(rng.normal(size=(2 * P, S, K, H)), rng) for _ in range(2))
+    (kp, ks), (vp, vs) = (_fp8(rng.normal(size=(2 * P, S, K, H)), rng, values=v) for v in (False, True))
     bt = rng.permutation(np.arange(1, P))[: B * M].reshape(B, M).astype(np.int32)
     wpage = np.where(pos >= 0, bt[np.arange(B), np.maximum(pos, 0) // S], 0)
     wslot = np.maximum(pos, 0) % S

@@ -62,6 +62,28 @@ def test_fp8_pool_holds_nearly_twice_the_pages():
     assert 1.88 < pages[kv_quant.FP8] / pages[jnp.bfloat16] < 2
 
 
+def test_fp8_values_are_stored_transposed_within_a_page():
+    """An FP8 cache keeps its values `[P, K, H, S]` (keys `[P, S, K, H]`; `kv_quant` says why): the value of (page,
+    slot, KV head, dim) sits at [page, head, dim, slot], where the model's cache write puts it."""
+    cfg = config.from_hf_dict(json.loads((Path(__file__).parent / "tiny_config.json").read_text()))
+    K, H, S = cfg.num_kv_heads, cfg.head_dim, 4
+    cache = model.PagedKVCache.zeros(cfg, 5, 7, S, kv_quant.FP8)
+    assert cache.k_full.shape == (1, 7, S, K, H) and cache.v_full.shape == (1, 7, K, H, S)
+    assert cache.v_sliding.shape == (1, 5, K, H, S) and cache.v_full_scale.shape == (1, 7, K, S)
+    rng = np.random.default_rng(3)
+    v_BTKH, _ = kv_quant.quantize(jnp.asarray(rng.normal(size=(2, 3, K, H)), jnp.float32))
+    page, slot = np.array([[1, 1, 2], [4, 6, 6]]), np.array([[0, 3, 1], [2, 0, 3]])
+    pools = model._write(cache.pools(False).flat(0)[0], (jnp.asarray(page), jnp.asarray(slot)), v_BTKH, v_BTKH)
+    got, want = np.asarray(pools.v, np.float32), np.asarray(v_BTKH, np.float32)
+    for b, t in np.ndindex(page.shape):
+        np.testing.assert_array_equal(got[page[b, t], :, :, slot[b, t]], want[b, t])  # [K, H] of (page, slot)
+        np.testing.assert_array_equal(np.asarray(pools.k, np.float32)[page[b, t], slot[b, t]], want[b, t])
+    assert np.count_nonzero(got) == np.count_nonzero(want)  # nothing else written
+    back = kv_quant.values_PSKH(pools.v)  # the keys' layout again, as the reference gathers it
+    np.testing.assert_array_equal(np.asarray(back, np.float32), np.asarray(pools.k, np.float32))
+    np.testing.assert_array_equal(np.asarray(kv_quant.values_PKHS(back), np.float32), got)
+
+
 def test_forward_writes_and_reads_an_fp8_cache():
     """A prefill chunk then a decode step of the tiny model through both caches: the FP8 cache holds e4m3 values and
     a scale for every written (slot, head), and the hidden states stay close to the fp32 cache's."""
@@ -86,6 +108,9 @@ def test_forward_writes_and_reads_an_fp8_cache():
                 written = scale_LPSK[:, 1:4].reshape(pools.k.shape[0], -1, cfg.num_kv_heads)[:, : T + 1]
                 assert (written != 1.0).all()  # every written (slot, head) got its own scale
                 assert np.abs(np.asarray(pools.k[:, 1:4], np.float32)).max() == kv_quant.FP8_MAX
+                # values [L, P, K, H, S]: each written (slot, head) vector runs along H and fills e4m3's range
+                amax_LPSK = np.swapaxes(np.abs(np.asarray(pools.v[:, 1:4], np.float32)).max(axis=3), -1, -2)
+                assert (amax_LPSK.reshape(len(amax_LPSK), -1, cfg.num_kv_heads)[:, : T + 1] == kv_quant.FP8_MAX).all()
     a, b = (np.asarray(hidden[n], np.float64) for n in ("fp8", "fp32"))
     assert 0 < np.linalg.norm(a - b) / np.linalg.norm(b) < 0.1
 
@@ -105,5 +130,11 @@ def test_fp8_cache_sharded_like_its_pools(small_checkpoint, mode):
     cache = llm.engine.runner.cache
     pool = cache.k_full.sharding.spec
     assert tuple(cache.k_full_scale.sharding.spec) == (*pool[:2], pool[3], pool[2])  # [layers, pages, kv_heads, slot]
+    assert tuple(cache.v_full.sharding.spec) == (
+        *pool[:2],
+        pool[3],
+        pool[4],
+        pool[2],
+    )  # [..., kv_heads, head_dim, slot]
     got = llm.logits(ids)
     assert np.linalg.norm(got - one) / np.linalg.norm(one) < 1e-5

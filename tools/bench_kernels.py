@@ -29,6 +29,7 @@ from pallas_kernels import (
     attention_reference,
     expert_format,
     flash_attention,
+    kv_quant,
     linear_decode,
     linear_mosaic,
     moe_dense,
@@ -485,15 +486,23 @@ def _reference(window: int):
     return jax.jit(lambda *a: attention_reference.attention(*a[:6], window, **a[6]))
 
 
-def bench_paged(bw, cases, split_opts, kv_dtypes=("auto",), launches=((64, 3, 4), (128, 3, 4))):
-    """Decode attention; `launches`: the (block_kv, num_stages, num_warps) settings swept with each split count."""
+def decode_launches(kernels: KernelConfig, kv_dtype: str) -> list[tuple]:
+    """The decode attention launch `kernels` (resolved) picks over a cache of `kv_dtype`, then 64/3/4 and 128/3/4:
+    (block_kv, num_stages, num_warps) each."""
+    c = choose("attention", 64, (1, 64, 8, 64), kv_quant.DTYPES[kv_dtype] or jnp.bfloat16, kernels.device, kernels)
+    return list(dict.fromkeys([(c.kw["block_kv"], c.kw["num_stages"], c.kw["num_warps"]), (64, 3, 4), (128, 3, 4)]))
+
+
+def bench_paged(bw, cases, split_opts, kv_dtypes=("auto",), launches=None, engine=None):
+    """Decode attention; `launches`: the (block_kv, num_stages, num_warps) settings swept with each split count
+    (None: `decode_launches` of the `engine` config for each cache dtype)."""
     for (B, ctx, window, S), kv_dtype in itertools.product(cases, kv_dtypes):
         q, kp, vp, bt, pos, sinks = kc.paged(jax.random.PRNGKey(B + ctx), B, 64, 8, 64, S, [ctx] * B)
         kp, vp, scales, value_bytes = kc.as_kv_cache(kp, vp, kv_dtype)
         vis = min(ctx, window)
         nbytes = B * vis * 8 * 64 * 2 * value_bytes
         best = None
-        for ns, (bkv, stages, warps) in itertools.product(split_opts(B), launches):
+        for ns, (bkv, stages, warps) in itertools.product(split_opts(B), launches or decode_launches(engine, kv_dtype)):
             kw = dict(num_splits=ns, block_kv=bkv, num_stages=stages, num_warps=warps)
             f = jax.jit(
                 lambda q, kp, vp, bt, pos, sinks, scales, kw=kw: paged_attention.attention(
@@ -686,7 +695,7 @@ def main():
             cases = [paged_cases[0], paged_cases[2]]
             bench_paged(bw, cases, lambda B: (1,) if B >= 32 else (8,), kv_dtypes, launches)
         else:
-            bench_paged(bw, paged_cases, lambda B: (1, 2) if B >= 32 else (4, 16), kv_dtypes)
+            bench_paged(bw, paged_cases, lambda B: (1, 2) if B >= 32 else (4, 16), kv_dtypes, engine=auto)
     log(f"[{time.time() - t0:.0f}s]")
     if "flash" in only:
         fcfgs = [

@@ -21,6 +21,7 @@ from pallas_kernels import (
     attention_reference,
     expert_format,
     flash_attention,
+    kv_quant,
     linear_decode,
     linear_mosaic,
     moe_dense,
@@ -227,11 +228,18 @@ def main():
     if want("swiglu_epilogue"):
         rows += check_swiglu_epilogue(key)
 
-    for name, (B, S, ctxs, window, sink_scale, splits, kv) in {
-        "paged_decode": (5, 16, [5, 127, 128, 4097, 0], 128, 20.0, None, "auto"),
-        "paged_decode ": (2, 64, [8191, 70], 2**31 - 1, 5.0, None, "auto"),
-        "paged_decode  ": (5, 16, [5, 127, 128, 4097, 0], 128, 20.0, None, "fp8"),
-        "paged_decode   ": (2, 64, [8191, 70], 2**31 - 1, 5.0, None, "fp8"),
+    def decode_launch(kv: str) -> dict:
+        """The decode attention launch the engine takes over a cache of `kv` (FP8: `attention_fp8_*`)."""
+        c = choose("attention", 64, (1, 64, 8, 64), kv_quant.DTYPES[kv] or jnp.bfloat16, auto.device, auto)
+        return {k: c.kw[k] for k in ("block_kv", "num_stages", "num_warps")}
+
+    default_launch = dict(block_kv=64, num_stages=3, num_warps=4)
+    for name, (B, S, ctxs, window, sink_scale, splits, kv, launch) in {
+        "paged_decode": (5, 16, [5, 127, 128, 4097, 0], 128, 20.0, None, "auto", decode_launch("auto")),
+        "paged_decode ": (2, 64, [8191, 70], 2**31 - 1, 5.0, None, "auto", decode_launch("auto")),
+        "paged_decode fp8": (5, 16, [5, 127, 128, 4097, 0], 128, 20.0, None, "fp8", decode_launch("fp8")),
+        "paged_decode fp8 ": (2, 64, [8191, 70], 2**31 - 1, 5.0, None, "fp8", decode_launch("fp8")),
+        "paged_decode fp8  ": (3, 16, [4000, 17, 1], 2**31 - 1, 5.0, 4, "fp8", default_launch),
     }.items():
         if not want(name):
             continue
@@ -239,24 +247,25 @@ def main():
         q, kp, vp, bt, pos, sinks = kc.paged(k1, B, 64, 8, 64, S, ctxs, sink_scale)
         kp, vp, scales, _ = kc.as_kv_cache(kp, vp, kv)
         ref = attention_reference.attention(q, kp, vp, bt, pos, sinks, window, **scales)
-        out = paged_attention.attention(q, kp, vp, bt, pos, sinks, window, **scales, num_splits=splits)
+        out = paged_attention.attention(q, kp, vp, bt, pos, sinks, window, **scales, num_splits=splits, **launch)
         e, fin = rel(out, ref)
         rows.append(
             (
                 name.strip(),
                 f"kv={kv} B={B} page={S} ctx={ctxs} win={'full' if window > 2**30 else window} "
-                f"sinks*{sink_scale} splits={splits}",
+                f"sinks*{sink_scale} splits={splits} {'/'.join(map(str, launch.values()))}",
                 e,
                 fin,
             )
         )
         print(*rows[-1], flush=True)
 
-    for name, (B, S, ctxs, window, sink_scale, kv) in {
-        "paged_decode_new_token": (1, 16, [1000], 2**31 - 1, 1.0, "auto"),
-        "paged_decode_new_token ": (6, 16, [1, 129, 300, 8191, 0, 17], 128, 20.0, "auto"),
-        "paged_decode_new_token  ": (1, 16, [1000], 2**31 - 1, 1.0, "fp8"),
-        "paged_decode_new_token   ": (6, 16, [1, 129, 300, 8191, 0, 17], 128, 20.0, "fp8"),
+    for name, (B, S, ctxs, window, sink_scale, kv, launch) in {
+        "paged_decode_new_token": (1, 16, [1000], 2**31 - 1, 1.0, "auto", decode_launch("auto")),
+        "paged_decode_new_token ": (6, 16, [1, 129, 300, 8191, 0, 17], 128, 20.0, "auto", decode_launch("auto")),
+        "paged_decode_new_token fp8": (1, 16, [1000], 2**31 - 1, 1.0, "fp8", decode_launch("fp8")),
+        "paged_decode_new_token fp8 ": (6, 16, [1, 129, 300, 8191, 0, 17], 128, 20.0, "fp8", decode_launch("fp8")),
+        "paged_decode_new_token fp8  ": (6, 16, [1, 129, 300, 8191, 0, 17], 128, 20.0, "fp8", default_launch),
     }.items():
         if not want(name):
             continue
@@ -265,22 +274,24 @@ def main():
         kp, vp, scales, _ = kc.as_kv_cache(kp, vp, kv)
         args = new_token_case(k2, B, bt, pos[:, 0], S)
         sinks = jnp.concatenate([jnp.full((args[2], sinks.shape[0]), -3.0), sinks[None]])  # the case's layer's
-        ref, ref_k, _, *ref_scales = paged_attention.new_token_reference(
+        ref, *ref_cache = paged_attention.new_token_reference(
             *args[:3], *args[3:5], kp, vp, bt, 0, pos[:, 0], *args[5:], sinks, window, **scales
         )
-        out, got_k, _, _, *got_scales = paged_attention.attention_new_token(
-            *args[:3], *args[3:5], kp, vp, bt, 0, pos[:, 0], *args[5:], sinks, window, **scales
+        out, got_k, got_v, _, *got_scales = paged_attention.attention_new_token(
+            *args[:3], *args[3:5], kp, vp, bt, 0, pos[:, 0], *args[5:], sinks, window, **scales, **launch
         )
         e, fin = rel(out, ref)
-        # page 0, the null page, is where the reference writes padding rows
-        ek, _ = rel(got_k[1:].astype(jnp.float32), ref_k[1:].astype(jnp.float32))
-        if scales:
-            ek = max(ek, rel(got_scales[0][1:], ref_scales[0][1:])[0])
+        # the k and v pools and their scales; page 0, the null page, is where the reference writes padding rows
+        ek = max(
+            rel(got[1:].astype(jnp.float32), want[1:].astype(jnp.float32))[0]
+            for got, want in zip((got_k, got_v, *got_scales), ref_cache)
+            if want is not None
+        )
         rows.append(
             (
                 name.strip(),
                 f"kv={kv} B={B} ctx={ctxs} win={'full' if window > 2**30 else window} sinks*{sink_scale} "
-                f"k-cache err {ek:.1e}",
+                f"{'/'.join(map(str, launch.values()))} cache err {ek:.1e}",
                 max(e, ek),
                 fin,
             )
@@ -292,8 +303,8 @@ def main():
         "flash_prefill ": ([(0, 300), (4000, 250), (7, 3)], 300, 128, 20.0, {}, "auto"),
         "flash_prefill  ": ([(0, 1000)], 1000, 128, 1.0, dict(block_q=64, block_kv=128, num_warps=8), "auto"),
         "flash_prefill   ": ([(50, 513), (0, 1)], 513, 2**31 - 1, 5.0, dict(block_kv=128), "auto"),
-        "flash_prefill    ": ([(0, 300), (100, 77), (0, 0)], 300, 2**31 - 1, 1.0, {}, "fp8"),
-        "flash_prefill     ": ([(0, 300), (4000, 250), (7, 3)], 300, 128, 20.0, {}, "fp8"),
+        "flash_prefill fp8": ([(0, 300), (100, 77), (0, 0)], 300, 2**31 - 1, 1.0, {}, "fp8"),
+        "flash_prefill fp8 ": ([(0, 300), (4000, 250), (7, 3)], 300, 128, 20.0, {}, "fp8"),
     }.items():
         if not want(name):
             continue

@@ -70,9 +70,10 @@ def prefill(key, N, K, H, S, chunks, T, sink_scale=1.0, dtype=jnp.bfloat16):
 
 
 def as_kv_cache(kp, vp, kv_cache_dtype: str) -> tuple:
-    """Pools as a cache of `kv_cache_dtype` stores them -> (k, v, the kernels' scale arguments, bytes per value)."""
+    """Pools `[P, S, K, H]` as a cache of `kv_cache_dtype` stores them -> (k, v, the kernels' scale arguments, bytes
+    per value); an FP8 cache's values `[P, K, H, S]`."""
     if kv_cache_dtype == "auto":
         return kp, vp, {}, kp.dtype.itemsize
     (kq, ks), (vq, vs) = kv_quant.quantize(kp), kv_quant.quantize(vp)
     scales = dict(k_scale_PKS=kv_quant.scales_PKS(ks), v_scale_PKS=kv_quant.scales_PKS(vs))
-    return kq, vq, scales, kv_quant.value_bytes(kq.dtype, kp.shape[-1])
+    return kq, kv_quant.values_PKHS(vq), scales, kv_quant.value_bytes(kq.dtype, kp.shape[-1])
