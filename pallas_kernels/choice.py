@@ -65,9 +65,9 @@ class KernelConfig:
     attention_block_kv: int = 64  # keys per block of the decode kernels
     attention_stages: int = 3  # their Triton pipeline stages
     attention_warps: int = 4
-    # The same over an FP8 KV cache: its best in the H200 sweep at 64 rows x 8,192 and 8 x 32,768 context (279.5 and
-    # 153.1 us, against 314.5 and 180.8 at 64/3/4; BENCHMARKS §16). Measured with the FP8 values laid out as the keys,
-    # `[P, S, K, H]`, before they were stored `[P, K, H, S]` (kv_quant); not yet swept since.
+    # The same over an FP8 KV cache (values `[P, K, H, S]`): its best of four launches in the H200 sweep at 64 rows x
+    # 8,192 and 8 x 32,768 context, 243.4 and 131.0 us (128/5/4: 252.9 and 135.0; 64/3/4: 295.5 and 172.1), where
+    # bf16 took 302.7 and 162.2 at its own 64/3/4 (BENCHMARKS §17).
     attention_fp8_block_kv: int = 128
     attention_fp8_stages: int = 5  # 5 stages: two K/V buffers (docs/kernels.md)
     attention_fp8_warps: int = 2
