@@ -111,10 +111,10 @@ class KernelConfig:
     moe_route_experts_per_program: int = 4
     moe_back_warps: int = 8  # 4 and 8 time the same (BENCHMARKS §7f)
     # From `moe_dense_rows` routed rows per expert (on average) the experts are dequantized and run as dense GEMMs
-    # (best of the H200 sweep at 8,192 tokens, BENCHMARKS §2d); bf16 models of up to 32 experts on Hopper take
-    # jax's Mosaic GPU ragged dot for them (§4g).
+    # (best of the H200 sweep at 8,192 tokens, BENCHMARKS §2d); bf16 models of up to `moe_grouped_experts` experts on
+    # Hopper take jax's Mosaic GPU ragged dot for them (§4g, §17).
     moe_dense_rows: int = 64
-    # bf16 models that do not take the grouped GEMMs (more than 32 experts, or no Mosaic) run the dense GEMMs only from
+    # bf16 models of more than 32 experts run the dense GEMMs (grouped or in Triton groups) only from
     # `moe_dense_tile_rows` rows per expert: below, half of their 128-row tiles are empty, and the fused "mma" kernel
     # with 128-row tiles is faster (H200, 120b: 3.11 against 4.83 ms a layer at 2,048 tokens, equal at 4,096;
     # BENCHMARKS §15).
