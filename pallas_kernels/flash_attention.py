@@ -142,7 +142,7 @@ def attention(
 
     block_q counts (token, head) rows and must be a multiple of G = N // K."""
     B, T, N, H = q_BTNH.shape
-    P, S, K, _ = k_pages_PSKH.shape
+    _, S, K, _ = k_pages_PSKH.shape
     M = block_tables_BM.shape[1]
     G = N // K
     bq = block_q
@@ -174,7 +174,5 @@ def attention(
         q_pos_BT.astype(jnp.int32),
         sinks_N.astype(jnp.float32),
         q_BTNH,
-        k_pages_PSKH.reshape(P * S, K, H),
-        v_pages.reshape(P * S, K, H) if k_scale_PKS is None else v_pages.reshape(-1),
-        *([] if k_scale_PKS is None else [a.reshape(-1) for a in (k_scale_PKS, v_scale_PKS)]),
+        *kv_quant.flat_pools(k_pages_PSKH, v_pages, k_scale_PKS, v_scale_PKS),
     )

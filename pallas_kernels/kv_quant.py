@@ -117,6 +117,15 @@ def value_mask(first_page, n_keys: int, S: int, lo, hi):
     return (page >= lo // S) & (page * S < hi)
 
 
+def flat_pools(k_pages_PSKH, v_pages, k_scale_PKS, v_scale_PKS) -> list:
+    """The attention kernels' pool operands: keys `[P * S, K, H]`; values as keys, or an FP8 pool's `[P * K * H * S]`
+    (`value_index`); an FP8 pool's scales flat `[P * K * S]` (`scale_index`)."""
+    P, S, K, H = k_pages_PSKH.shape
+    if k_scale_PKS is None:
+        return [a.reshape(P * S, K, H) for a in (k_pages_PSKH, v_pages)]
+    return [k_pages_PSKH.reshape(P * S, K, H), *(a.reshape(-1) for a in (v_pages, k_scale_PKS, v_scale_PKS))]
+
+
 def scale_index(pages, kh, K: int, S: int):
     """Where the scales of KV head `kh`'s slots in `pages` sit in a pool's flat `[P * K * S]` scales, in key order:
     `[len(pages) * S]`, each page's S contiguous."""

@@ -365,15 +365,6 @@ def _combine(o, m, l, sinks_N, G, dtype):
     return (num / den[..., None]).reshape(B, 1, K * G, H).astype(dtype)
 
 
-def _flat_pools(k_pages_PSKH, v_pages, k_scale_PKS, v_scale_PKS) -> list:
-    """The kernels' pool operands: keys `[P * S, K, H]`; values as keys, or an FP8 pool's `[P * K * H * S]`; an FP8
-    pool's scales flat `[P * K * S]`."""
-    P, S, K, H = k_pages_PSKH.shape
-    if k_scale_PKS is None:
-        return [a.reshape(P * S, K, H) for a in (k_pages_PSKH, v_pages)]
-    return [k_pages_PSKH.reshape(P * S, K, H), *(a.reshape(-1) for a in (v_pages, k_scale_PKS, v_scale_PKS))]
-
-
 def _partials_shapes(B, K, ns, gp, H):
     return (
         jax.ShapeDtypeStruct((B, K, ns, gp, H), jnp.float32),
@@ -439,7 +430,7 @@ def attention_new_token(
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
-    flat = _flat_pools(k_pages_PSKH, v_pages, k_scale_PKS, v_scale_PKS)
+    flat = kv_quant.flat_pools(k_pages_PSKH, v_pages, k_scale_PKS, v_scale_PKS)
     dtype = cos_BF.dtype
     if done_BK is None:
         done_BK = jnp.zeros((B, K), jnp.int32)
@@ -526,7 +517,7 @@ def attention(
     lo = jnp.maximum(hi - min(int(window), 2**31 - 1), 0).astype(jnp.int32)
     q = q_BTNH[:, 0].reshape(B, K, G, H)
     q = jnp.pad(q, ((0, 0), (0, 0), (0, gp - G), (0, 0)))
-    pools = _flat_pools(k_pages_PSKH, v_pages, k_scale_PKS, v_scale_PKS)
+    pools = kv_quant.flat_pools(k_pages_PSKH, v_pages, k_scale_PKS, v_scale_PKS)
 
     o, m, l = pl.pallas_call(
         functools.partial(

@@ -29,7 +29,6 @@ from pallas_kernels import (
     attention_reference,
     expert_format,
     flash_attention,
-    kv_quant,
     linear_decode,
     linear_mosaic,
     moe_dense,
@@ -489,8 +488,7 @@ def _reference(window: int):
 def decode_launches(kernels: KernelConfig, kv_dtype: str) -> list[tuple]:
     """The decode attention launch `kernels` (resolved) picks over a cache of `kv_dtype`, then 64/3/4 and 128/3/4:
     (block_kv, num_stages, num_warps) each."""
-    c = choose("attention", 64, (1, 64, 8, 64), kv_quant.DTYPES[kv_dtype] or jnp.bfloat16, kernels.device, kernels)
-    return list(dict.fromkeys([(c.kw["block_kv"], c.kw["num_stages"], c.kw["num_warps"]), (64, 3, 4), (128, 3, 4)]))
+    return list(dict.fromkeys([tuple(kc.decode_launch(kernels, kv_dtype).values()), (64, 3, 4), (128, 3, 4)]))
 
 
 def bench_paged(bw, cases, split_opts, kv_dtypes=("auto",), launches=None, engine=None):

@@ -8,6 +8,7 @@ this GPU (`auto`), or on it without the Mosaic GPU kernels (`triton`), with some
 """
 
 import argparse
+import functools
 import time
 
 import jax
@@ -21,7 +22,6 @@ from pallas_kernels import (
     attention_reference,
     expert_format,
     flash_attention,
-    kv_quant,
     linear_decode,
     linear_mosaic,
     moe_dense,
@@ -228,11 +228,7 @@ def main():
     if want("swiglu_epilogue"):
         rows += check_swiglu_epilogue(key)
 
-    def decode_launch(kv: str) -> dict:
-        """The decode attention launch the engine takes over a cache of `kv` (FP8: `attention_fp8_*`)."""
-        c = choose("attention", 64, (1, 64, 8, 64), kv_quant.DTYPES[kv] or jnp.bfloat16, auto.device, auto)
-        return {k: c.kw[k] for k in ("block_kv", "num_stages", "num_warps")}
-
+    decode_launch = functools.partial(kc.decode_launch, auto)  # the engine's, per cache dtype
     default_launch = dict(block_kv=64, num_stages=3, num_warps=4)
     for name, (B, S, ctxs, window, sink_scale, splits, kv, launch) in {
         "paged_decode": (5, 16, [5, 127, 128, 4097, 0], 128, 20.0, None, "auto", decode_launch("auto")),

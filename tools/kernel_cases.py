@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import kv_quant
+from pallas_kernels.choice import choose
 from pallas_kernels.params import Experts
 
 SHAPES = {"20b": dict(E=32, D=2880, I=2880, k=4), "120b": dict(E=128, D=2880, I=2880, k=4)}
@@ -77,3 +78,12 @@ def as_kv_cache(kp, vp, kv_cache_dtype: str) -> tuple:
     (kq, ks), (vq, vs) = kv_quant.quantize(kp), kv_quant.quantize(vp)
     scales = dict(k_scale_PKS=kv_quant.scales_PKS(ks), v_scale_PKS=kv_quant.scales_PKS(vs))
     return kq, kv_quant.values_PKHS(vq), scales, kv_quant.value_bytes(kq.dtype, kp.shape[-1])
+
+
+def decode_launch(kernels, kv_cache_dtype: str) -> dict:
+    """The decode attention launch `kernels` (resolved for a device) takes at 64 rows over a cache of `kv_cache_dtype`
+    (FP8: `attention_fp8_*`): block_kv, num_stages, num_warps."""
+    c = choose(
+        "attention", 64, (1, 64, 8, 64), kv_quant.DTYPES[kv_cache_dtype] or jnp.bfloat16, kernels.device, kernels
+    )
+    return {k: c.kw[k] for k in ("block_kv", "num_stages", "num_warps")}
