@@ -610,6 +610,11 @@ def main():
         default="",
         help="with --sweep: the decode grid as BKV:STAGES:WARPS[,...] (default: 64,128,256 x 2,3,4,5,7 x 2,4,8)",
     )
+    ap.add_argument(
+        "--flash-launches",
+        default="",
+        help="prefill attention launches BQ:BKV:WARPS:STAGES[,...] on the long-context cases (replaces --sweep's)",
+    )
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     kv_dtypes = tuple(args.kv_cache_dtypes.split(","))
@@ -712,6 +717,10 @@ def main():
                 if not (bq == 256 and w == 4)
             ]
             flash_cases = [flash_cases[0], flash_cases[2]]
+        if args.flash_launches:  # with the engine's long-prompt call too: 8 chunks of 2,048 after 6,144 cached
+            launches = [[int(x) for x in c.split(":")] for c in args.flash_launches.split(",")]
+            fcfgs = [dict(block_q=bq, block_kv=bkv, num_warps=w, num_stages=st) for bq, bkv, w, st in launches]
+            flash_cases = [flash_cases[0], flash_cases[2], (8, 2048, 6144, 2**31 - 1)]
         bench_flash(mm, flash_cases, fcfgs if not args.quick else fcfgs[:1], kv_dtypes)
     log(f"[{time.time() - t0:.0f}s]")
     if "ragged" in only:
