@@ -31,6 +31,7 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels import kv_quant
 
 NEG = -1e30
+LOG2E = 1.4426950408889634  # the scores are kept in log2 units: exp2 is one instruction
 BIG = 2**30
 
 
@@ -74,48 +75,60 @@ def _kernel(
     q_at = (b, tok[:, None], head[:, None], hcols)  # [B, T, N, H] read and written in place: G heads of a token
     q = plt.load(q_ref.at[q_at], mask=in_T[:, None], other=0.0).astype(kv_quant.dot_dtype(quantized, q_ref.dtype))
 
-    def body(blk, carry):
+    def body(blk, carry, masked: bool):
         m, l, acc = carry
         cols = blk * pages_per_block + jnp.arange(pages_per_block)
         pages = plt.load(bt_ref.at[b, cols], mask=cols < max_pages, other=0)
         kpos = blk * bkv + jnp.arange(bkv)
         slots = (pages[:, None] * page_size + jnp.arange(page_size)[None, :]).reshape(bkv)
-        in_range = (kpos < hi)[:, None]
-        k = plt.load(k_ref.at[slots[:, None], kh, hcols], mask=in_range, other=0.0).astype(q.dtype)
+        in_range = (kpos < hi)[:, None] if masked else None
+        k = plt.load(k_ref.at[slots[:, None], kh, hcols], mask=in_range, other=0.0 if masked else None)
         if quantized:  # the FP8 value pool `[P, K, H, S]`: [H, bkv], keys contiguous (`paged_attention._attend`)
             at = kv_quant.value_index(pages, kh, k_ref.shape[1], H, page_size)
-            seen = kv_quant.value_mask(blk * pages_per_block, bkv, page_size, 0, hi)
-            v = plt.load(v_ref.at[at], mask=seen[None, :], other=0.0).astype(q.dtype)
-        else:
-            v = plt.load(v_ref.at[slots[:, None], kh, hcols], mask=in_range, other=0.0).astype(q.dtype)
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale  # [bq, bkv]
-        if quantized:
+            seen = kv_quant.value_mask(blk * pages_per_block, bkv, page_size, 0, hi)[None, :] if masked else None
+            v = plt.load(v_ref.at[at], mask=seen, other=0.0 if masked else None)
             at = kv_quant.scale_index(pages, kh, k_ref.shape[1], page_size)
-            k_scale, v_scale = (plt.load(r.at[at], mask=kpos < hi, other=0.0) for r in (ks_ref, vs_ref))
-            s = s * k_scale[None, :]
-        d = pos[:, None] - kpos[None, :]
-        vis = (d >= 0) & (d < window)
-        s = jnp.where(vis, s, NEG)
+            k_scale, v_scale = (
+                plt.load(r.at[at], mask=kpos < hi if masked else None, other=0.0 if masked else None).astype(q.dtype)
+                for r in (ks_ref, vs_ref)
+            )
+            k, v = k.astype(q.dtype) * k_scale[:, None], v.astype(q.dtype) * v_scale[None, :]  # [bkv, H], [H, bkv]
+        else:
+            v = plt.load(v_ref.at[slots[:, None], kh, hcols], mask=in_range, other=0.0 if masked else None)
+        s = jax.lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        s = s * (scale * LOG2E)  # [bq, bkv] in log2 units
+        if masked:
+            d = pos[:, None] - kpos[None, :]
+            s = jnp.where((d >= 0) & (d < window), s, NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(vis, jnp.exp(s - m_new[:, None]), 0.0)
+        alpha = jnp.exp2(m - m_new)
+        # A row that has seen no key yet keeps m = NEG: subtract 0 instead so that its masked scores give 0, not 1.
+        p = jnp.exp2(s - (jnp.where(m_new > NEG, m_new, 0.0) if masked else m_new)[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
         if quantized:
-            w, top = kv_quant.value_weights(p, v_scale, v.dtype)
-            pv = jax.lax.dot_general(w, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * top
+            pv = jax.lax.dot_general(p.astype(q.dtype), v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         else:
             pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         acc = acc * alpha[:, None] + pv
         return m_new, l, acc
 
+    # Blocks every valid row sees whole (past the window's edge, before the causal diagonal) skip the masks.
+    if window >= BIG:
+        full_lo = blk_lo
+    else:
+        full_lo = jnp.clip((jnp.max(jnp.where(valid, pos, -1)) - window + bkv) // bkv, blk_lo, blk_hi)
+    full_hi = jnp.clip((jnp.min(jnp.where(valid, pos, BIG)) + 1) // bkv, full_lo, blk_hi)
     m0 = jnp.full((bq,), NEG, jnp.float32)
     l0 = jnp.zeros((bq,), jnp.float32)
     a0 = jnp.zeros((bq, H), jnp.float32)
-    m, l, acc = jax.lax.fori_loop(blk_lo, blk_hi, body, (m0, l0, a0))
-    sink = plt.load(sink_ref.at[head])
+    carry = jax.lax.fori_loop(blk_lo, full_lo, functools.partial(body, masked=True), (m0, l0, a0))
+    carry = jax.lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
+    m, l, acc = jax.lax.fori_loop(full_hi, blk_hi, functools.partial(body, masked=True), carry)
+    sink = plt.load(sink_ref.at[head]) * LOG2E
     mf = jnp.maximum(m, sink)
-    w = jnp.exp(m - mf)
-    out = acc * (w / (l * w + jnp.exp(sink - mf)))[:, None]
+    w = jnp.exp2(m - mf)
+    out = acc * (w / (l * w + jnp.exp2(sink - mf)))[:, None]
+    out = jnp.where(valid[:, None], out, 0.0)  # padding rows may have run through unmasked blocks
     plt.store(o_ref.at[q_at], out.astype(o_ref.dtype), mask=in_T[:, None])
 
 

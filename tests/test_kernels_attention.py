@@ -73,6 +73,8 @@ def _prefill_case(seed, N, K, H, S, chunks, T, sink_scale, dtype=jnp.bfloat16):
         (FULL, 4, [(0, 21), (9, 5), (0, 0)], 21, 1.0, 16),  # causal from 0, a continuation chunk, an all-padding row
         (8, 4, [(0, 21), (30, 13), (3, 2)], 21, 30.0, 16),  # chunks longer / shorter than the window, big sinks
         (8, 8, [(17, 6)], 6, 1.0, 32),  # one tile; keys 0-7 are NaN: must be skipped
+        # a window of three blocks: blocks wholly inside it take the unmasked loop, its edges the masked one
+        (24, 4, [(0, 40), (50, 37), (5, 1)], 40, 1.0, 16),
     ],
 )
 def test_prefill_flash_matches_reference(window, S, chunks, T, sink_scale, block_q):
