@@ -80,10 +80,18 @@ class KernelConfig:
     # token (their K/V are written first, so each sees its causal prefix): its sequence splits keep the SMs busy,
     # where the prefill kernel gave a few programs a whole context each (20b verify step, k = 3: BENCHMARKS §13d).
     attention_rows_tokens: int = 8
-    flash_block_q: int = 64  # prefill: (token, head) rows per tile, a multiple of the GQA group
+    # Prefill chunks: (token, head) rows per tile (a multiple of the GQA group), keys per block. The best of eight
+    # launches in the H200 sweep at 8 chunks of 2,048 after 6,144 cached (the engine's long-prompt call), 6.78 ms bf16
+    # (64/64/4: 7.84; at one fresh 8,192 prompt 1.85 against 1.71), and with an FP8 cache 8.96 ms at 128/64/4 (64/64/4:
+    # 12.45; 8 warps: 14.52): there each warp converts its share of the FP8 tiles, so fewer warps (BENCHMARKS §18).
+    flash_block_q: int = 128
     flash_block_kv: int = 64
-    flash_warps: int = 4
+    flash_warps: int = 8
     flash_stages: int = 3
+    flash_fp8_block_q: int = 128
+    flash_fp8_block_kv: int = 64
+    flash_fp8_warps: int = 4
+    flash_fp8_stages: int = 3
 
     # Projections. Up to 7 rows run the Triton GEMV (the Mosaic kernel pads to 8 token rows: at 2 and 4 rows the
     # step was 8-11% slower with it, 20b and 120b, BENCHMARKS §13b; at 8 the same); from `linear_mosaic_rows` to 256
@@ -228,10 +236,10 @@ def choose(op: str, rows: int, shape: tuple[int, ...], dtype, device: Device, co
         if T > 1:
             return _choice(
                 "flash",
-                block_q=c.flash_block_q,
-                block_kv=c.flash_block_kv,
-                num_warps=c.flash_warps,
-                num_stages=c.flash_stages,
+                block_q=c.flash_fp8_block_q if fp8 else c.flash_block_q,
+                block_kv=c.flash_fp8_block_kv if fp8 else c.flash_block_kv,
+                num_warps=c.flash_fp8_warps if fp8 else c.flash_warps,
+                num_stages=c.flash_fp8_stages if fp8 else c.flash_stages,
             )
         return _choice("new_token" if rows <= c.new_token_rows else "paged", **decode_kw)
     if op == "projection":

@@ -105,18 +105,21 @@ def test_attention(device):
     assert launch.kw == dict(block_kv=64, num_stages=2, num_warps=4, split_programs=512, max_splits=32)
 
 
-def test_fp8_decode_attention_takes_its_own_launch():
+def test_fp8_attention_takes_its_own_launches():
     """Over an FP8 KV cache (the dtype the attention choice is given is the cache's) the decode kernels take the
-    `attention_fp8_*` launch, one token per row or a few; prefill keeps the flash settings."""
+    `attention_fp8_*` launch, one token per row or a few; prefill chunks the `flash_fp8_*` one."""
     heads, fp8 = (64, 8, 64), kv_quant.FP8
     for T, kernel in ((1, "new_token"), (4, "paged_rows")):
         launch = choose("attention", 64, (T, *heads), fp8, H200, PALLAS)
         assert launch.kernel == kernel
         assert launch.kw == dict(block_kv=128, num_stages=5, num_warps=2, split_programs=512, max_splits=32)
     assert choose("attention", 512, (1, *heads), fp8, H200, PALLAS).kw["block_kv"] == 128  # the paged kernel
-    assert (
-        choose("attention", 1, (512, *heads), fp8, H200, PALLAS).kw
-        == choose("attention", 1, (512, *heads), jnp.bfloat16, H200, PALLAS).kw
+    config = dataclasses.replace(PALLAS, flash_fp8_block_q=64, flash_fp8_stages=4)
+    assert choose("attention", 1, (512, *heads), fp8, H200, config).kw == dict(
+        block_q=64, block_kv=64, num_warps=4, num_stages=4
+    )
+    assert choose("attention", 1, (512, *heads), jnp.bfloat16, H200, config).kw == dict(
+        block_q=128, block_kv=64, num_warps=8, num_stages=3
     )
 
 
