@@ -14,9 +14,17 @@ A tile's visible keys are `[min_pos - window + 1, max_pos]` over its valid rows 
 position -1 and are ignored): the KV loop runs over exactly the `block_kv`-key blocks of that range,
 read through the block table (`block_kv / page_size` pages per block), so a sliding layer touches at
 most `ceil((window + tokens in tile) / block_kv) + 1` blocks whatever the context, and full layers
-stop at the causal diagonal.  Per-element masking (causal, window, padding) happens only inside those
-blocks.  Online softmax in fp32; the sink joins the denominator in the epilogue:
-out = acc / (l + e^(sink - m)) after rescaling to max(m, sink).  Rows with no visible key (padding) come out 0.
+stop at the causal diagonal.  The blocks every valid row of the tile sees whole (past the window's
+edge, before the diagonal: all but one or two for long prompts) run a loop without any per-key mask;
+only the edge blocks mask (causal, window, range), which took the loop from 857 to 362 instructions a
+block (docs/kernels.md).  Online softmax in fp32 with the scores in log2 units (one `ex2` a score);
+the sink joins the denominator in the epilogue: out = acc / (l + 2^(sink - m)) after rescaling to
+max(m, sink).  Rows with no visible key (padding) come out 0.
+
+Over an FP8 pool the K and V tiles convert to f16 with their scales folded in (`k * k_scale`, `v *
+v_scale`: one multiply per two values as the tile goes to shared memory for the wgmma), so the scores
+and weights need no per-key scaling; the dequantized values are the cached vectors' own magnitudes,
+in f16 as the queries already are (up to 65,504).
 """
 
 from __future__ import annotations

@@ -119,6 +119,23 @@ def test_inspect_kernels_lowers_the_decode_step_for_cuda_on_the_cpu():
     assert jax.default_backend() == "cpu"
 
 
+def test_inspect_kernels_lowers_a_prefill_call_and_counts_loop_instructions():
+    """`--prefill`: the prefill call's kernels (the flash kernel for chunks after cached tokens, sliding and full
+    layers); the SASS loop counter counts each loop from its backward branch's target, not forward branches."""
+    from tools import inspect_kernels
+
+    kernels = inspect_kernels.step_kernels(str(REPO / "tests" / "tiny_config.json"), 2, 48, prefill_tokens=32)
+    flash = [k for k in kernels if k["name"] == "paged_flash_attention"]
+    assert len(flash) == 2 and all(k["grid"][0] == 2 for k in flash), [k["grid"] for k in flash]
+    sass = "\n".join(
+        f"        /*{16 * i:04x}*/                   {op} ;   /* 0x0 */"
+        for i, op in enumerate(
+            ["MOV R1, c[0x0][0x28]", "@P0 BRA 0x60", "FADD R2, R2, R3", "MUFU.EX2 R4, R2", "@!P1 BRA 0x20", "EXIT"]
+        )
+    )
+    assert inspect_kernels.loop_instructions(sass) == [3]  # FADD, MUFU and the branch back to 0x20
+
+
 def test_speculative_step_lowers_for_cuda_on_the_cpu():
     """The verify step (k + 1 tokens per row over the paged cache) through the GPU kernels, at the 20b shapes: the
     decode attention kernel, one query row per token, the MoE and projection kernels of a 4-token batch."""

@@ -7,6 +7,10 @@ reported: grid, warps, pipeline stages, registers a thread, spill (local-memory)
 programs one SM holds at once, and the waves its grid takes on the H200's 132 SMs:
 
     python -m tools.inspect_kernels --preset gpt-oss-20b --batch 1 --variant stages2:linear_stages=2
+    python -m tools.inspect_kernels --batch 8 --prefill 2048 --context 6144   # a long prompt's prefill call
+
+Each kernel's loops are listed by the instructions a warp issues per iteration (SASS from `cuobjdump -sass`):
+the flash kernel's KV loops went from 857 to 362 that way before the H200 measured it 36% faster (docs/kernels.md).
 
 Why: at batch 1 a kernel's registers decide how many of its programs are resident (session 14's ncu report: 64
 registers, 128 threads, 8 programs an SM); a change that adds work to a kernel can push it into a second wave
@@ -38,7 +42,7 @@ from jax._src.pallas.triton import gpu_info, pallas_call_registration
 
 from pallas_kernels import KernelConfig
 from pallas_kernels.choice import H200
-from tools.common import decode_step, model_config, param_shapes, parse_variants
+from tools.common import decode_step, model_config, param_shapes, parse_variants, prefill_step
 
 # Lowered for an H200 without the Mosaic GPU kernels (their lowering needs the GPU).
 BASE = KernelConfig(impl="pallas", mosaic=False)
@@ -100,11 +104,18 @@ def capture_triton_modules(out: list[dict]):
         lowering.lower_jaxpr_to_triton_module = original
 
 
-def step_kernels(preset: str, batch: int, context: int, kernels: KernelConfig = BASE) -> list[dict]:
+def step_kernels(
+    preset: str, batch: int, context: int, kernels: KernelConfig = BASE, prefill_tokens: int = 0
+) -> list[dict]:
     """The distinct Pallas-Triton kernels of one decode step (`steps.decode`, as the engine compiles it) under
-    `kernels` (resolved for an H200 here), lowered for CUDA from abstract inputs."""
+    `kernels` (resolved for an H200 here), lowered for CUDA from abstract inputs; with `prefill_tokens`, of a
+    prefill call (`steps.prefill`) of `batch` chunks of that many tokens after `context` cached ones."""
     cfg = model_config(preset)
-    step = decode_step(param_shapes(cfg, "pallas"), cfg, batch, context, kernels.for_device(H200))
+    params, kernels = param_shapes(cfg, "pallas"), kernels.for_device(H200)
+    if prefill_tokens:
+        step = prefill_step(params, cfg, batch, prefill_tokens, kernels, start=context)
+    else:
+        step = decode_step(params, cfg, batch, context, kernels)
     found: list[dict] = []
     jax.clear_caches()  # every kernel lowers afresh, so that the spy sees it
     with lowering_for_hopper(), capture_triton_modules(found):
@@ -115,8 +126,22 @@ def step_kernels(preset: str, batch: int, context: int, kernels: KernelConfig = 
     return list(unique.values())
 
 
+def loop_instructions(sass: str) -> list[int]:
+    """Instructions in each loop of a kernel's SASS (`cuobjdump -sass`), in code order: from a backward branch's
+    target to the branch. A loop's count is what a warp issues per iteration (a KV block, a K tile), the number
+    the kernels' changes are judged by where they are bound by instruction issue (docs/kernels.md)."""
+    lines = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+((?:@!?U?P\w+\s+)?[A-Z][^;]*);", sass)]
+    loops = []
+    for addr, op in lines:
+        to = re.search(r"\bBRA (0x[0-9a-f]+)", op)
+        if to and int(to.group(1), 16) < addr:
+            loops.append(sum(1 for a, _ in lines if int(to.group(1), 16) <= a <= addr))
+    return loops
+
+
 def compile_sm90(kernel: dict, workdir: Path) -> dict:
-    """Compile one kernel's Triton IR for sm_90a with the triton wheel; its cubin's resource usage."""
+    """Compile one kernel's Triton IR for sm_90a with the triton wheel; its cubin's resource usage and the
+    instructions of each of its loops."""
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # as XLA's Triton pipeline does (and no warning)
     import triton
     from triton.backends.compiler import GPUTarget
@@ -134,6 +159,7 @@ def compile_sm90(kernel: dict, workdir: Path) -> dict:
     usage = subprocess.run(
         [str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True, check=True
     ).stdout
+    sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage))
     regs, shared = int(fields["REG"]), max(int(fields["SHARED"]), int(compiled.metadata.shared))
     per_sm = resident_programs(regs, kernel["num_warps"], shared)
@@ -150,6 +176,7 @@ def compile_sm90(kernel: dict, workdir: Path) -> dict:
         shared_bytes=shared,
         programs_per_sm=per_sm,
         waves=round(programs / (SMS * per_sm), 2),
+        loop_instructions=loop_instructions(sass),
     )
 
 
@@ -157,7 +184,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="gpt-oss-20b", help="preset name or HF config.json path")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--context", type=int, default=1024, help="cached tokens before the step's")
+    ap.add_argument(
+        "--prefill", type=int, default=0, help="lower a prefill call of --batch chunks of this many tokens instead"
+    )
     ap.add_argument(
         "--variant",
         action="append",
@@ -172,16 +202,17 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, kernels in variants:
-            found = step_kernels(args.preset, args.batch, args.context, kernels)
-            print(f"\n{name}: {args.preset}, batch {args.batch}, context {args.context}: {len(found)} kernels")
-            if args.batch >= kernels.linear_mosaic_rows:
+            found = step_kernels(args.preset, args.batch, args.context, kernels, args.prefill)
+            what = f"prefill {args.batch} x {args.prefill}" if args.prefill else f"batch {args.batch}"
+            print(f"\n{name}: {args.preset}, {what}, context {args.context}: {len(found)} kernels")
+            if args.batch >= kernels.linear_mosaic_rows and not args.prefill:
                 print(
                     "(on Hopper this batch runs the q/k/v and o projections in Mosaic GPU, not the decode_linear "
                     "kernels below)"
                 )
             print(
                 f"{'kernel':40} {'grid':>16} {'warps':>5} {'stages':>6} {'regs':>5} {'spill B':>7} "
-                f"{'smem B':>7} {'per SM':>6} {'waves':>6}"
+                f"{'smem B':>7} {'per SM':>6} {'waves':>6}  loop instructions"
             )
             for k in found:
                 r = dict(variant=name, **compile_sm90(k, Path(tmp)))
@@ -189,11 +220,14 @@ def main() -> None:
                 print(
                     f"{r['name'][:40]:40} {'x'.join(map(str, r['grid'])):>16} {r['num_warps']:>5} "
                     f"{r['num_stages']:>6} {r['registers']:>5} {r['spill_bytes']:>7} {r['shared_bytes']:>7} "
-                    f"{r['programs_per_sm']:>6} {r['waves']:>6}"
+                    f"{r['programs_per_sm']:>6} {r['waves']:>6}  {r['loop_instructions']}"
                 )
     if args.out:
         Path(args.out).write_text(
-            json.dumps(dict(preset=args.preset, batch=args.batch, context=args.context, rows=rows), indent=1)
+            json.dumps(
+                dict(preset=args.preset, batch=args.batch, context=args.context, prefill=args.prefill, rows=rows),
+                indent=1,
+            )
         )
 
 
