@@ -83,7 +83,7 @@ class KernelConfig:
     # Prefill chunks: (token, head) rows per tile (a multiple of the GQA group), keys per block. The best of eight
     # launches in the H200 sweep at 8 chunks of 2,048 after 6,144 cached (the engine's long-prompt call), 6.78 ms bf16
     # (64/64/4: 7.84; at one fresh 8,192 prompt 1.85 against 1.71), and with an FP8 cache 8.96 ms at 128/64/4 (64/64/4:
-    # 12.45; 8 warps: 14.52): there each warp converts its share of the FP8 tiles, so fewer warps (BENCHMARKS §18).
+    # 12.45; 8 warps, bf16's best: 14.52), BENCHMARKS §18.
     flash_block_q: int = 128
     flash_block_kv: int = 64
     flash_warps: int = 8

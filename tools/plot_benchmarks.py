@@ -121,7 +121,7 @@ def plot_current(results: Path, out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     rows = current(results)
-    fig, axes = plt.subplots(1, 2, figsize=(15, 6.5))
+    fig, axes = plt.subplots(1, 2, figsize=(15, 10))
     batches = np.unique(np.round(np.logspace(0, 9, 80, base=2)).astype(int))
     for ax, (m, preset) in zip(axes, MODELS.items()):
         cfg = config.preset(preset)
@@ -136,7 +136,7 @@ def plot_current(results: Path, out: Path) -> Path:
                 lw=1.2,
                 label=f"memory roofline, context {context:,} (copy {bw / 1e12:.2f} TB/s, same runs)",
             )
-        for r, marker in zip(mine, "osD^v"):  # up to 5 jobs a model
+        for r, marker in zip(mine, "osD^v<>ph", strict=False):  # up to 9 jobs a model
             user = 1e3 / r["tpot_ms"]
             ax.loglog(
                 r["tok_s"],
@@ -158,7 +158,7 @@ def plot_current(results: Path, out: Path) -> Path:
         ax.set_xlim(20, 1e5)
         ax.set_ylim(5, 3e3)
         ax.grid(True, which="both", alpha=0.25)
-        ax.legend(fontsize=7, loc="upper right")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=1)  # below: the points stay visible
     fig.tight_layout()
     path = out / "benchmarks_curves.png"
     fig.savefig(path, dpi=110)
