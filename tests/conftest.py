@@ -1,8 +1,16 @@
 import os
 from pathlib import Path
 
-# Sharding tests need several devices; on CPU XLA simulates them. Must precede the first jax import.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# Sharding tests need several devices; on CPU XLA simulates them. The tests' programs are tiny and run a few times
+# each, so LLVM's optimisation of the machine code XLA emits (backend optimisation level 0) is skipped: it was most of
+# each compilation and buys the tests nothing; XLA's own passes over the program are as before. Must precede the first
+# jax import; added once: the pytest-xdist workers inherit the controller's environment, where this has run already.
+os.environ["XLA_FLAGS"] = " ".join(
+    dict.fromkeys(
+        os.environ.get("XLA_FLAGS", "").split()
+        + ["--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0"]
+    )
+)
 # Engines built by the tests keep their compiled steps to themselves (tests/test_runtime.py turns the persistent
 # cache on in folders of its own); servers the tests start inherit this.
 os.environ.setdefault("GPTOSS_JAX_COMPILE_CACHE", "off")
