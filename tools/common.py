@@ -282,13 +282,15 @@ def decode_step(
     num_top: int = NUM_TOP,
     temperature: float = 0.0,
     top_p: float = 1.0,
+    kv_dtype=None,
 ) -> Step:
     """`steps.decode` as the engine calls it: `batch` rows (per attention rank under `layout`) at position `context`
     of their sequences, each with a token no other row has (identical rows would all route to the same experts: a
-    too-cheap MoE), `num_steps` tokens per call fed back on device, greedy unless `temperature` > 0. `params`:
-    arrays, or `ShapeDtypeStruct`s (then every input is one too, for `Step.lower`)."""
+    too-cheap MoE), `num_steps` tokens per call fed back on device, greedy unless `temperature` > 0, the cache's
+    pools in `kv_dtype` (default the weights' dtype; `kv_quant.FP8` with scales). `params`: arrays, or
+    `ShapeDtypeStruct`s (then every input is one too, for `Step.lower`)."""
     put = _Placer.of(params, layout)
-    cache, tables, pages = _paged_state(cfg, batch, context, num_steps, params.embed.dtype, put)
+    cache, tables, pages = _paged_state(cfg, batch, context, num_steps, kv_dtype or params.embed.dtype, put)
     B = tables.full_BM.shape[0]
     if B > cfg.vocab_size:
         raise ValueError(f"{B} rows need distinct tokens; the vocabulary has {cfg.vocab_size}")
@@ -347,13 +349,22 @@ def speculative_step(
 
 
 def prefill_step(
-    params, cfg, rows: int, tokens: int, kernels: KernelConfig, *, start: int = 0, layout=None, num_top: int = NUM_TOP
+    params,
+    cfg,
+    rows: int,
+    tokens: int,
+    kernels: KernelConfig,
+    *,
+    start: int = 0,
+    layout=None,
+    num_top: int = NUM_TOP,
+    kv_dtype=None,
 ) -> Step:
     """`steps.prefill` of `rows` chunks (per attention rank under `layout`) of `tokens` random prompt tokens at
-    positions `start ..< start + tokens`, each sampling (greedy) the token after its last; `params` as in
-    `decode_step`."""
+    positions `start ..< start + tokens`, each sampling (greedy) the token after its last; `params` and `kv_dtype`
+    as in `decode_step`."""
     put = _Placer.of(params, layout)
-    cache, tables, pages = _paged_state(cfg, rows, start, tokens, params.embed.dtype, put)
+    cache, tables, pages = _paged_state(cfg, rows, start, tokens, kv_dtype or params.embed.dtype, put)
     B = tables.full_BM.shape[0]
     tokens_BT = np.random.default_rng(tokens).integers(0, cfg.vocab_size, (B, tokens), dtype=np.int32)
     positions_BT = np.tile(np.arange(start, start + tokens, dtype=np.int32), (B, 1))

@@ -10,6 +10,7 @@ separate runs:
 
     XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true python -m tools.profile_decode --label dsf
     python -m tools.profile_decode --prefill 8x1024,2x1024
+    python -m tools.profile_decode --prefill 8x2048@6144 --kv-cache-dtype fp8   # chunks after 6,144 cached tokens
     python -m tools.profile_decode --variant triton:mosaic=false --batch 64
     python -m tools.profile_decode --speculative 3      # verify steps of 3 oracle drafts per row
 
@@ -34,7 +35,7 @@ from pathlib import Path
 import jax
 
 from gptoss_jax import runtime, speculative
-from pallas_kernels import KernelConfig
+from pallas_kernels import KernelConfig, kv_quant
 from tools.common import (
     decode_step,
     model_config,
@@ -100,7 +101,12 @@ def main() -> None:
     )
     ap.add_argument("--temperature", type=float, default=0.0, help="every row's sampling temperature (0: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--prefill", default="", help="comma-separated ROWSxTOKENS prefill calls to trace")
+    ap.add_argument(
+        "--prefill",
+        default="",
+        help="comma-separated ROWSxTOKENS[@START] prefill calls to trace (chunks at positions START..)",
+    )
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=sorted(kv_quant.DTYPES), help="the cache's pools")
     ap.add_argument(
         "--speculative",
         type=int,
@@ -134,11 +140,14 @@ def main() -> None:
     kernels = resolved(kernels)
     cfg = model_config(args.preset)
     params = random_params(cfg, kernels)
+    kv_dtype = kv_quant.DTYPES[args.kv_cache_dtype]
     results = []
     for spec in args.prefill.split(",") if args.prefill else []:
-        rows, T = (int(v) for v in spec.split("x"))
-        step = prefill_step(params, cfg, rows, T, kernels)
-        results.append(profile(step, 1, f"prefill {rows}x{T}", "call", dict(rows=rows, tokens=T), args))
+        shape, _, start = spec.partition("@")
+        rows, T = (int(v) for v in shape.split("x"))
+        step = prefill_step(params, cfg, rows, T, kernels, start=int(start or 0), kv_dtype=kv_dtype)
+        meta = dict(rows=rows, tokens=T, start=int(start or 0), kv_cache_dtype=args.kv_cache_dtype)
+        results.append(profile(step, 1, f"prefill {spec} kv {args.kv_cache_dtype}", "call", meta, args))
     batches = args.batch or ("" if args.prefill else "1")
     for B in [int(b) for b in batches.split(",") if b]:
         if args.speculative:
@@ -169,14 +178,22 @@ def main() -> None:
             num_steps=args.steps,
             temperature=args.temperature,
             top_p=args.top_p,
+            kv_dtype=kv_dtype,
         )
         results.append(
             profile(
                 step,
                 args.steps,
-                f"B={B} ctx={args.context} T={args.temperature} top_p={args.top_p}",
+                f"B={B} ctx={args.context} T={args.temperature} top_p={args.top_p} kv {args.kv_cache_dtype}",
                 "token",
-                dict(batch=B, context=args.context, steps=args.steps, temperature=args.temperature, top_p=args.top_p),
+                dict(
+                    batch=B,
+                    context=args.context,
+                    steps=args.steps,
+                    temperature=args.temperature,
+                    top_p=args.top_p,
+                    kv_cache_dtype=args.kv_cache_dtype,
+                ),
                 args,
             )
         )
