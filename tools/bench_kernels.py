@@ -706,7 +706,8 @@ def main():
             dict(block_q=64, block_kv=64, num_warps=4, num_stages=3),
             dict(block_q=128, block_kv=128, num_warps=8, num_stages=3),
         ]
-        flash_cases = [(1, 8192, 0, 2**31 - 1), (1, 8192, 0, 128), (4, 2048, 2048, 2**31 - 1)]
+        causal_8k, sliding_8k, chunks_4x2k = (1, 8192, 0, 2**31 - 1), (1, 8192, 0, 128), (4, 2048, 2048, 2**31 - 1)
+        flash_cases = [causal_8k, sliding_8k, chunks_4x2k]
         if args.sweep:
             grid = itertools.product((64, 128, 256), (64, 128), (4, 8), (3,))
             more = ((128, 32, 8, 3), (64, 32, 4, 3), (128, 64, 8, 2), (256, 64, 8, 2), (128, 64, 8, 5), (64, 64, 4, 5))
@@ -716,11 +717,11 @@ def main():
                 for bq, bkv, w, st in [*grid, *more]
                 if not (bq == 256 and w == 4)
             ]
-            flash_cases = [flash_cases[0], flash_cases[2]]
+            flash_cases = [causal_8k, chunks_4x2k]
         if args.flash_launches:  # with the engine's long-prompt call too: 8 chunks of 2,048 after 6,144 cached
             launches = [[int(x) for x in c.split(":")] for c in args.flash_launches.split(",")]
             fcfgs = [dict(block_q=bq, block_kv=bkv, num_warps=w, num_stages=st) for bq, bkv, w, st in launches]
-            flash_cases = [flash_cases[0], flash_cases[2], (8, 2048, 6144, 2**31 - 1)]
+            flash_cases = [causal_8k, chunks_4x2k, (8, 2048, 6144, 2**31 - 1)]
         bench_flash(mm, flash_cases, fcfgs if not args.quick else fcfgs[:1], kv_dtypes)
     log(f"[{time.time() - t0:.0f}s]")
     if "ragged" in only:
