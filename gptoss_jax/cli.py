@@ -67,7 +67,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine (each overrides the profile's key; default: the profile's value)")
     g.add_argument("--max-model-len", type=int, help="context limit in tokens (max_model_len)")
     g.add_argument("--max-num-seqs", type=int, help="sequences in the running batch (max_num_seqs)")
-    g.add_argument("--max-num-batched-tokens", type=int, help="tokens computed per step (max_num_batched_tokens)")
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, help="tokens of a prefill call, padding included (max_num_batched_tokens)"
+    )
     g.add_argument(
         "--gpu-memory-utilization",
         type=float,

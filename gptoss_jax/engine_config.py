@@ -24,7 +24,9 @@ from pallas_kernels import KernelConfig, kv_quant
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     max_num_seqs: int = 64  # sequences in the running batch
-    max_num_batched_tokens: int = 2048  # tokens computed per step (decode rows count one each)
+    # Tokens of a step's prefill call, padding included (rows and chunk length rounded up to their buckets; the
+    # decode rows run in their own call, bounded by max_num_seqs).
+    max_num_batched_tokens: int = 2048
     prefill_chunk_size: int = 512  # most prompt tokens of one sequence per step
     max_prefill_seqs: int = 4  # sequences packed into one prefill call
     decode_steps_per_call: int = 1  # tokens per decode call, sampled on device (multi-step)

@@ -1,9 +1,11 @@
 """Continuous batching: which sequences compute which tokens in the next engine step.
 
-Each step runs every decoding sequence (one token, or `decode_steps_per_call` on device) and fills
-the rest of the token budget with prefill chunks: partly prefilled sequences first, then new ones
-admitted from the waiting queue while pages, the sequence limit and the budget allow. A long prompt
-therefore advances a chunk per step while everyone else keeps decoding. When the full-layer pool
+Each step runs every decoding sequence (one token, or `decode_steps_per_call` on device) in one call and
+fills a prefill call with chunks: partly prefilled sequences first, then new ones admitted from the waiting queue
+while pages, the sequence limit and the budget allow. The budget bounds the prefill call as it will run, padded
+(rows per attention rank and chunk length rounded up to their buckets, `ModelRunner.prefill`) to at most
+`max_num_batched_tokens`: padding costs what real tokens cost, and the activation reserve is sized for that many. A
+long prompt therefore advances a chunk per step while everyone else keeps decoding. When the full-layer pool
 runs dry, the newest running sequence is preempted: its pages are freed and it goes back to the
 front of the queue to be recomputed later (its tokens and seeds are kept, so its output is the same).
 
@@ -22,7 +24,7 @@ import collections
 import dataclasses
 from typing import Any
 
-from gptoss_jax.engine_config import EngineConfig
+from gptoss_jax.engine_config import EngineConfig, bucket
 from gptoss_jax.kv_cache import KVCacheManager, SequencePages
 from gptoss_jax.sampling import SamplingParams
 
@@ -93,6 +95,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager):
+        smallest = kv.num_ranks * config.prefill_token_buckets()[0]
+        if smallest > config.max_num_batched_tokens:
+            raise ValueError(
+                f"max_num_batched_tokens={config.max_num_batched_tokens} is below the smallest prefill call: one "
+                f"row per attention rank ({kv.num_ranks}) of min(min_prefill_bucket, prefill_chunk_size)="
+                f"{config.prefill_token_buckets()[0]} tokens; raise max_num_batched_tokens or lower min_prefill_bucket"
+            )
         self.config = config
         self.kv = kv
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -124,7 +133,6 @@ class Scheduler:
         """This step's work. `drafts`: whether its decode call drafts (with speculation): a call that does not computes
         one position per step, so requests near their end are not held back for the most a drafting call gives."""
         cfg = self.config
-        budget = cfg.max_num_batched_tokens
         scheduled: set[int] = set()
         decodes: list[Sequence] = []
         for seq in list(self.running):
@@ -139,34 +147,32 @@ class Scheduler:
             if self._reserve(seq, first, end, scheduled):
                 decodes.append(seq)
                 scheduled.add(id(seq))
-                budget -= 1
 
         prefills: list[PrefillChunk] = []
         for seq in list(self.running):
-            if budget <= 0 or len(prefills) == cfg.max_prefill_seqs:
+            if len(prefills) == cfg.max_prefill_seqs:
                 break
             if seq not in self.running or id(seq) in scheduled or seq.num_pending:
                 continue
-            n = min(seq.num_uncomputed, cfg.prefill_chunk_size, budget)
+            n = min(seq.num_uncomputed, self._chunk_room(prefills, seq.pages.rank))
+            if n == 0:
+                break
             if self._reserve(seq, seq.num_computed, seq.num_computed + n, scheduled):
                 prefills.append(PrefillChunk(seq, seq.num_computed, n))
                 scheduled.add(id(seq))
-                budget -= n
 
-        while (
-            self.waiting
-            and budget > 0
-            and len(prefills) < cfg.max_prefill_seqs
-            and len(self.running) < cfg.max_num_seqs
-        ):
+        while self.waiting and len(prefills) < cfg.max_prefill_seqs and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
             rank = self._pick_rank()
             if rank is None:
                 break
+            room = self._chunk_room(prefills, rank)
+            if room == 0:
+                break
             seq.pages.rank = rank
             # The sampler rebuilds what penalties and bad words read from the sequence's prefill, from position 0.
             start, hit = (0, 0) if seq.params.needs_history else self.kv.match_prefix(seq.pages, seq.token_ids)
-            n = min(len(seq.token_ids) - start, cfg.prefill_chunk_size, budget)
+            n = min(len(seq.token_ids) - start, room)
             if not self.kv.can_allocate(seq.pages, start, start + n):
                 self.kv.free(seq.pages)  # give the shared prefix back; retry next step
                 break
@@ -179,8 +185,18 @@ class Scheduler:
                 seq.num_cached_prompt_tokens = start
             prefills.append(PrefillChunk(seq, start, n))
             scheduled.add(id(seq))
-            budget -= n
         return SchedulerOutput(prefills, decodes)
+
+    def _chunk_room(self, prefills: list[PrefillChunk], rank: int) -> int:
+        """The most tokens a chunk of a sequence on attention rank `rank` may add to a prefill call of `prefills`
+        (0: none): at most `prefill_chunk_size`, and the call padded as `ModelRunner.prefill` pads it (each rank's rows
+        to the same row bucket, every chunk to the longest one's token bucket) within `max_num_batched_tokens`."""
+        cfg = self.config
+        per_rank = collections.Counter(c.seq.pages.rank for c in prefills)
+        per_rank[rank] += 1
+        rows = self.kv.num_ranks * bucket(max(per_rank.values()), cfg.prefill_row_buckets())
+        room = max((t for t in cfg.prefill_token_buckets() if rows * t <= cfg.max_num_batched_tokens), default=0)
+        return room if all(c.num_tokens <= room for c in prefills) else 0
 
     def _reserve(self, seq: Sequence, first_query: int, end: int, scheduled: set[int]) -> bool:
         """Allocate pages for `seq`, preempting the newest unscheduled sequences if needed; preempts

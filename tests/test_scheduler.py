@@ -1,0 +1,96 @@
+"""The scheduler's prefill calls: their padded shape within `max_num_batched_tokens`, whole chunks beside decoding."""
+
+import pytest
+
+from gptoss_jax.engine_config import EngineConfig, bucket
+from gptoss_jax.kv_cache import KVCacheManager, RankedKVCacheManager
+from gptoss_jax.sampling import SamplingParams
+from gptoss_jax.scheduler import Scheduler, Sequence
+
+_CFG = dict(
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    prefill_chunk_size=16,
+    max_prefill_seqs=8,
+    min_prefill_bucket=4,
+    decode_steps_per_call=2,
+    page_size=4,
+)
+
+
+def _scheduler(ranks: int = 1, **kw) -> Scheduler:
+    kv_args = (4096, 4096, 4, 8, 1, False)
+    kv = KVCacheManager(*kv_args) if ranks == 1 else RankedKVCacheManager(ranks, *kv_args)
+    return Scheduler(EngineConfig(**(_CFG | kw)), kv)
+
+
+def _add(s: Scheduler, name: str, prompt_len: int, max_tokens: int = 8) -> None:
+    s.add(Sequence(name, list(range(prompt_len)), prompt_len, SamplingParams(max_tokens=max_tokens), (0, 0), 0))
+    s.waiting[-1].max_len = prompt_len + max_tokens
+
+
+def _run(s: Scheduler) -> list:
+    """Every step's work until all sequences finish, each step's tokens landing before the next is scheduled."""
+    steps = []
+    while s.waiting or s.running:
+        work = s.schedule()
+        assert not work.empty
+        s.launched(work)
+        steps.append(([(c.seq.request_id, c.seq.pages.rank, c.num_tokens) for c in work.prefills], len(work.decodes)))
+        for seq in list(s.running):
+            seq.token_ids += [1] * seq.num_pending
+            seq.num_pending = 0
+            if len(seq.token_ids) >= seq.max_len:
+                s.remove(seq)
+    return steps
+
+
+def _padded(s: Scheduler, chunks) -> int:
+    """The prefill call's tokens as `ModelRunner.prefill` pads them."""
+    cfg = s.config
+    per_rank = [sum(1 for _, r, _ in chunks if r == rank) for rank in range(s.kv.num_ranks)]
+    rows = s.kv.num_ranks * bucket(max(per_rank), cfg.prefill_row_buckets())
+    return rows * bucket(max(n for _, _, n in chunks), cfg.prefill_token_buckets())
+
+
+def test_long_prompts_prefill_in_whole_chunks_beside_decoding():
+    """Prompts of 4 chunks, more than run at once: every call is 4 whole chunks (64 tokens, the budget) while
+    earlier sequences decode, never a remainder left by decode rows taking part of the budget, never 5 chunks
+    padded to 8 rows."""
+    s = _scheduler()
+    for i in range(12):
+        _add(s, f"r{i}", 64)
+    steps = _run(s)
+    calls = [chunks for chunks, _ in steps if chunks]
+    assert sum(n for chunks in calls for *_, n in chunks) == 12 * 64
+    assert all(_padded(s, chunks) <= 64 for chunks in calls)
+    assert all(n == 16 for chunks in calls for *_, n in chunks)
+    assert all(len(chunks) == 4 for chunks in calls)
+    assert any(chunks and decodes >= 2 for chunks, decodes in steps)  # prefill beside decoding rows
+
+
+def test_a_chunk_shrinks_to_the_room_the_padded_call_leaves():
+    """Three short prompts, then a long one: the fourth row makes 4 padded rows, so the long prompt's chunk takes
+    16 tokens (4 x 16 = 64), not its 24-token bucket's 32."""
+    s = _scheduler(prefill_chunk_size=32)
+    for i in range(3):
+        _add(s, f"short{i}", 3)
+    _add(s, "long", 40)
+    chunks = [(c.seq.request_id, c.num_tokens) for c in s.schedule().prefills]
+    assert chunks == [("short0", 3), ("short1", 3), ("short2", 3), ("long", 16)]
+
+
+def test_ranked_prefill_calls_pad_each_rank_to_the_same_rows():
+    """Two attention ranks: a call pads each rank's rows to the same bucket; its padded tokens stay in budget."""
+    s = _scheduler(ranks=2, max_num_seqs=16)
+    for i in range(20):
+        _add(s, f"r{i}", 40)
+    calls = [chunks for chunks, _ in _run(s) if chunks]
+    assert all(_padded(s, chunks) <= 64 for chunks in calls)
+    assert {r for chunks in calls for _, r, _ in chunks} == {0, 1}
+    assert max(_padded(s, chunks) for chunks in calls) == 64
+
+
+def test_a_budget_below_one_row_per_rank_is_refused():
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens=8 .* rank \(4\) of min\(min_prefill_bucket"):
+        _scheduler(ranks=4, max_num_batched_tokens=8, prefill_chunk_size=8)
