@@ -7,7 +7,8 @@ while pages, the sequence limit and the budget allow. The budget bounds the pref
 `max_num_batched_tokens`: padding costs what real tokens cost, and the activation reserve is sized for that many. A
 long prompt therefore advances a chunk per step while everyone else keeps decoding. When the full-layer pool
 runs dry, the newest running sequence is preempted: its pages are freed and it goes back to the
-front of the queue to be recomputed later (its tokens and seeds are kept, so its output is the same).
+front of the queue to be recomputed later (its tokens and seeds are kept, so its output is the same); as in vLLM, a
+step that preempted admits no new sequence.
 
 A step is scheduled before the previous step's tokens reach the host (async scheduling): `launched`
 marks what a dispatched call will compute and sample (`num_pending` tokens still on device), so the
@@ -133,6 +134,7 @@ class Scheduler:
         """This step's work. `drafts`: whether its decode call drafts (with speculation): a call that does not computes
         one position per step, so requests near their end are not held back for the most a drafting call gives."""
         cfg = self.config
+        preemptions = self.num_preemptions
         scheduled: set[int] = set()
         decodes: list[Sequence] = []
         for seq in list(self.running):
@@ -161,7 +163,12 @@ class Scheduler:
                 prefills.append(PrefillChunk(seq, seq.num_computed, n))
                 scheduled.add(id(seq))
 
-        while self.waiting and len(prefills) < cfg.max_prefill_seqs and len(self.running) < cfg.max_num_seqs:
+        while (
+            self.waiting
+            and self.num_preemptions == preemptions
+            and len(prefills) < cfg.max_prefill_seqs
+            and len(self.running) < cfg.max_num_seqs
+        ):
             seq = self.waiting[0]
             rank = self._pick_rank()
             if rank is None:

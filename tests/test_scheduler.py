@@ -94,3 +94,26 @@ def test_ranked_prefill_calls_pad_each_rank_to_the_same_rows():
 def test_a_budget_below_one_row_per_rank_is_refused():
     with pytest.raises(ValueError, match=r"max_num_batched_tokens=8 .* rank \(4\) of min\(min_prefill_bucket"):
         _scheduler(ranks=4, max_num_batched_tokens=8, prefill_chunk_size=8)
+
+
+def test_a_step_that_preempts_admits_no_one():
+    """As vLLM's scheduler: a step whose reservations preempted a sequence takes no new one from the queue (the pages
+    it freed go to the sequences already running, not to a newcomer that the next step would preempt again)."""
+    s = Scheduler(EngineConfig(**_CFG), KVCacheManager(40, 4096, 4, 8, 1, False))
+    for i in range(10):
+        _add(s, f"r{i}", 24, max_tokens=40)
+    preempting_steps, finished = 0, 0
+    while s.waiting or s.running:
+        before, preemptions = {id(q) for q in s.running}, s.num_preemptions
+        work = s.schedule()
+        s.launched(work)
+        if s.num_preemptions > preemptions:
+            preempting_steps += 1
+            assert all(id(c.seq) in before for c in work.prefills)
+        for seq in list(s.running):
+            seq.token_ids += [1] * seq.num_pending
+            seq.num_pending = 0
+            if len(seq.token_ids) >= seq.max_len:
+                s.remove(seq)
+                finished += 1
+    assert preempting_steps > 0 and finished == 10
