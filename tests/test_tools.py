@@ -245,3 +245,20 @@ def test_bench_throughput_jobs_carry_their_own_settings():
     for bad in ("8192x64", "8192/1024x64:max_num_seqs"):
         with pytest.raises(ValueError, match="max_num_seqs|INPUT/OUTPUT"):
             parse_jobs(bad, 256, "max_throughput")
+
+
+def test_simulate_scheduler_counts_calls_padding_and_recomputation(tmp_path, capsys):
+    """The scheduler simulation of an offline job: whole 4-chunk prompts in calls of 4 x 2,048 with room; a pool too
+    small for the running sequences' growth preempts and recomputes prompt tokens, which the summary counts."""
+    from tools import simulate_scheduler
+
+    job = "8192/64x24:max_num_seqs=8;max_num_batched_tokens=8192;max_prefill_seqs=4"
+    simulate_scheduler.main(["--jobs", job, "--full-pages", "100000", "--out", str(tmp_path / "roomy.json")])
+    roomy = json.loads((tmp_path / "roomy.json").read_text())[0]
+    assert roomy["prefill_shapes"] == {"4x2048": 24} and roomy["padding"] == 1.0
+    assert roomy["recomputed"] == roomy["preemptions"] == 0 and roomy["prefill_tokens_computed"] == 24 * 8192
+    simulate_scheduler.main(["--jobs", job, "--full-pages", "3600", "--out", str(tmp_path / "tight.json")])
+    tight = json.loads((tmp_path / "tight.json").read_text())[0]
+    assert tight["preemptions"] > 0 and tight["recomputed"] > 0
+    assert tight["prefill_tokens_computed"] == 24 * 8192 + tight["recomputed"]
+    assert '"job": "throughput 8192/64 max_num_seqs=8' in capsys.readouterr().out

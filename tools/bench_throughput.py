@@ -187,7 +187,7 @@ def run_job(
     }
 
 
-def _setting(item: str) -> tuple[str, object]:
+def parse_setting(item: str) -> tuple[str, object]:
     """`KEY=VALUE` (the value as YAML) from `--set` or a job's own settings."""
     key, eq, value = item.partition("=")
     if not eq or not key:
@@ -209,7 +209,7 @@ def parse_jobs(specs: str, num_requests: int, profile: str) -> list[tuple[str, s
                 f"--jobs: '{spec}' is not INPUT/OUTPUT[xREQUESTS][:KEY=VALUE;...], e.g. 1024/1024x256"
             ) from None
         name = f"throughput {inp}/{out}" + (f" {own}" if own else "")
-        jobs.append((name, profile, n, inp, out, dict(_setting(item) for item in own.split(";") if item)))
+        jobs.append((name, profile, n, inp, out, dict(parse_setting(item) for item in own.split(";") if item)))
     return jobs
 
 
@@ -254,7 +254,7 @@ def main() -> None:
     args = ap.parse_args()
     overrides = {}
     try:
-        settings = dict(_setting(item) for item in args.set)
+        settings = dict(parse_setting(item) for item in args.set)
     except ValueError as e:
         ap.error(str(e))
     if args.smoke:
