@@ -8,7 +8,9 @@ while pages, the sequence limit and the budget allow. The budget bounds the pref
 long prompt therefore advances a chunk per step while everyone else keeps decoding. When the full-layer pool
 runs dry, the newest running sequence is preempted: its pages are freed and it goes back to the
 front of the queue to be recomputed later (its tokens and seeds are kept, so its output is the same); as in vLLM, a
-step that preempted admits no new sequence.
+step that preempted admits no new sequence. Unlike vLLM, no more sequences then run than ran after that step until the
+waiting queue drains (`admission_cap`): long prompts at a `max_num_seqs` the pool cannot hold otherwise thrash, each
+admission preempting a sequence whose prompt is computed again (BENCHMARKS §19).
 
 A step is scheduled before the previous step's tokens reach the host (async scheduling): `launched`
 marks what a dispatched call will compute and sample (`num_pending` tokens still on device), so the
@@ -108,6 +110,9 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # in admission order, oldest first
         self.num_preemptions = 0
+        # After a step preempts, no more sequences run than ran after it, until the queue drains: the pool showed what
+        # it holds of this traffic, and admitting past it makes every admission cost a preempted sequence's prompt.
+        self.admission_cap: int | None = None
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
 
     def add(self, seq: Sequence) -> None:
@@ -135,6 +140,9 @@ class Scheduler:
         one position per step, so requests near their end are not held back for the most a drafting call gives."""
         cfg = self.config
         preemptions = self.num_preemptions
+        if not self.waiting:
+            self.admission_cap = None
+        most_running = min(cfg.max_num_seqs, self.admission_cap or cfg.max_num_seqs)
         scheduled: set[int] = set()
         decodes: list[Sequence] = []
         for seq in list(self.running):
@@ -167,7 +175,7 @@ class Scheduler:
             self.waiting
             and self.num_preemptions == preemptions
             and len(prefills) < cfg.max_prefill_seqs
-            and len(self.running) < cfg.max_num_seqs
+            and len(self.running) < most_running
         ):
             seq = self.waiting[0]
             rank = self._pick_rank()
@@ -192,6 +200,8 @@ class Scheduler:
                 seq.num_cached_prompt_tokens = start
             prefills.append(PrefillChunk(seq, start, n))
             scheduled.add(id(seq))
+        if self.num_preemptions > preemptions:
+            self.admission_cap = max(1, len(self.running))
         return SchedulerOutput(prefills, decodes)
 
     def _chunk_room(self, prefills: list[PrefillChunk], rank: int) -> int:

@@ -117,3 +117,29 @@ def test_a_step_that_preempts_admits_no_one():
                 s.remove(seq)
                 finished += 1
     assert preempting_steps > 0 and finished == 10
+
+
+def test_after_a_preemption_no_more_run_than_then_until_the_queue_drains():
+    """A pool too small for every running sequence's growth: after a step preempts, admissions stop at the count that
+    ran after it (else each admission preempts someone whose prompt is computed again), so few preemptions happen; once
+    the queue drains, the cap goes and a new burst is admitted up to `max_num_seqs`."""
+    s = Scheduler(EngineConfig(**_CFG), KVCacheManager(40, 4096, 4, 8, 1, False))
+    for i in range(10):
+        _add(s, f"r{i}", 24, max_tokens=40)
+    cap = None
+    while s.waiting or s.running:
+        preemptions, waiting = s.num_preemptions, bool(s.waiting)
+        work = s.schedule()
+        s.launched(work)
+        assert cap is None or not waiting or len(s.running) <= cap
+        if s.num_preemptions > preemptions:
+            cap = len(s.running)
+        for seq in list(s.running):
+            seq.token_ids += [1] * seq.num_pending
+            seq.num_pending = 0
+            if len(seq.token_ids) >= seq.max_len:
+                s.remove(seq)
+    assert cap is not None and 0 < s.num_preemptions <= 8  # 29 without the cap
+    for i in range(8):
+        _add(s, f"burst{i}", 4)
+    assert len(s.schedule().prefills) == 8 and s.admission_cap is None
