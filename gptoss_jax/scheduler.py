@@ -164,9 +164,10 @@ class Scheduler:
                 break
             if seq not in self.running or id(seq) in scheduled or seq.num_pending:
                 continue
-            n = min(seq.num_uncomputed, self._chunk_room(prefills, seq.pages.rank))
-            if n == 0:
+            room = self._chunk_room(prefills, seq.pages.rank)
+            if room == 0:
                 break
+            n = min(seq.num_uncomputed, room)
             if self._reserve(seq, seq.num_computed, seq.num_computed + n, scheduled):
                 prefills.append(PrefillChunk(seq, seq.num_computed, n))
                 scheduled.add(id(seq))
