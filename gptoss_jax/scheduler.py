@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 from typing import Any
 
 from gptoss_jax.engine_config import EngineConfig, bucket
 from gptoss_jax.kv_cache import KVCacheManager, SequencePages
 from gptoss_jax.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(eq=False)
@@ -202,6 +205,15 @@ class Scheduler:
             prefills.append(PrefillChunk(seq, start, n))
             scheduled.add(id(seq))
         if self.num_preemptions > preemptions:
+            if self.admission_cap is None:
+                log.warning(
+                    "KV cache full: %d sequence(s) preempted (to be recomputed); until the %d waiting drain, at most "
+                    "%d run (max_num_seqs=%d). More fit with a larger gpu_memory_utilization or kv_cache_dtype: fp8",
+                    self.num_preemptions - preemptions,
+                    len(self.waiting),
+                    max(1, len(self.running)),
+                    cfg.max_num_seqs,
+                )
             self.admission_cap = max(1, len(self.running))
         return SchedulerOutput(prefills, decodes)
 

@@ -119,7 +119,7 @@ def test_a_step_that_preempts_admits_no_one():
     assert preempting_steps > 0 and finished == 10
 
 
-def test_after_a_preemption_no_more_run_than_then_until_the_queue_drains():
+def test_after_a_preemption_no_more_run_than_then_until_the_queue_drains(caplog):
     """A pool too small for every running sequence's growth: after a step preempts, admissions stop at the count that
     ran after it (else each admission preempts someone whose prompt is computed again), so few preemptions happen; once
     the queue drains, the cap goes and a new burst is admitted up to `max_num_seqs`."""
@@ -140,6 +140,8 @@ def test_after_a_preemption_no_more_run_than_then_until_the_queue_drains():
             if len(seq.token_ids) >= seq.max_len:
                 s.remove(seq)
     assert cap is not None and 0 < s.num_preemptions <= 8  # 29 without the cap
+    warned = [r.getMessage() for r in caplog.records if r.name == "gptoss_jax.scheduler"]
+    assert len(warned) == 1 and "KV cache full" in warned[0] and "max_num_seqs=8" in warned[0]  # once, not per step
     for i in range(8):
         _add(s, f"burst{i}", 4)
     assert len(s.schedule().prefills) == 8 and s.admission_cap is None
