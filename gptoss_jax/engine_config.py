@@ -174,6 +174,12 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+def padded_rows(per_rank: list[int], buckets: tuple[int, ...]) -> int:
+    """Rows of a call whose attention ranks hold `per_rank` sequences: each rank's share padded to the same bucket
+    (rows are rank-major). The runner pads its calls so, and the scheduler budgets prefill calls by it."""
+    return len(per_rank) * bucket(max(max(per_rank), 1), buckets)
+
+
 # Settings whose meaning changed with their name: a clear error rather than a silent reinterpretation.
 RENAMED = {
     "kv_cache_memory_fraction": (

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from gptoss_jax import kv_cache, lowering, model, runtime, sampling, speculative, steps, structured
 from gptoss_jax.config import ModelConfig
-from gptoss_jax.engine_config import EngineConfig, bucket
+from gptoss_jax.engine_config import EngineConfig, bucket, padded_rows
 from gptoss_jax.program_store import ProgramStore
 from gptoss_jax.sampling import Sampled, SamplerState, SamplingBatch
 from gptoss_jax.scheduler import PrefillChunk, Sequence
@@ -557,13 +557,14 @@ class ModelRunner:
         """Padded row count and each sequence's row. Rows are rank-major: rank `r` owns rows
         `[r * rows/R, (r + 1) * rows/R)`, each rank's share padded to the same bucket."""
         if self.num_ranks == 1:
-            return bucket(len(seqs), buckets), list(range(len(seqs)))
+            return padded_rows([len(seqs)], buckets), list(range(len(seqs)))
         counts, where = [0] * self.num_ranks, []
         for s in seqs:
             where.append((s.pages.rank, counts[s.pages.rank]))
             counts[s.pages.rank] += 1
-        per = bucket(max(max(counts), 1), buckets)
-        return self.num_ranks * per, [r * per + i for r, i in where]
+        rows = padded_rows(counts, buckets)
+        per = rows // self.num_ranks
+        return rows, [r * per + i for r, i in where]
 
     def _put(self, x: np.ndarray) -> jax.Array:
         """A host batch array onto the device(s): rows split over the attention ranks. A transfer, not `jnp.asarray`,

@@ -28,7 +28,7 @@ import dataclasses
 import logging
 from typing import Any
 
-from gptoss_jax.engine_config import EngineConfig, bucket
+from gptoss_jax.engine_config import EngineConfig, padded_rows
 from gptoss_jax.kv_cache import KVCacheManager, SequencePages
 from gptoss_jax.sampling import SamplingParams
 
@@ -222,9 +222,10 @@ class Scheduler:
         (0: none): at most `prefill_chunk_size`, and the call padded as `ModelRunner.prefill` pads it (each rank's rows
         to the same row bucket, every chunk to the longest one's token bucket) within `max_num_batched_tokens`."""
         cfg = self.config
-        per_rank = collections.Counter(c.seq.pages.rank for c in prefills)
-        per_rank[rank] += 1
-        rows = self.kv.num_ranks * bucket(max(per_rank.values()), cfg.prefill_row_buckets())
+        per_rank = [0] * self.kv.num_ranks
+        for r in [c.seq.pages.rank for c in prefills] + [rank]:
+            per_rank[r] += 1
+        rows = padded_rows(per_rank, cfg.prefill_row_buckets())
         room = max((t for t in cfg.prefill_token_buckets() if rows * t <= cfg.max_num_batched_tokens), default=0)
         return room if all(c.num_tokens <= room for c in prefills) else 0
 

@@ -18,9 +18,8 @@ import collections
 import json
 from pathlib import Path
 
-from gptoss_jax import config, engine_config
-from gptoss_jax.engine_config import bucket
-from gptoss_jax.kv_cache import KVCacheManager
+from gptoss_jax import config, engine_config, kv_cache
+from gptoss_jax.engine_config import bucket, padded_rows
 from gptoss_jax.sampling import SamplingParams
 from gptoss_jax.scheduler import Scheduler, Sequence
 from tools.bench_throughput import parse_jobs, parse_setting
@@ -28,8 +27,19 @@ from tools.bench_throughput import parse_jobs, parse_setting
 
 def simulate(ec: engine_config.EngineConfig, mc, requests: int, input_len: int, output_len: int, full_pages: int):
     """Run the job through `Scheduler` -> a summary dict (see `main`)."""
-    sliding_pages = ec.max_num_seqs * (-(-(ec.prefill_chunk_size + mc.sliding_window) // ec.page_size) + 2) + 1
-    kv = KVCacheManager(
+    _, sliding_pages = kv_cache.pool_sizes(  # the sliding pool as the engine sizes it beside `full_pages`
+        mc.num_layers,
+        mc.num_kv_heads,
+        mc.head_dim,
+        2,
+        mc.sliding_window,
+        ec.page_size,
+        ec.max_num_seqs,
+        max(ec.prefill_chunk_size, ec.decode_tokens_per_call()),
+        None,
+        (full_pages - 1) * ec.page_size,
+    )
+    kv = kv_cache.KVCacheManager(
         full_pages, sliding_pages, ec.page_size, mc.sliding_window, (mc.num_layers + 1) // 2, ec.enable_prefix_caching
     )
     s = Scheduler(ec, kv)
@@ -47,7 +57,7 @@ def simulate(ec: engine_config.EngineConfig, mc, requests: int, input_len: int, 
         s.launched(work)
         steps += 1
         if work.prefills:
-            R = bucket(len(work.prefills), ec.prefill_row_buckets())
+            R = padded_rows([len(work.prefills)], ec.prefill_row_buckets())
             T = bucket(max(c.num_tokens for c in work.prefills), ec.prefill_token_buckets())
             shapes[f"{R}x{T}"] += 1
             padded += R * T
