@@ -111,6 +111,21 @@ class TimedEngine(Engine):
             return super()._collect(call)
 
 
+def memory_facts(engine: TimedEngine, max_len: int, in_use: int | None) -> dict:
+    """The KV cache's size (full-layer pages and tokens, how many sequences of the job's length fit at once) and the
+    device memory around the job: in use once the engine is ready (weights and cache), and the process's peak so
+    far (the peak minus that is what the job's steps needed on top, for the first job of a run)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    tokens = engine.kv.capacity_tokens
+    return {
+        "kv_full_pages": engine.kv.full.num_pages,
+        "kv_cache_tokens": tokens,
+        "max_concurrent_seqs": tokens // max_len,
+        "bytes_in_use_ready": in_use,
+        "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+    }
+
+
 def run_job(
     engine: TimedEngine, prompts: list[list[int]], output_len: int, trace: tuple[int, str] | None = None
 ) -> dict:
@@ -325,8 +340,10 @@ def main() -> None:
         )
         prompts = [rng.integers(0, cfg.vocab_size, input_len).tolist() for _ in range(n)]
         trace = (args.trace_step, tempfile.mkdtemp()) if args.trace_step and name.startswith("throughput") else None
+        in_use = (jax.devices()[0].memory_stats() or {}).get("bytes_in_use")
         row = run_job(engine, prompts, output_len, trace)
         row.update(job=name, profile=profile, warmup_s=warm, config=dataclasses.asdict(engine.config))
+        row.update(memory_facts(engine, max_len, in_use))
         result["jobs"].append(row)
         print(
             f"[{name}] {n} x ({input_len} in, {output_len} out): {row['output_tok_s']:.0f} output tok/s, "
