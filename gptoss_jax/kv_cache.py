@@ -3,9 +3,9 @@ sequence's block tables for the two layer types (docs/engine.md, "Cache layout")
 
 Full-attention layers keep every page of a sequence; their pages are content-hashed when full so a
 later request with the same prefix shares them (reference counts). Sliding layers only ever read the
-last `window` positions, so a sequence holds at most `sliding_pages_per_seq` sliding pages: pages
-that fall out of the window go straight back to the pool, and the sliding pool is sized up front for
-`max_num_seqs` sequences, so only the full pool can run out.
+last `window` positions: pages that fall out of the window go straight back to the pool, which is
+sized up front (`sliding_pool_pages`) for `max_num_seqs` decoding sequences and one prefill call's
+chunks, so only the full pool can run out.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import collections
 import dataclasses
 import math
 
+from gptoss_jax.engine_config import EngineConfig
 from gptoss_jax.model import NULL_PAGE
 
 
@@ -255,25 +256,41 @@ class RankedKVCacheManager:
         self.ranks[pages.rank].free(pages)
 
 
+def sliding_pool_pages(
+    window: int, page_size: int, num_seqs: int, tokens_per_seq: int, call_tokens: int = 0, call_rows: int = 0
+) -> int:
+    """Pages of the sliding pool, null page included, for `num_seqs` sequences that each hold the window before their
+    next query and `tokens_per_seq` positions from it (a decode call's), plus one prefill call's `call_tokens` new
+    positions over at most `call_rows` rows (a partial page at either end of each). Pages behind the window go back at
+    every launch, so this bounds what the sequences ever hold at once."""
+    per_seq = math.ceil((window - 1 + tokens_per_seq) / page_size) + 1
+    return num_seqs * per_seq + math.ceil(call_tokens / page_size) + 2 * call_rows + 1
+
+
+def engine_sliding_pages(ec: EngineConfig, window: int) -> int:
+    """The engine's sliding pool (`sliding_pool_pages`): every running sequence's window and decode call, and one
+    prefill call of `max_num_batched_tokens`. Past its last known token a sequence holds a decode call's positions
+    (with speculation, the call in flight's and the next's); a structured-output sequence keeps two calls' more, the
+    tokens its grammar may roll back (`Scheduler._advance`)."""
+    tail = ec.decode_tokens_per_call() * (2 if ec.speculative_config else 1) + 2 * ec.decode_steps_per_call
+    return sliding_pool_pages(
+        window, ec.page_size, ec.max_num_seqs, tail, ec.max_num_batched_tokens, ec.max_prefill_seqs
+    )
+
+
 def pool_sizes(
     num_layers: int,
     num_kv_heads: int,
     head_dim: int,
     value_bytes: float,
-    window: int,
+    num_sliding: int,
     page_size: int,
-    max_num_seqs: int,
-    max_tokens_per_call: int,
     kv_bytes: int | None,
     full_tokens: int | None,
 ) -> tuple[int, int]:
-    """(full, sliding) pool sizes in pages, null page included.
-
-    The sliding pool holds, for every sequence, the pages of one call's queries plus the window before
-    them. The full pool gets `full_tokens` if given, else what is left of `kv_bytes`. `value_bytes`: what one
-    cached value takes (`kv_quant.value_bytes`: an FP8 value with its share of the scale)."""
-    sliding_per_seq = math.ceil((window - 1 + max_tokens_per_call) / page_size) + 1
-    num_sliding = max_num_seqs * sliding_per_seq + 1
+    """(full, sliding) pool sizes in pages, null page included: the sliding pool's `num_sliding`
+    (`sliding_pool_pages`), and the full pool's `full_tokens` if given, else what is left of `kv_bytes`.
+    `value_bytes`: what one cached value takes (`kv_quant.value_bytes`: an FP8 value with its share of the scale)."""
     page_bytes = math.ceil(2 * page_size * num_kv_heads * head_dim * value_bytes)  # K and V of one layer
     if full_tokens is None:
         left = kv_bytes - num_sliding * page_bytes * ((num_layers + 1) // 2)
@@ -281,8 +298,7 @@ def pool_sizes(
         if left < 2 * per_full_page:
             raise ValueError(
                 f"the KV cache budget ({kv_bytes / 2**20:.1f} MiB) does not cover the sliding-window "
-                f"pages of max_num_seqs={max_num_seqs} sequences; lower max_num_seqs or raise "
-                "gpu_memory_utilization"
+                f"pages ({num_sliding}); lower max_num_seqs or max_num_batched_tokens, or raise gpu_memory_utilization"
             )
         return left // per_full_page, num_sliding
     return math.ceil(full_tokens / page_size) + 1, num_sliding
@@ -290,13 +306,14 @@ def pool_sizes(
 
 def activation_bytes(mc, ec, itemsize: int) -> int:
     """Device memory to keep free for the largest step's temporaries (`EngineConfig.gpu_memory_utilization` counts
-    them): twice an estimate of a prefill step of `max_num_batched_tokens` tokens (per token, in float32: the residual
-    stream and norms, q/k/v, and `experts_per_token` expert rows of gate/up, activation and down) plus one layer's
-    experts dequantised for the prefill GEMMs, plus the decode call's logits and the sampler's copies of them. An
-    estimate, not a measurement: the factor 2 covers padded buckets and the allocator's fragmentation."""
+    them): an estimate of a prefill step of `max_num_batched_tokens` tokens (per token, in float32: the residual stream
+    and norms, q/k/v, and `experts_per_token` expert rows of gate/up, activation and down) plus one layer's experts
+    dequantised for the prefill GEMMs, plus the decode call's logits and the sampler's copies of them, and a quarter
+    more for padded buckets and the allocator. On an H200 the 120b's jobs peaked at 9.2 GiB above the weights and the
+    cache, against 10.9 GiB for the estimate (docs/BENCHMARKS.md §20)."""
     h, i = mc.hidden_size, mc.intermediate_size
     qkv = (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim
     per_token = 4 * (6 * h + qkv + mc.experts_per_token * (3 * i + h))
     experts = mc.num_experts * 3 * h * i * max(itemsize, 2)
     logits = ec.max_num_seqs * ec.decode_tokens_per_call() * mc.vocab_size * 4 * 2
-    return 2 * (ec.max_num_batched_tokens * per_token + experts + logits)
+    return int(1.25 * (ec.max_num_batched_tokens * per_token + experts + logits))

@@ -96,9 +96,9 @@ class ModelRunner:
             raise ValueError(
                 f"max_model_len={ec.max_model_len} exceeds the KV cache capacity of {capacity} tokens "
                 f"({self.num_pages_full - 1} pages of {ec.page_size}; the sliding-window layers hold "
-                f"{self.num_pages_sliding - 1} pages, a call's tokens and the window for each of max_num_seqs="
-                f"{ec.max_num_seqs}, prefill_chunk_size={ec.prefill_chunk_size}): lower max_model_len, max_num_seqs "
-                "or prefill_chunk_size, raise gpu_memory_utilization, or set kv_cache_dtype: fp8"
+                f"{self.num_pages_sliding - 1} pages, the window and a decode call for each of max_num_seqs="
+                f"{ec.max_num_seqs} and a prefill call of max_num_batched_tokens={ec.max_num_batched_tokens}): "
+                "lower max_model_len or max_num_seqs, raise gpu_memory_utilization, or set kv_cache_dtype: fp8"
             )
         self.max_model_len = min(ec.max_model_len or mc.max_position_embeddings, capacity)
         self._ctx_buckets = ec.context_buckets(self.max_model_len)
@@ -171,11 +171,8 @@ class ModelRunner:
             mc.num_kv_heads,
             mc.head_dim,
             kv_quant.value_bytes(self.kv_dtype, mc.head_dim),
-            mc.sliding_window,
+            kv_cache.engine_sliding_pages(ec, mc.sliding_window),
             ec.page_size,
-            ec.max_num_seqs,
-            # with speculation, a call in flight and the next may each hold that many positions past the last known
-            max(ec.prefill_chunk_size, ec.decode_tokens_per_call() * (2 if ec.speculative_config else 1)),
             kv_bytes,
             full_tokens,
         )

@@ -49,10 +49,8 @@ def test_fp8_pool_holds_nearly_twice_the_pages():
             cfg.num_kv_heads,
             cfg.head_dim,
             kv_quant.value_bytes(dtype, cfg.head_dim),
-            cfg.sliding_window,
+            kv_cache.sliding_pool_pages(cfg.sliding_window, 16, 64, 2, 16384, 16),
             16,
-            64,
-            2048,
             64 << 30,
             None,
         )[0]

@@ -3,7 +3,7 @@
 import pytest
 
 from gptoss_jax.engine_config import EngineConfig, bucket
-from gptoss_jax.kv_cache import KVCacheManager, RankedKVCacheManager
+from gptoss_jax.kv_cache import KVCacheManager, RankedKVCacheManager, engine_sliding_pages
 from gptoss_jax.sampling import SamplingParams
 from gptoss_jax.scheduler import Scheduler, Sequence
 
@@ -145,3 +145,30 @@ def test_after_a_preemption_no_more_run_than_then_until_the_queue_drains(caplog)
     for i in range(8):
         _add(s, f"burst{i}", 4)
     assert len(s.schedule().prefills) == 8 and s.admission_cap is None
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_the_engines_sliding_pool_never_runs_out(prefix_caching):
+    """`kv_cache.engine_sliding_pages` (each running sequence's window and decode call, plus one prefill call) holds
+    a job of long chunked prompts, short ones and shared prefixes with a full pool that never fills: no sequence is
+    preempted for sliding pages, and every page comes back."""
+    ec = EngineConfig(**(_CFG | dict(enable_prefix_caching=prefix_caching)))
+    window = 8
+    sliding = engine_sliding_pages(ec, window)
+    s = Scheduler(ec, KVCacheManager(4096, sliding, ec.page_size, window, 1, prefix_caching))
+    peak = 0
+    for i in range(24):
+        _add(s, f"r{i}", [64, 3, 37, 16][i % 4], max_tokens=[9, 30, 4][i % 3])
+        if i % 5 == 0:  # a repeated prompt: prefix-cache hits start mid-prompt
+            s.add(Sequence(f"p{i}", list(range(64)), 64, SamplingParams(max_tokens=5), (0, 0), 69))
+    while s.waiting or s.running:
+        work = s.schedule()
+        s.launched(work)
+        peak = max(peak, s.kv.sliding.num_used)
+        for seq in list(s.running):
+            seq.token_ids += [1] * seq.num_pending
+            seq.num_pending = 0
+            if len(seq.token_ids) >= seq.max_len:
+                s.remove(seq)
+    assert s.num_preemptions == 0
+    assert 0 < peak < sliding and s.kv.sliding.num_used == 0

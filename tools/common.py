@@ -401,8 +401,9 @@ def _paged_state(cfg, rows: int, start: int, tokens: int, dtype, put: _Placer):
     """A KV cache and page tables for `rows` rows (per attention rank) whose new tokens sit at positions
     `start ..< start + tokens`, laid out as the engine lays them out (no prefill needed): each row its own
     full-layer pages up to its last new token; sliding-layer pages only from the window before `start` on (earlier
-    columns on the null page), reused cyclically within the row's share of a pool sized as the engine sizes it
-    (`kv_cache.pool_sizes`). Page ids are rank-local. -> (cache, tables, (full, sliding) pages per rank)."""
+    columns on the null page), reused cyclically within the row's share of a pool that holds each row's window and
+    new tokens (`kv_cache.sliding_pool_pages`). Page ids are rank-local.
+    -> (cache, tables, (full, sliding) pages per rank)."""
     layout = put.layout
     R = layout.num_ranks if layout is not None else 1
     M = math.ceil((start + tokens) / PAGE)
@@ -411,10 +412,8 @@ def _paged_state(cfg, rows: int, start: int, tokens: int, dtype, put: _Placer):
         cfg.num_kv_heads,
         cfg.head_dim,
         kv_quant.value_bytes(dtype, cfg.head_dim),
-        cfg.sliding_window,
+        kv_cache.sliding_pool_pages(cfg.sliding_window, PAGE, rows, tokens),
         PAGE,
-        rows,
-        tokens,
         None,
         rows * M * PAGE,
     )

@@ -27,18 +27,7 @@ from tools.bench_throughput import parse_jobs, parse_setting
 
 def simulate(ec: engine_config.EngineConfig, mc, requests: int, input_len: int, output_len: int, full_pages: int):
     """Run the job through `Scheduler` -> a summary dict (see `main`)."""
-    _, sliding_pages = kv_cache.pool_sizes(  # the sliding pool as the engine sizes it beside `full_pages`
-        mc.num_layers,
-        mc.num_kv_heads,
-        mc.head_dim,
-        2,
-        mc.sliding_window,
-        ec.page_size,
-        ec.max_num_seqs,
-        max(ec.prefill_chunk_size, ec.decode_tokens_per_call()),
-        None,
-        (full_pages - 1) * ec.page_size,
-    )
+    sliding_pages = kv_cache.engine_sliding_pages(ec, mc.sliding_window)  # as the engine sizes it
     kv = kv_cache.KVCacheManager(
         full_pages, sliding_pages, ec.page_size, mc.sliding_window, (mc.num_layers + 1) // 2, ec.enable_prefix_caching
     )
