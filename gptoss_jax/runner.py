@@ -443,6 +443,7 @@ class ModelRunner:
             )
         if self.kernels.device.platform != "gpu":
             return self._warm_helpers()  # nothing compiles at a first run here, where each costs real time
+        self.check_temporaries(jax.devices()[0].memory_stats() or {})
         for i, key in enumerate(self.buckets(), 1):
             if key[0] == "decode":
                 self._decode([], key[1], [], key[2], key[3])
@@ -450,6 +451,41 @@ class ModelRunner:
                 self._prefill([], key[1], [], key[2], key[3])
             report("first run", i, len(self.buckets()), self._label(key))
         jax.block_until_ready((self.cache, self._last_tokens, self._sampler_state))
+
+    def largest_temporaries(self) -> tuple[tuple, int]:
+        """The compiled step that needs the most device memory besides its arguments, and how much: XLA's temporaries
+        plus its outputs not written over a donated input (the cache is; sampled tokens and logits are not)."""
+
+        def extra(program) -> int:
+            m = program.memory_analysis()
+            return m.temp_size_in_bytes + max(0, m.output_size_in_bytes - m.alias_size_in_bytes)
+
+        sizes = {key: extra(p) for key, p in self._programs.items()}
+        key = max(sizes, key=sizes.get)
+        return key, sizes[key]
+
+    def check_temporaries(self, stats: dict) -> None:
+        """Before any step runs: the largest one's temporaries must fit in what the weights and the KV cache left free
+        (the cache was sized with an estimate, `kv_cache.activation_bytes`); else a clear error, not an allocator's
+        out-of-memory at the first long prompt. `stats`: the device's `memory_stats()`."""
+        if "bytes_limit" not in stats or not self._programs:
+            return
+        key, need = self.largest_temporaries()
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        log.info(
+            "largest step: %s needs %.2f GiB of temporaries, %.2f GiB free",
+            self._label(key),
+            need / 2**30,
+            free / 2**30,
+        )
+        if need > free:
+            raise ValueError(
+                f"the {self._label(key)} step needs {need / 2**30:.1f} GiB of device memory for its temporaries, and "
+                f"{free / 2**30:.1f} GiB is free after the weights and the KV cache: lower gpu_memory_utilization "
+                f"(now {self.config.gpu_memory_utilization}) or set num_pages to give the cache less, or lower "
+                f"max_num_batched_tokens ({self.config.max_num_batched_tokens}) or prefill_chunk_size "
+                f"({self.config.prefill_chunk_size})"
+            )
 
     def _lower_all(self, keys: list[tuple], work: dict) -> Iterator[tuple[tuple, jax.stages.Lowered]]:
         """`(key, lowered step)` of each bucket in `keys`, as they are ready: lowered in worker processes

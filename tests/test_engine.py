@@ -123,6 +123,18 @@ def test_compile_count_flat_after_warmup(engine):
     assert seen == []
 
 
+def test_a_step_whose_temporaries_do_not_fit_is_refused_before_it_runs(engine):
+    """XLA's memory analysis of the warmed-up steps: the largest is a real bucket; when the device has less free
+    than it needs (here a pretend GPU's statistics), warm-up's check names the step and what to lower."""
+    runner = engine.runner
+    key, need = runner.largest_temporaries()
+    assert key in runner.buckets() and need > 0
+    runner.check_temporaries({"bytes_limit": 10 * need, "bytes_in_use": 8 * need})  # fits: no error
+    with pytest.raises(ValueError, match=r"the (prefill|decode) rows=\d+ .* step needs .* gpu_memory_utilization"):
+        runner.check_temporaries({"bytes_limit": 10 * need, "bytes_in_use": 10 * need - need // 2})
+    runner.check_temporaries({})  # no statistics (CPU): nothing to check
+
+
 @pytest.mark.slow  # a second engine compiles its whole bucket grid
 def test_committed_parameters_compile_nothing_after_warmup(small_checkpoint):
     """Parameters the caller placed on a device are committed, and so is every step's output then; warm-up

@@ -113,8 +113,9 @@ class TimedEngine(Engine):
 
 def memory_facts(engine: TimedEngine, max_len: int, in_use: int | None) -> dict:
     """The KV cache's size (full-layer pages and tokens, how many sequences of the job's length fit at once) and the
-    device memory around the job: in use once the engine is ready (weights and cache), and the process's peak so
-    far (the peak minus that is what the job's steps needed on top, for the first job of a run)."""
+    device memory around the job: in use once the engine is ready (weights and cache), the process's peak so far
+    (the peak minus that is what the job's steps needed on top, for the first job of a run), and what XLA's memory
+    analysis says the largest compiled step needs besides its arguments."""
     stats = jax.devices()[0].memory_stats() or {}
     tokens = engine.kv.capacity_tokens
     return {
@@ -123,6 +124,7 @@ def memory_facts(engine: TimedEngine, max_len: int, in_use: int | None) -> dict:
         "max_concurrent_seqs": tokens // max_len,
         "bytes_in_use_ready": in_use,
         "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+        "largest_step_temporaries": engine.runner.largest_temporaries()[1],
     }
 
 
