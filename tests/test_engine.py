@@ -679,6 +679,7 @@ def test_processors_survive_preemption(engine):
 def test_max_model_len_past_the_cache_names_what_took_it(small_checkpoint):
     """A context the cache cannot hold is refused at start-up, naming the settings that size the pools."""
     with pytest.raises(
-        ValueError, match=r"max_model_len=60 exceeds .* 48 tokens .*max_num_seqs=4, prefill_chunk_size=8"
+        ValueError,
+        match=r"max_model_len=60 exceeds .* 48 tokens .*max_num_seqs=4 and a prefill call of max_num_batched_tokens=16",
     ):
         Engine(small_checkpoint, dtype="float32", progress=False, warmup=False, **{**SMALL, "max_model_len": 60})

@@ -26,6 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 FP8_8K = "throughput 8192/1024 kv_cache_dtype=fp8;max_num_seqs=192"  # two waves of running requests, not one
 FP8_8K_20B = "throughput 8192/1024 kv_cache_dtype=fp8;max_num_seqs=256"  # 512 requests: two waves
 BF16_8K_20B = "throughput 8192/1024 max_num_seqs=256"
+FP8_8K_PROFILE = "throughput 8192/1024 kv_cache_dtype=fp8"  # the profile's 256 running
+BF16_8K_120B = "throughput 8192/1024 max_num_seqs=128"  # three waves
 # (model, job in the file, results file): today's figures, BENCHMARKS.md's first table.
 CURRENT = [
     ("20b", "latency", "throughput_20b_workers_h200.json"),
@@ -35,9 +37,11 @@ CURRENT = [
     ("20b", BF16_8K_20B, "engine_20b_sched_bf16_h200.json"),
     ("20b", "throughput 32768/1024", "engine_20b_long_bf16kv_h200.json"),
     ("120b", "latency", "engine_120b_b1_back_h200.json"),
-    ("120b", "throughput 1024/1024", "engine_120b_flash_h200.json"),
+    ("120b", "throughput 1024/1024", "engine_120b_sched_h200.json"),
     ("120b", "throughput 8192/1024", "engine_120b_8k_merged_h200.json"),
-    ("120b", FP8_8K, "engine_120b_flash_h200.json"),
+    ("120b", FP8_8K, "engine_120b_sched_h200.json"),
+    ("120b", FP8_8K_PROFILE, "engine_120b_sizing_h200.json"),
+    ("120b", BF16_8K_120B, "engine_120b_sizing_h200.json"),
 ]
 # job -> (batch, mean context over the decode phase, bytes a cached value takes): where its point sits on the roofline
 JOB_SHAPE = {
@@ -48,6 +52,8 @@ JOB_SHAPE = {
     FP8_8K: (192, 8704, 1.0625),
     FP8_8K_20B: (256, 8704, 1.0625),
     BF16_8K_20B: (256, 8704, 2.0),
+    FP8_8K_PROFILE: (256, 8704, 1.0625),
+    BF16_8K_120B: (128, 8704, 2.0),
 }
 JOB_NAME = {
     "latency": "batch 1, 1k/256",
@@ -57,6 +63,8 @@ JOB_NAME = {
     FP8_8K: "384 x 8k/1k, FP8 KV, 192 running",
     FP8_8K_20B: "512 x 8k/1k, FP8 KV, 256 running",
     BF16_8K_20B: "512 x 8k/1k, 256 running",
+    FP8_8K_PROFILE: "384 x 8k/1k, FP8 KV, 256 running",
+    BF16_8K_120B: "384 x 8k/1k, 128 running",
 }
 # Published figures (not measured here): (model, label, device, output tok/s per GPU, tok/s per user or None, source)
 ANCHORS = [
