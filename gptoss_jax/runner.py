@@ -457,8 +457,8 @@ class ModelRunner:
         plus its outputs not written over a donated input (the cache is; sampled tokens and logits are not)."""
 
         def extra(program) -> int:
-            m = program.memory_analysis()
-            return m.temp_size_in_bytes + max(0, m.output_size_in_bytes - m.alias_size_in_bytes)
+            m = program.memory_analysis()  # None where a platform keeps no such statistics
+            return 0 if m is None else m.temp_size_in_bytes + max(0, m.output_size_in_bytes - m.alias_size_in_bytes)
 
         sizes = {key: extra(p) for key, p in self._programs.items()}
         key = max(sizes, key=sizes.get)
