@@ -137,12 +137,16 @@ class ModelRunner:
                 self._draft_state
             )
         log.info(
-            "KV cache (%s): %d full-layer pages, %d sliding pages of %d tokens; max_model_len %d",
+            "KV cache (%s): %d full-layer pages, %d sliding pages of %d tokens (%d tokens); max_model_len %d, so "
+            "at most %.1f requests of that length at once (max_num_seqs %d)",
             jnp.dtype(self.kv_dtype).name,
             n_full,
             n_sliding,
             ec.page_size,
+            capacity,
             self.max_model_len,
+            capacity / self.max_model_len,
+            ec.max_num_seqs,
         )
 
     @property

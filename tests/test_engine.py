@@ -1,6 +1,8 @@
 """The serving engine on a tiny fp32 model: continuous batching, chunked prefill, preemption, prefix
 caching, multi-step decode, compile stability, sampling parameters."""
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -674,6 +676,15 @@ def test_processors_survive_preemption(engine):
     assert engine.stats().num_preemptions > before
     for rid, (p, sp) in reqs.items():
         assert together[rid] == alone(engine, p, sp)
+
+
+def test_start_up_logs_how_many_requests_of_max_model_len_fit(small_checkpoint, caplog):
+    """As vLLM's "maximum concurrency": 12 usable pages of 4 tokens hold 48 tokens, 1.2 requests of 40."""
+    with caplog.at_level(logging.INFO, logger="gptoss_jax.runner"):
+        Engine(small_checkpoint, dtype="float32", progress=False, warmup=False, **SMALL).close()
+    assert (
+        "(48 tokens); max_model_len 40, so at most 1.2 requests of that length at once (max_num_seqs 4)" in caplog.text
+    )
 
 
 def test_max_model_len_past_the_cache_names_what_took_it(small_checkpoint):
