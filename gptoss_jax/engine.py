@@ -137,6 +137,7 @@ class Engine:
         t0 = time.perf_counter()
         self._report("loading weights", 0, 1, str(model or "the demo checkpoint"))
         self._owns_params = loaded is None
+        self._owns_bf16_experts = False
         if loaded is None:
             self.model_path: Path | None = (
                 checkpoint.resolve_model(model, revision=revision, download_dir=download_dir)
@@ -149,9 +150,13 @@ class Engine:
         else:
             self.model_path = Path(model) if model is not None else None
             self.model_config, params = loaded
+            given = getattr(params.layers.experts, "gu_bf16", None)
             if layout is not None:
                 params = layout.shard_params(params, self.model_config.num_kv_heads)
             params = pallas_kernels.prepare_params(params, self.kernels)  # sharded: each device its experts
+            made = getattr(params.layers.experts, "gu_bf16", None)
+            # a bf16 copy of the experts made here (`KernelConfig.moe_prefill_bf16_experts`) is this engine's to free
+            self._owns_bf16_experts = given is None and made is not None
         self._report("loading weights", 1, 1, f"{time.perf_counter() - t0:.1f}s")
         self.tokenizer = tokenizer
         if isinstance(tokenizer, (str, os.PathLike)) or (
@@ -304,11 +309,17 @@ class Engine:
         )
 
     def close(self) -> None:
-        """Free this engine's device memory now: the KV cache, and the parameters it loaded itself (not those
-        given as `loaded`). A new engine in the same process sizes its cache from the device's memory, so it must
-        not wait for garbage collection. The engine is unusable afterwards; closing twice is harmless."""
+        """Free this engine's device memory now: the KV cache, and the parameters it loaded itself (of those given
+        as `loaded`, only the bf16 copy of their experts it made). A new engine in the same process sizes its cache
+        from the device's memory, so it must not wait for garbage collection. The engine is unusable afterwards;
+        closing twice is harmless."""
         self._in_flight = None
         self.runner.close(params=self._owns_params)
+        if self._owns_bf16_experts:  # the copy made from parameters given as `loaded` (38 GB for 20b)
+            experts = self.runner.params.layers.experts
+            for a in (experts.gu_bf16, experts.dn_bf16):
+                if not a.is_deleted():
+                    a.delete()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._aborted)

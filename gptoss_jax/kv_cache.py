@@ -304,16 +304,18 @@ def pool_sizes(
     return math.ceil(full_tokens / page_size) + 1, num_sliding
 
 
-def activation_bytes(mc, ec, itemsize: int) -> int:
+def activation_bytes(mc, ec, itemsize: int, dequantizes: bool = True) -> int:
     """Device memory to keep free for the largest step's temporaries (`EngineConfig.gpu_memory_utilization` counts
-    them): an estimate of a prefill step of `max_num_batched_tokens` tokens (per token, in float32: the residual stream
-    and norms, q/k/v, and `experts_per_token` expert rows of gate/up, activation and down) plus one layer's experts
-    dequantised for the prefill GEMMs, plus the decode call's logits and the sampler's copies of them, and a quarter
-    more for padded buckets and the allocator. On an H200 the 120b's jobs peaked at 9.2 GiB above the weights and the
-    cache, against 10.9 GiB for the estimate (docs/BENCHMARKS.md §20)."""
+    them): an estimate of a prefill step of `max_num_batched_tokens` tokens (per token, in float32: the residual
+    stream and norms, q/k/v, and `experts_per_token` expert rows of gate/up, activation and down) plus one layer's
+    experts dequantised for the prefill GEMMs (not with `dequantizes` false: the parameters hold the experts in bf16
+    already, `KernelConfig.moe_prefill_bf16_experts`, and count among the weights), plus the decode call's logits
+    and the sampler's copies of them, and a quarter more for padded buckets and the allocator. On an H200 the 120b's
+    jobs peaked at 9.2 GiB above the weights and the cache, against 10.9 GiB for the estimate (docs/BENCHMARKS.md
+    §20)."""
     h, i = mc.hidden_size, mc.intermediate_size
     qkv = (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim
     per_token = 4 * (6 * h + qkv + mc.experts_per_token * (3 * i + h))
-    experts = mc.num_experts * 3 * h * i * max(itemsize, 2)
+    experts = mc.num_experts * 3 * h * i * max(itemsize, 2) if dequantizes else 0
     logits = ec.max_num_seqs * ec.decode_tokens_per_call() * mc.vocab_size * 4 * 2
     return int(1.25 * (ec.max_num_batched_tokens * per_token + experts + logits))

@@ -197,7 +197,10 @@ class ModelRunner:
             )
             allowed = stats["bytes_limit"]
         in_use = stats.get("bytes_in_use", 0)
-        reserve = kv_cache.activation_bytes(mc, ec, jnp.dtype(self.dtype).itemsize)
+        # a bf16 copy of the experts (`KernelConfig.moe_prefill_bf16_experts`) is in use already, among the weights
+        copy = getattr(self.params.layers.experts, "gu_bf16", None)
+        stored = copy is not None
+        reserve = kv_cache.activation_bytes(mc, ec, jnp.dtype(self.dtype).itemsize, dequantizes=not stored)
         kv = int(allowed - in_use - reserve)
         log.info(
             "memory: %.2f x %.1f GiB = %.1f GiB for this engine: %.1f GiB in use (weights), %.1f GiB reserved for "
@@ -210,11 +213,16 @@ class ModelRunner:
             kv / 2**30,
         )
         if kv <= 0:
+            of_which = ""
+            if stored:  # a device's share: gate/up is 2 of its 3 bf16 values per expert weight
+                share = 1.5 * math.prod(copy.sharding.shard_shape(copy.shape)) * copy.dtype.itemsize
+                of_which = f" (of which the experts' bf16 copy, kernels.moe_prefill_bf16_experts, {share / 2**30:.1f})"
             raise ValueError(
                 f"gpu_memory_utilization={ec.gpu_memory_utilization} of this device ({total / 2**30:.1f} GiB) is "
-                f"{allowed / 2**30:.1f} GiB: the weights and other arrays already use {in_use / 2**30:.1f} GiB and "
-                f"the activations need ~{reserve / 2**30:.1f} GiB, which leaves nothing for the KV cache; raise "
-                "gpu_memory_utilization, or lower max_num_batched_tokens / max_num_seqs"
+                f"{allowed / 2**30:.1f} GiB: the weights and other arrays already use {in_use / 2**30:.1f} GiB"
+                f"{of_which} and the activations need ~{reserve / 2**30:.1f} GiB, which leaves nothing for the KV "
+                "cache; raise gpu_memory_utilization, or lower max_num_batched_tokens / max_num_seqs"
+                + (", or turn kernels.moe_prefill_bf16_experts off" if stored else "")
             )
         return kv
 

@@ -11,6 +11,7 @@ relayout of the same bytes (`expert_format`), made tensor by tensor as the check
 
 import dataclasses
 import functools
+import logging
 
 import jax
 import jax.experimental.pallas.fuser  # noqa: F401  (see below)
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import (
     attention_reference,
+    choice,
     expert_format,
     flash_attention,
     linear_decode,
@@ -58,7 +60,11 @@ __all__ = [
     "expert_field",
     "relayout_expert_field",
     "with_scale_operands",
+    "bf16_experts",
+    "with_bf16_experts",
 ]
+
+log = logging.getLogger(__name__)
 
 # `jax.experimental.pallas.fuser` is imported above for its side effect only: the first `pallas_call` would
 # import it lazily and register a config option that is part of every jit's cache key, so every step
@@ -106,14 +112,16 @@ def _relayout_jit(name, x):
 
 def prepare_params(params, kernels: KernelConfig):
     """Parameters already on device, in the layout the kernels of `kernels` read (the loader and `random_params`
-    produce it directly), with the Mosaic kernels' scale operands where those kernels run. Converts one field of
+    produce it directly), with the Mosaic kernels' scale operands where those kernels run, and with
+    `kernels.moe_prefill_bf16_experts` the experts' bf16 copy for the grouped prefill GEMMs (`with_bf16_experts`;
+    dropped when the option is off, so the config alone decides whether a call dequantizes). Converts one field of
     one layer at a time into a preallocated buffer, so the peak is the experts plus their converted copy, never a
     whole layer's temporaries on top. Experts split over a mesh (`sharding.rules.Layout`) stay split: each device
     converts its own experts."""
     kernels = _resolved(kernels)
     experts = params.layers.experts
     if kernels.impl == "reference":
-        return params
+        return bf16_experts(params, kernels)  # none: a warning if asked for
     if not isinstance(experts, KernelExperts):
         shapes, out = expert_shapes(experts, "pallas"), {}
         for name, kname in expert_format.KERNEL_FIELDS.items():
@@ -130,9 +138,95 @@ def prepare_params(params, kernels: KernelConfig):
         and moe_mosaic.fits(experts.dn_words.shape[-2], experts.gu_words.shape[-2])
     ):
         experts = with_scale_operands(experts)
-    if experts is params.layers.experts:
+    if experts is not params.layers.experts:
+        params = params.replace(layers=params.layers.replace(experts=experts))
+    return bf16_experts(params, kernels)
+
+
+def bf16_experts(params, kernels: KernelConfig):
+    """`params` (experts in the kernels' layout) with the bf16 copy of the experts that `kernels` asks for
+    (`moe_prefill_bf16_experts`): made once (`with_bf16_experts`) where the grouped prefill GEMMs read it, else none.
+    Where the model never takes those GEMMs (`choice.bf16_experts_unused`) or the copy would not fit the devices'
+    free memory (`_bf16_too_big`: 120b on one GPU) the option is ignored with a warning: a speed option with the same
+    outputs either way, which a shared config or a profile may turn on for every model."""
+    kernels = _resolved(kernels)
+    experts = params.layers.experts
+    want = kernels.moe_prefill_bf16_experts
+    why = _bf16_unused(experts, params, kernels) if want else ""
+    if want and not why and experts.gu_bf16 is None:
+        why = _bf16_too_big(experts)
+    if why:
+        log.warning("kernels.moe_prefill_bf16_experts ignored: %s", why)
+    if not want or why:
+        if getattr(experts, "gu_bf16", None) is None:
+            return params
+        experts = experts.replace(gu_bf16=None, dn_bf16=None)
+    elif experts.gu_bf16 is None:
+        platform = next(iter(experts.gu_words.devices())).platform
+        experts = with_bf16_experts(experts, interpret=platform != "gpu")
+        log.info(
+            "kernels.moe_prefill_bf16_experts: stored the experts in bf16 for the grouped prefill GEMMs, %.1f GB",
+            (experts.gu_bf16.nbytes + experts.dn_bf16.nbytes) / 1e9,
+        )
+    else:
         return params
     return params.replace(layers=params.layers.replace(experts=experts))
+
+
+def _bf16_unused(experts, params, kernels: KernelConfig) -> str:
+    """`choice.bf16_experts_unused` for these parameters (either expert layout), by the experts each device holds:
+    split over a mesh, each device runs the MoE kernels on its own (120b over 4 devices: 32 each, grouped)."""
+    D, I, E, _ = _moe_shape(experts, 1)
+    leaf = jax.tree.leaves(experts)[0]  # [L, E, ...]
+    E = leaf.sharding.shard_shape(leaf.shape)[1] if isinstance(leaf, jax.Array) else E
+    return choice.bf16_experts_unused((D, I, E), params.embed.dtype, kernels.device, kernels)
+
+
+def _bf16_too_big(kexp: KernelExperts) -> str:
+    """Why the bf16 copy of `kexp` cannot be made here: its bytes on a device past the memory free on the devices
+    holding the experts (JAX's pool less what is in use), or "" (also where devices report no memory, a CPU)."""
+    L, E, _, I, W = kexp.gu_words.shape
+    shard = kexp.gu_words.sharding.shard_shape(kexp.gu_words.shape)
+    need = 3 * L * shard[1] * 8 * W * I * 2
+    free = [s["bytes_limit"] - s.get("bytes_in_use", 0) for s in map(_memory_stats, kexp.gu_words.devices()) if s]
+    if free and need > min(free):
+        return (
+            f"its {need / 1e9:.1f} GB a device ({3 * L * E * 8 * W * I * 2 / 1e9:.1f} GB in all) would not fit the "
+            f"{min(free) / 1e9:.1f} GB free"
+        )
+    return ""
+
+
+def _memory_stats(device) -> dict | None:
+    stats = device.memory_stats() or {}
+    return stats if "bytes_limit" in stats else None
+
+
+def with_bf16_experts(kexp: KernelExperts, *, interpret: bool = False) -> KernelExperts:
+    """`kexp` (stacked `[L, E, ...]`) with its bf16 copy stored (`KernelExperts.gu_bf16`, `dn_bf16`: each layer's
+    `moe_dense.dequantize_experts`, the function the grouped GEMMs otherwise run every call, so the same bits), made
+    one layer at a time into preallocated buffers: the peak is the copy plus one layer's. Experts split over a mesh
+    stay split: each device dequantizes its own, into its share of the copy (the MXFP4 experts' partition)."""
+    L = kexp.gu_words.shape[0]
+    words = (kexp.gu_words, kexp.gu_scales, kexp.dn_words, kexp.dn_scales)
+    one = functools.partial(moe_dense.dequantize_experts, interpret=interpret)
+    where = _expert_placement(kexp.gu_words.sharding)
+    if where is not None:  # per device: its experts of the layer (a Pallas call is not partitioned by XLA)
+        spec = where.spec
+        one = jax.shard_map(
+            one,
+            mesh=where.mesh,
+            in_specs=(spec,) * 4 + (jax.sharding.PartitionSpec(),),
+            out_specs=(jax.sharding.PartitionSpec(*spec[1:]),) * 2,
+            check_vma=False,
+        )
+    make = jax.jit(one)
+    shapes = jax.eval_shape(make, *words, jnp.int32(0))
+    bufs = [jnp.zeros((L, *s.shape), s.dtype, device=where) for s in shapes]
+    for layer in range(L):
+        for i, x in enumerate(make(*words, jnp.int32(layer))):
+            bufs[i] = put_layer(bufs[i], x, layer)
+    return kexp.replace(gu_bf16=bufs[0], dn_bf16=bufs[1])
 
 
 def with_scale_operands(kexp: KernelExperts) -> KernelExperts:

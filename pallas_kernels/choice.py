@@ -133,6 +133,13 @@ class KernelConfig:
     # expert. 120b on an H200, a 2 x 8,192-token prefill call: 535.6 against 585.8 ms on the Triton GEMMs in groups
     # of 32; its 8,192/1,024 job +7.7% (BENCHMARKS §17). 32 keeps the 120b on the Triton GEMMs.
     moe_grouped_experts: int = 128
+    # Keep a bf16 copy of the experts, made once at load, for those grouped GEMMs (the only kernels that read it)
+    # instead of dequantizing every expert of the layer in each call: that dequantization was 15.6 of the 40.0 ms of
+    # a 1 x 1,024-token prefill call (batch-1 TTFT) and 15.7 of 269.8 ms at 2 x 8,192 (20b, H200, BENCHMARKS §16).
+    # It costs 38.2 GB for 20b (beside 13.4 GB of MXFP4 weights), taken from the KV cache. Ignored, with a warning at
+    # load, where the grouped GEMMs never run (fp32, no Mosaic, more experts a device than `moe_grouped_experts`) or
+    # where the copy would not fit the device's free memory (120b: 229 GB; 57 GB a device over 4).
+    moe_prefill_bf16_experts: bool = False
     # bf16 models from 2 to `moe_mosaic_rows` routed rows per expert take the Mosaic GPU kernels on Hopper: 20b
     # batch 256 in 16.6 ms against 18.5 ms for the Triton kernels (§4c).
     moe_mosaic_rows: int = 32
@@ -146,6 +153,8 @@ class KernelConfig:
             raise ValueError(f"kernels.impl={self.impl!r}: choose one of {('auto',) + IMPLS}")
         if self.mosaic not in (None, True, False):
             raise ValueError(f"kernels.mosaic={self.mosaic!r}: true, false or null (Hopper decides)")
+        if not isinstance(self.moe_prefill_bf16_experts, bool):
+            raise ValueError(f"kernels.moe_prefill_bf16_experts={self.moe_prefill_bf16_experts!r}: true or false")
         for f in dataclasses.fields(self):
             v, least = getattr(self, f.name), 0 if f.name.endswith(("_rows", "_tokens")) else 1
             if f.type == "int" and (not isinstance(v, int) or isinstance(v, bool) or v < least):
@@ -280,6 +289,25 @@ def choose(op: str, rows: int, shape: tuple[int, ...], dtype, device: Device, co
         # slots, 2.6e12 with 16, 2.4e12 with 32, 1.0e12 with 64, where three stages no longer fit shared memory)
         return _choice("mosaic", block_m=16 if pairs <= 8 * E else 32, stages=c.moe_mosaic_stages)
     return _fused(rows, pairs, E, half)
+
+
+def bf16_experts_unused(shape: tuple[int, int, int], dtype, device: Device, config: KernelConfig) -> str:
+    """Why a bf16 copy of the experts (`KernelConfig.moe_prefill_bf16_experts`) would never be read for a model of
+    `shape` (hidden, intermediate, experts) in `dtype` on `device`: the reason, or "" where the grouped GEMMs run
+    (the only kernels that read it)."""
+    D, I, E = shape
+    if config.impl_on(device) == "reference":
+        return "the pure-JAX reference runs (kernels.impl), not the kernels"
+    if jnp.dtype(dtype) == jnp.dtype(jnp.float32):
+        return "an fp32 model: the grouped GEMMs run in bf16"
+    if not config.mosaic_on(device):
+        return "no Mosaic GPU kernels here (they need Hopper; kernels.mosaic)"
+    if not moe_dense.grouped_fits(D, I, E, 128, config.moe_grouped_experts):
+        return (
+            f"{E} experts of {D} x {I} a device do not take the grouped GEMMs (at most kernels.moe_grouped_experts="
+            f"{config.moe_grouped_experts}, D and I multiples of 64 from 256)"
+        )
+    return ""
 
 
 def _gemv16(rows: int) -> tuple[str, dict]:

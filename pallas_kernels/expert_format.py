@@ -40,6 +40,12 @@ class KernelExperts:
     gu_rowfac: jax.Array | None = None  # f32 [E, 2I]
     dn_sexp: jax.Array | None = None  # u32 [E, D, Gp/4]
     dn_rowfac: jax.Array | None = None  # f32 [E, D]
+    # The experts dequantized to bf16 once (`moe_dense.dequantize_experts`: values x 2^-14, features in natural
+    # order), stored by `pallas_kernels.prepare_params` with `KernelConfig.moe_prefill_bf16_experts` where the
+    # grouped prefill GEMMs run (bf16 models of up to 32 experts on Hopper), which then read them instead of
+    # dequantizing per call; None elsewhere.
+    gu_bf16: jax.Array | None = None  # bf16 [E, 2I, D]: the gate rows, then the up rows
+    dn_bf16: jax.Array | None = None  # bf16 [E, D, I]
 
 
 def phase_order(n: int) -> np.ndarray:

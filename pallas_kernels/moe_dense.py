@@ -17,14 +17,17 @@ order, so the GEMMs read contiguous tiles.  Transient memory: one group of `grou
 (32 experts of 20b/120b: 1.6 GB); larger expert sets (120b: 128) run group by group into one output.
 
 On Hopper, bf16 models whose experts dequantize in one group (20b's 32; 120b's 128 where
-`KernelConfig.moe_grouped_experts` allows) take `experts_grouped` instead: the pairs' rows gathered in expert order
-and two grouped GEMMs in jax's own Mosaic GPU ragged dot (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`: TMA,
-wgmma with one step in flight, a persistent grid). On the 20b shapes at 16,384 tokens it ran the gate/up GEMM in
-3.31 ms and the down in 1.62 ms (80% of the bf16 matmul rate) against 4.92 and 2.64 ms for the Triton GEMMs here
-(H200, docs/BENCHMARKS.md §4g). Its outputs are bf16 (the gate/up biases and SwiGLU follow in `swiglu_epilogue`, the
-down bias in XLA, in f32), as in transformers' bf16 experts. It computes every tile of its row count, so expert
-groups (each would need its own rows) stay on the Triton GEMMs: a set too large to dequantize at once is not
-grouped.
+`KernelConfig.moe_grouped_experts` allows) take `experts_grouped` instead: the pairs' rows gathered in expert order and
+two grouped GEMMs in jax's own Mosaic GPU ragged dot (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`: TMA, wgmma with
+one step in flight, a persistent grid). On the 20b shapes at 16,384 tokens it ran the gate/up GEMM in 3.31 ms and the
+down in 1.62 ms (80% of the bf16 matmul rate) against 4.92 and 2.64 ms for the Triton GEMMs here (H200,
+docs/BENCHMARKS.md §4g). Its outputs are bf16 (the gate/up biases and SwiGLU follow in `swiglu_epilogue`, the down bias
+in XLA, in f32), as in transformers' bf16 experts. It computes every tile of its row count, so expert groups (each would
+need its own rows) stay on the Triton GEMMs: a set too large to dequantize at once is not grouped. With
+`KernelConfig.moe_prefill_bf16_experts` the dequantized experts of every layer are made once at load
+(`dequantize_experts`, stored as `KernelExperts.gu_bf16` / `dn_bf16`) and the ragged dot reads the layer's straight out
+of that stack (`ragged_dot`, our own kernel: jax's takes its weights as one whole array), so no call dequantizes: 20b
+prefill calls lose the ~16 ms the dequantization took, for 38.2 GB of device memory.
 """
 
 import functools
@@ -36,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
-from pallas_kernels import moe_slots
+from pallas_kernels import moe_slots, ragged_dot
 from pallas_kernels.expert_format import F16_SHIFT, KernelExperts, clamped_swiglu, decode_words, phase_order, scale_f32
 from pallas_kernels.moe_mma import dot_t
 
@@ -301,29 +304,27 @@ def grouped_fits(D: int, I: int, E: int, pairs: int, max_experts: int = GROUP) -
     return E <= max_experts and I % 64 == D % 64 == 0 and min(D, I) >= 256 and pairs >= 128
 
 
-def grouped_matmul(lhs_PK, w_GNK, sizes_G, *, interpret=False):
+def grouped_matmul(lhs_PK, w_GNK, sizes_G, *, first=None, interpret=False):
     """`lhs` rows in contiguous groups of `sizes_G` rows times their group's `w.T`, `[P, N]` in lhs's dtype.
-    On the GPU jax's Mosaic GPU ragged dot, in the H200 sweep's best blocks (128 rows, N tiles of 192 where
-    they divide N, 4 stages, N tiles visited in bands of 3-5); else `lax.ragged_dot`."""
+    With `first` (traced), `w` holds more groups than `sizes` (every layer's experts, `[L E, N, K]`) and groups
+    `first ..` are used, read in place: slicing them out would copy a layer's weights into the call (20b: 1.6 GB,
+    more than dequantizing them costs). On the GPU jax's Mosaic GPU ragged dot, in the H200 sweep's best blocks
+    (128 rows, N tiles of 192 where they divide N, 4 stages, N tiles visited in bands of 3-5); else
+    `lax.ragged_dot`."""
+    G = sizes_G.shape[0]
     if interpret:
-        return jax.lax.ragged_dot(
-            lhs_PK, jnp.swapaxes(w_GNK, 1, 2), sizes_G, preferred_element_type=jnp.float32
-        ).astype(lhs_PK.dtype)
+        w = w_GNK if first is None else jax.lax.dynamic_slice_in_dim(w_GNK, first, G)
+        return jax.lax.ragged_dot(lhs_PK, jnp.swapaxes(w, 1, 2), sizes_G, preferred_element_type=jnp.float32).astype(
+            lhs_PK.dtype
+        )
     P, N = lhs_PK.shape[0], w_GNK.shape[1]
     bn = next(b for b in (192, 128, 64) if N % b == 0)
     band = next(b for b in (5, 3, 2, 1) if (N // bn) % b == 0)
     lhs = jnp.pad(lhs_PK, ((0, -P % 8), (0, 0)))  # its TMA tiles rows by 8; rows past the groups stay unread
-    return ragged_dot_mgpu.ragged_dot(
-        lhs,
-        w_GNK,
-        group_sizes=sizes_G,
-        block_m=128,
-        block_n=bn,
-        block_k=64,
-        max_concurrent_steps=4,
-        grid_block_n=band,
-        transpose_rhs=True,
-    )[:P]
+    launch = dict(block_m=128, block_n=bn, block_k=64, max_concurrent_steps=4, grid_block_n=band, transpose_rhs=True)
+    if first is None:
+        return ragged_dot_mgpu.ragged_dot(lhs, w_GNK, group_sizes=sizes_G, **launch)[:P]
+    return ragged_dot.ragged_dot(lhs, w_GNK, first, sizes_G, block_n=bn, band=band)[:P]
 
 
 def _swiglu_kernel(e_ref, z_ref, bias_ref, a_ref, *, bm, bn, limit, alpha):
@@ -367,13 +368,43 @@ def swiglu_epilogue_reference(z_P2I, e_P, bias_E2I, *, limit, alpha):
     return clamped_swiglu(z[:, :I] + b[e_P, 0], z[:, I:] + b[e_P, 1], limit, alpha).astype(jnp.bfloat16)
 
 
+def dequantize_experts(gu_words, gu_scales, dn_words, dn_scales, layer=None, *, interpret=False):
+    """Layer `layer`'s experts (`KernelExperts` words and scales stacked `[L, E, ...]`; with `layer` None, one
+    layer's `[E, ...]`) in bf16 as the grouped GEMMs read them: gate/up `[E, 2I, D]` (the gate rows, then the up
+    rows, features in natural order) and down `[E, D, I]`, both times 2^-14 (`F16_SHIFT`: the decode places e2m1 *
+    2^-14; the GEMMs' outputs are scaled back). `experts_grouped` makes them every call, `pallas_kernels` once at
+    load (`KernelExperts.gu_bf16`, `dn_bf16`) with this same function: the same bits either way."""
+    E, _, I, W = gu_words.shape[-4:]
+    D = 8 * W
+    base = jnp.int32(0) if layer is None else layer * E
+    w_gu = dequantize(
+        gu_words.reshape(-1, D // 8),
+        gu_scales.reshape(-1, D // 32),
+        base * 2 * I,
+        E * 2 * I,
+        jnp.bfloat16,
+        perm_I=I,
+        interpret=interpret,
+    ).reshape(E, 2 * I, D)  # gate, up rows
+    w_dn = dequantize(
+        dn_words.reshape(-1, I // 8),
+        dn_scales.reshape(-1, I // 32),
+        base * D,
+        E * D,
+        jnp.bfloat16,
+        interpret=interpret,
+    ).reshape(E, D, I)
+    return w_gu, w_dn
+
+
 @functools.partial(jax.jit, static_argnames=("swiglu_limit", "swiglu_alpha", "interpret"))
 def experts_grouped(
     x_TD, idx_TK, w_TK, kexp: KernelExperts, layer=None, valid_TK=None, *, swiglu_limit, swiglu_alpha, interpret=None
 ):
     """`experts`'s contract on the Mosaic GPU grouped GEMMs (`grouped_fits` experts, bf16): the layer's
-    experts dequantized at once, the pairs' rows sorted by expert, gate/up -> bias and SwiGLU -> down -> bias
-    and routing weight, summed per token. `interpret` (default: off the GPU) runs `lax.ragged_dot` instead."""
+    experts dequantized at once (or their stored bf16 copy, where `kexp` carries one), the pairs' rows sorted by
+    expert, gate/up -> bias and SwiGLU -> down -> bias and routing weight, summed per token. `interpret` (default:
+    off the GPU) runs `lax.ragged_dot` instead."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     E, _, I, W = kexp.gu_words.shape[-4:]
@@ -392,29 +423,19 @@ def experts_grouped(
     e_sorted = jnp.minimum(e_P[order], E - 1)  # skipped pairs (sorted last) ride with the last expert;
     sizes = jnp.zeros((E,), jnp.int32).at[e_sorted].add(1)  # `combine` zeroes them
 
-    base = jnp.int32(0) if layer is None else layer * E
-    w_gu = dequantize(
-        kexp.gu_words.reshape(-1, D // 8),
-        kexp.gu_scales.reshape(-1, D // 32),
-        base * 2 * I,
-        E * 2 * I,
-        jnp.bfloat16,
-        perm_I=I,
-        interpret=interpret,
-    ).reshape(E, 2 * I, D)  # gate, up rows
-    w_dn = dequantize(
-        kexp.dn_words.reshape(-1, I // 8),
-        kexp.dn_scales.reshape(-1, I // 32),
-        base * D,
-        E * D,
-        jnp.bfloat16,
-        interpret=interpret,
-    ).reshape(E, D, I)
+    if kexp.gu_bf16 is None:  # this layer's experts dequantized, every call
+        w_gu, w_dn = dequantize_experts(
+            kexp.gu_words, kexp.gu_scales, kexp.dn_words, kexp.dn_scales, layer, interpret=interpret
+        )
+        first = None
+    else:  # the copy stored at load (`KernelConfig.moe_prefill_bf16_experts`): this layer's groups, read in place
+        w_gu, w_dn = kexp.gu_bf16.reshape(-1, 2 * I, D), kexp.dn_bf16.reshape(-1, D, I)
+        first = None if layer is None else layer * E
     unscale = 2.0**F16_SHIFT  # the dequantized weights are x 2^-14
 
-    z = grouped_matmul(x_TD.astype(jnp.bfloat16)[order // k], w_gu, sizes, interpret=interpret)  # [P, 2I]
+    z = grouped_matmul(x_TD.astype(jnp.bfloat16)[order // k], w_gu, sizes, first=first, interpret=interpret)  # [P, 2I]
     gu_bias = one(kexp.gu_bias)[:, :, np.argsort(phase_order(I))]  # natural order
     a = swiglu_epilogue(z, e_sorted, gu_bias, limit=swiglu_limit, alpha=swiglu_alpha, interpret=interpret)
-    y = grouped_matmul(a, w_dn, sizes, interpret=interpret).astype(jnp.float32) * unscale
+    y = grouped_matmul(a, w_dn, sizes, first=first, interpret=interpret).astype(jnp.float32) * unscale
     y = (y + one(kexp.dn_bias)[e_sorted].astype(jnp.float32)) * w_TK.reshape(P).astype(jnp.float32)[order][:, None]
     return moe_slots.combine(y, order, valid_TK, T, k, x_TD.dtype)

@@ -139,7 +139,10 @@ class Layout:
         is_axes = lambda x: isinstance(x, tuple)
         if shapes is None:
             return jax.tree.map(lambda a: self.sharding(a, num_kv_heads), axes, is_leaf=is_axes)
-        if not isinstance(shapes.layers.experts, params_lib.Experts):  # the kernels' layout: [L, E, ...]
+        # The kernels' layout (`KernelExperts`): every leaf [L, E, ...], split as the MXFP4 experts (expert-parallel),
+        # what the kernels derive from them included (the Mosaic scale operands, the bf16 copy for the grouped
+        # prefill GEMMs: `KernelConfig.moe_prefill_bf16_experts`).
+        if not isinstance(shapes.layers.experts, params_lib.Experts):
             experts = jax.tree.map(
                 lambda s: ("layers", "experts") + (None,) * (len(s.shape) - 2), shapes.layers.experts
             )

@@ -694,3 +694,26 @@ def test_max_model_len_past_the_cache_names_what_took_it(small_checkpoint):
         match=r"max_model_len=60 exceeds .* 48 tokens .*max_num_seqs=4 and a prefill call of max_num_batched_tokens=16",
     ):
         Engine(small_checkpoint, dtype="float32", progress=False, warmup=False, **{**SMALL, "max_model_len": 60})
+
+
+def test_engine_frees_the_bf16_experts_it_made(caplog):
+    """With `kernels.moe_prefill_bf16_experts` an engine given parameters (`loaded`) makes the experts' bf16 copy
+    itself (the grouped GEMMs are asked for here, interpreted on the CPU), sizes its KV cache after it, and frees it
+    on `close`, leaving the caller's parameters alone (a benchmark runs the next engine on them)."""
+    from gptoss_jax import config, random_weights
+    from pallas_kernels import KernelConfig
+
+    hf = dict(random_weights.DEMO_CONFIG, vocab_size=512, hidden_size=256, intermediate_size=256, head_dim=64)
+    cfg = config.from_hf_dict(hf)
+    grouped = dict(impl="pallas", mosaic=True)
+    params = random_weights.random_params(cfg, jnp.bfloat16, kernels=KernelConfig(**grouped).for_device())
+    kernels = dict(grouped, moe_prefill_bf16_experts=True)
+    with caplog.at_level("INFO", logger="pallas_kernels"):
+        eng = Engine(loaded=(cfg, params), progress=False, kernels=kernels, **SMALL)
+    assert "stored the experts in bf16 for the grouped prefill GEMMs" in caplog.text
+    copy = eng.params.layers.experts.gu_bf16
+    assert copy.shape == (cfg.num_layers, cfg.num_experts, 2 * cfg.intermediate_size, cfg.hidden_size)
+    assert params.layers.experts.gu_bf16 is None
+    eng.close()
+    assert copy.is_deleted() and eng.params.layers.experts.dn_bf16.is_deleted()
+    assert not any(a.is_deleted() for a in jax.tree.leaves(params))

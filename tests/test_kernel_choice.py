@@ -8,7 +8,7 @@ import pytest
 
 from gptoss_jax import config, engine_config
 from pallas_kernels import KernelConfig, kv_quant, paged_attention
-from pallas_kernels.choice import CPU, H100, H200, Device, choose
+from pallas_kernels.choice import CPU, H100, H200, Device, bf16_experts_unused, choose
 
 PALLAS = KernelConfig(impl="pallas")
 ROWS = (1, 4, 16, 64, 256, 16384)
@@ -156,11 +156,34 @@ def test_config_fields_are_the_switches():
     hash(resolved)  # a static argument of the compiled steps
 
 
+def test_bf16_experts_only_where_the_grouped_gemms_run():
+    """`moe_prefill_bf16_experts` is read by the grouped prefill GEMMs only: bf16 models of up to
+    `moe_grouped_experts` experts a device on Hopper with the kernels (20b; 120b too, where its copy fits: the
+    loader checks the memory). Elsewhere it is ignored, for a reason."""
+    on = dataclasses.replace(PALLAS, moe_prefill_bf16_experts=True)
+    D, I, E, _ = _moe_shape("gpt-oss-20b")
+    for device in (H100, H200):
+        assert bf16_experts_unused((D, I, E), jnp.bfloat16, device, on) == ""
+        assert bf16_experts_unused((D, I, 128), jnp.bfloat16, device, on) == ""  # 120b: grouped from 128 rows
+        groups = dataclasses.replace(on, moe_grouped_experts=32)  # 120b on the Triton GEMMs in groups of 32
+        assert bf16_experts_unused((D, I, 128), jnp.bfloat16, device, groups).startswith("128 experts")
+        assert bf16_experts_unused((D, I, 32), jnp.bfloat16, device, groups) == ""  # 120b's share of 4 devices
+    assert "fp32" in bf16_experts_unused((D, I, E), jnp.float32, H200, on)
+    assert "Mosaic" in bf16_experts_unused((D, I, E), jnp.bfloat16, Device("gpu", "8.0", 108), on)
+    assert "Mosaic" in bf16_experts_unused((D, I, E), jnp.bfloat16, H200, dataclasses.replace(on, mosaic=False))
+    assert "reference" in bf16_experts_unused((D, I, E), jnp.bfloat16, CPU, KernelConfig())
+    assert not KernelConfig().moe_prefill_bf16_experts  # opt-in: 38 GB for 20b
+    with pytest.raises(ValueError, match="moe_prefill_bf16_experts=1: true or false"):
+        KernelConfig(moe_prefill_bf16_experts=1)
+
+
 def test_yaml_and_errors(tmp_path):
     path = tmp_path / "e.yaml"
     path.write_text("max_num_seqs: 4\nkernels:\n  mosaic: false\n  linear_stages: 2\n")
     ec = engine_config.load(path)
     assert ec.kernels == KernelConfig(mosaic=False, linear_stages=2)
+    path.write_text("kernels:\n  moe_prefill_bf16_experts: true\n")
+    assert engine_config.load(path).kernels == KernelConfig(moe_prefill_bf16_experts=True)
     path.write_text("kernels:\n  linear_stage: 2\n")
     with pytest.raises(config.ConfigError, match=r"e\.yaml.*unknown kernel setting 'linear_stage'"):
         engine_config.load(path)

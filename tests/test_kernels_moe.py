@@ -1,6 +1,7 @@
 """The Pallas MXFP4 MoE kernels (CPU interpret mode) against `moe_reference` on fresh random inputs."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,8 @@ import pytest
 
 import pallas_kernels
 from pallas_kernels import expert_format, moe_dense, moe_gemv, moe_mma, moe_reference, moe_slots, mxfp4
-from pallas_kernels.choice import CPU, H200, Device, KernelConfig, choose
+from pallas_kernels import params as params_lib
+from pallas_kernels.choice import CPU, H200, REFERENCE, Device, KernelConfig, choose
 from pallas_kernels.params import Experts
 
 KERNELS = KernelConfig(impl="pallas")
@@ -237,6 +239,164 @@ def test_swiglu_epilogue_matches_xla(P, I, block_n):
     assert (np.abs(np.asarray(z, np.float32) * 2.0**14) > LIMIT + 3).mean() > 0.3
     assert got.dtype == jnp.bfloat16 and got.shape == (P, I)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2**-7)
+
+
+# The grouped path on a CPU: Mosaic asked for (as on Hopper), the kernels interpreted (`lax.ragged_dot` for the GEMMs).
+GROUPED_CPU = KernelConfig(impl="pallas", mosaic=True).for_device(CPU)
+
+
+def _grouped_here():
+    """(kernels, interpret): the grouped path on this machine, as the kernels on Hopper, else interpreted."""
+    hopper = Device.current().hopper
+    return KernelConfig(impl="pallas", mosaic=True).for_device(None if hopper else CPU), not hopper
+
+
+def _stacked_experts(rng, L, E, D, I):
+    return expert_format.prepare_experts(
+        jax.tree.map(lambda *a: jnp.stack(a), *[_experts(rng, E, D, I, jnp.bfloat16) for _ in range(L)])
+    )
+
+
+def _bits(a):
+    return np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint16))
+
+
+@pytest.mark.parametrize("valid", [False, True])
+def test_grouped_prefill_with_stored_bf16_experts_is_bit_identical(valid):
+    """`KernelConfig.moe_prefill_bf16_experts`: the stored copy is each layer's `dequantize_experts` bit for bit
+    (layout and the 2^-14 scaling included), and the grouped path reading it (the whole stack, at the layer's
+    first expert) gives exactly the output of dequantizing per call: stacked layers, the layer traced, an empty
+    expert, an odd token count, pairs skipped (expert parallelism); through the kernel choice, routing included.
+    On Hopper the kernels run (jax's Mosaic GPU ragged dot on the view of the stack), elsewhere interpreted."""
+    T, E, k, D, I, L = 151, 4, 2, 256, 320, 3
+    kernels, interpret = _grouped_here()  # on Hopper the kernels: jax's ragged dot reading the stack in place
+    rng = np.random.default_rng(7 + valid)
+    kx = _stacked_experts(rng, L, E, D, I)
+    stored = pallas_kernels.with_bf16_experts(kx, interpret=interpret)
+    assert stored.gu_bf16.shape == (L, E, 2 * I, D) and stored.dn_bf16.shape == (L, E, D, I)
+    assert stored.gu_bf16.dtype == stored.dn_bf16.dtype == jnp.bfloat16
+    assert not stored.gu_bf16.committed and not stored.dn_bf16.committed  # as every parameter (no recompiles)
+    for layer in range(L):
+        gu, dn = moe_dense.dequantize_experts(
+            kx.gu_words, kx.gu_scales, kx.dn_words, kx.dn_scales, jnp.int32(layer), interpret=interpret
+        )
+        np.testing.assert_array_equal(_bits(stored.gu_bf16[layer]), _bits(gu))
+        np.testing.assert_array_equal(_bits(stored.dn_bf16[layer]), _bits(dn))
+    x = jnp.asarray(rng.normal(size=(T, D)), jnp.bfloat16)
+    idx = jnp.asarray(np.stack([1 + rng.permutation(E - 1)[:k] for _ in range(T)]), jnp.int32)  # expert 0 empty
+    w = jnp.asarray(rng.random((T, k)), jnp.float32)
+    mask = jnp.asarray(rng.random((T, k)) < 0.6) if valid else None
+    run = lambda ex: moe_dense.experts_grouped(  # noqa: E731
+        x, idx, w, ex, jnp.int32(1), mask, swiglu_limit=LIMIT, swiglu_alpha=ALPHA, interpret=interpret
+    )
+    np.testing.assert_array_equal(_bits(run(stored)), _bits(run(kx)))
+    # the model's entry point: routing, then the choice's grouped GEMMs (pairs >= moe_dense_rows per expert)
+    assert choose("experts", T, (D, I, E, k), jnp.bfloat16, kernels.device, kernels).kernel == "grouped"
+    router_w = jnp.asarray(rng.normal(size=(E, D)), jnp.bfloat16)
+    router_b = jnp.asarray(rng.normal(size=(E,)), jnp.bfloat16)
+    moe = lambda ex: pallas_kernels.moe(  # noqa: E731
+        x,
+        router_w,
+        router_b,
+        ex,
+        top_k=k,
+        swiglu_limit=LIMIT,
+        swiglu_alpha=ALPHA,
+        layer=jnp.int32(2),
+        kernels=kernels,
+    )
+    np.testing.assert_array_equal(_bits(moe(stored)), _bits(moe(kx)))
+
+
+def test_prepare_params_stores_the_bf16_experts_only_when_asked_and_used(caplog, monkeypatch):
+    """Random weights end in `prepare_params`, as the checkpoint loader and the engine: with the option, where the
+    grouped GEMMs run, the copy is part of the params tree (counted by `params.nbytes`, as the engine's memory
+    accounting counts what is in use); without it, none (a copy in the given tree is dropped); a model the grouped
+    GEMMs never see (more experts than `moe_grouped_experts`, the reference implementation), or whose copy would
+    not fit the devices' free memory (120b on one GPU: 229 GB), gets none, with a warning."""
+    from gptoss_jax import config, random_weights
+
+    hf = dict(random_weights.DEMO_CONFIG, vocab_size=512, hidden_size=256, intermediate_size=256, head_dim=64)
+    cfg = config.from_hf_dict(hf)
+    on = dataclasses.replace(GROUPED_CPU, moe_prefill_bf16_experts=True)
+    params = random_weights.random_params(cfg, jnp.bfloat16, kernels=on)
+    ex = params.layers.experts
+    L, E, D, I = cfg.num_layers, cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    assert ex.gu_bf16.shape == (L, E, 2 * I, D) and ex.dn_bf16.shape == (L, E, D, I)
+    plain = pallas_kernels.prepare_params(params, GROUPED_CPU)
+    assert plain.layers.experts.gu_bf16 is None and plain.layers.experts.dn_bf16 is None
+    assert params_lib.nbytes(params) - params_lib.nbytes(plain) == 3 * L * E * D * I * 2
+    again = pallas_kernels.with_bf16_experts(plain.layers.experts, interpret=jax.default_backend() != "gpu")
+    np.testing.assert_array_equal(_bits(again.gu_bf16), _bits(ex.gu_bf16))
+    np.testing.assert_array_equal(_bits(again.dn_bf16), _bits(ex.dn_bf16))
+    assert pallas_kernels.prepare_params(params, on) is params  # made once
+    with caplog.at_level("WARNING", logger="pallas_kernels"):
+        groups = dataclasses.replace(on, moe_grouped_experts=32)
+        big = random_weights.random_params(config.from_hf_dict(dict(hf, num_local_experts=40)), kernels=groups)
+        assert big.layers.experts.gu_bf16 is None
+        assert "moe_prefill_bf16_experts ignored: 40 experts of 256 x 256 a device" in caplog.text
+        caplog.clear()
+
+        def free(mib):  # devices reporting `mib` MiB free in their pool
+            stats = {"bytes_limit": 100 * 2**20, "bytes_in_use": (100 - mib) * 2**20}
+            monkeypatch.setattr(pallas_kernels, "_memory_stats", lambda device: stats)
+
+        free(1)  # the copy takes 3 L E D I bf16 values: 3.1 MB
+        assert pallas_kernels.prepare_params(plain, on).layers.experts.gu_bf16 is None
+        assert "moe_prefill_bf16_experts ignored: its 0.0 GB a device (0.0 GB in all) would not fit" in caplog.text
+        free(4)
+        assert pallas_kernels.prepare_params(plain, on).layers.experts.gu_bf16 is not None
+        monkeypatch.undo()
+        caplog.clear()
+        ref = random_weights.random_params(cfg, kernels=dataclasses.replace(REFERENCE, moe_prefill_bf16_experts=True))
+        assert isinstance(ref.layers.experts, Experts)
+        assert "moe_prefill_bf16_experts ignored: the pure-JAX reference" in caplog.text
+
+
+def test_stored_bf16_experts_reach_the_ragged_dot_whole():
+    """Lowered for an H200 (on this CPU): with the stored copy the two Mosaic GPU ragged dots take the whole
+    `[L E, N, K]` stack (`pallas_kernels.ragged_dot`: no slice of it, which would copy the layer, 20b: 1.6 GB), and
+    no dequantization kernel runs."""
+    from tools import inspect_kernels
+
+    T, E, k, D, I, L = 151, 4, 2, 256, 320, 3
+    kx = jax.eval_shape(lambda: _stacked_experts(np.random.default_rng(0), L, E, D, I))
+    stored = kx.replace(
+        gu_bf16=jax.ShapeDtypeStruct((L, E, 2 * I, D), jnp.bfloat16),
+        dn_bf16=jax.ShapeDtypeStruct((L, E, D, I), jnp.bfloat16),
+    )
+    args = (
+        jax.ShapeDtypeStruct((T, D), jnp.bfloat16),
+        jax.ShapeDtypeStruct((T, k), jnp.int32),
+        jax.ShapeDtypeStruct((T, k), jnp.float32),
+    )
+
+    def lowered(ex):
+        f = jax.jit(
+            lambda x, i, w, ex, layer: moe_dense.experts_grouped(
+                x, i, w, ex, layer, swiglu_limit=LIMIT, swiglu_alpha=ALPHA, interpret=False
+            )
+        )
+        with inspect_kernels.lowering_for_hopper():
+            return f.trace(*args, ex, jnp.int32(1)).lower(lowering_platforms=("cuda",)).as_text()
+
+    def mosaic_operands(text):
+        return [
+            re.search(r"\}\s*:\s*\(([^)]*)\)", text[m.end() :]).group(1)
+            for m in re.finditer(r"custom_call @mosaic_gpu_v2\(", text)
+        ]
+
+    plain, with_copy = lowered(kx), lowered(stored)
+    P = -(-T * k // 8) * 8
+    assert mosaic_operands(plain) == [
+        f"tensor<{E}xi32>, tensor<{P}x{D}xbf16>, tensor<{E}x{2 * I}x{D}xbf16>",
+        f"tensor<{E}xi32>, tensor<{P}x{I}xbf16>, tensor<{E}x{D}x{I}xbf16>",
+    ]
+    assert mosaic_operands(with_copy) == [
+        f"tensor<{4 * E}xi32>, tensor<{P}x{D}xbf16>, tensor<{L * E}x{2 * I}x{D}xbf16>",
+        f"tensor<{4 * E}xi32>, tensor<{P}x{I}xbf16>, tensor<{L * E}x{D}x{I}xbf16>",
+    ]
+    assert "mxfp4_dequantize" in plain and "mxfp4_dequantize" not in with_copy
 
 
 def test_grouped_prefill_limits(monkeypatch):

@@ -108,14 +108,27 @@ def test_gpu_memory_utilization_is_a_fraction_of_the_whole_device(monkeypatch):
     reserve = kv_cache.activation_bytes(mc, ec, 2)
     assert 2 * GiB < reserve < 30 * GiB  # the 16,384-token prefill steps of this profile
 
-    def budget(**kw):
-        runner = SimpleNamespace(model_config=mc, config=dataclasses.replace(ec, **kw), dtype=jnp.bfloat16)
-        return ModelRunner._kv_budget(runner, stats)
+    def budget(stored=False, in_use=weights, **kw):
+        experts = SimpleNamespace(gu_bf16=jnp.zeros((2, 4, 8, 4), jnp.bfloat16) if stored else None)
+        params = SimpleNamespace(layers=SimpleNamespace(experts=experts))
+        runner = SimpleNamespace(
+            model_config=mc, config=dataclasses.replace(ec, **kw), dtype=jnp.bfloat16, params=params
+        )
+        return ModelRunner._kv_budget(runner, {**stats, "bytes_in_use": in_use})
 
     assert abs(budget() - (0.9 * total - weights - reserve)) < 1024
     assert abs(budget() - budget(gpu_memory_utilization=0.5) - 0.4 * total) < 1024  # the whole device's 40%
     assert abs(budget(gpu_memory_utilization=1.0) - (0.92 * total - weights - reserve)) < 1024  # the pool's limit
     with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.1 .* leaves nothing for the KV cache"):
         budget(gpu_memory_utilization=0.1)
+    # A bf16 copy of the experts (`KernelConfig.moe_prefill_bf16_experts`: 38.2 GB for 20b) is in use like the
+    # weights, and the layer that each prefill call dequantized leaves the reserve.
+    copy = 3 * mc.num_layers * mc.num_experts * mc.hidden_size * mc.intermediate_size * 2
+    dequantized = 1.25 * 3 * mc.num_experts * mc.hidden_size * mc.intermediate_size * 2  # in the reserve's 1.25x
+    assert abs(copy / 1e9 - 38.2) < 0.1
+    assert abs(reserve - kv_cache.activation_bytes(mc, ec, 2, dequantizes=False) - dequantized) <= 1
+    assert abs(budget(stored=True, in_use=weights + copy) - (budget() - copy + dequantized)) < 1024
+    with pytest.raises(ValueError, match=r"of which the experts' bf16 copy.*turn kernels.moe_prefill_bf16_experts off"):
+        budget(stored=True, in_use=weights + copy, gpu_memory_utilization=0.3)
     # the smaller steps of low_latency reserve less
     assert kv_cache.activation_bytes(mc, engine_config.load("low_latency"), 2) < reserve

@@ -80,6 +80,53 @@ def test_param_shardings_follow_the_table(small_checkpoint):
         make_mesh(8, 2)
 
 
+def test_bf16_experts_are_split_as_the_experts(monkeypatch):
+    """The bf16 copy of the experts (`KernelConfig.moe_prefill_bf16_experts`) takes the experts' partition rule
+    (`Layout.param_shardings`: layers whole, experts over `model`, padded): each device dequantizes its own experts
+    into its share, bit for bit the single-device copy, and the expert-parallel MoE reading it (the grouped GEMMs
+    on each device's 2 experts, interpreted) equals the one that dequantizes per call."""
+    import dataclasses
+
+    import pallas_kernels
+    from gptoss_jax import config, random_weights
+
+    P = jax.sharding.PartitionSpec
+    hf = dict(random_weights.DEMO_CONFIG, vocab_size=512, hidden_size=256, intermediate_size=256, head_dim=64)
+    cfg = config.from_hf_dict(dict(hf, num_local_experts=3))
+    grouped = KernelConfig(impl="pallas", mosaic=True).for_device()  # the grouped GEMMs, interpreted on the CPU
+    on = dataclasses.replace(grouped, moe_prefill_bf16_experts=True)
+    params = random_weights.random_params(cfg, jnp.bfloat16, kernels=grouped)
+    layout = Layout(make_mesh(2, 2), "max_throughput")
+    sharded = layout.shard_params(params, cfg.num_kv_heads)
+    stored = pallas_kernels.prepare_params(sharded, on)
+    ex = stored.layers.experts
+    assert ex.gu_bf16.shape[:2] == (cfg.num_layers, 4)  # 3 experts padded to 4
+    assert ex.gu_bf16.sharding.spec == ex.dn_bf16.sharding.spec == P(None, "model")
+    rules = layout.param_shardings(cfg.num_kv_heads, stored).layers.experts
+    assert rules.gu_bf16.spec == rules.dn_bf16.spec == P(None, "model", None, None)
+    one = pallas_kernels.with_bf16_experts(expert_parallel.pad_experts(params.layers.experts, 2), interpret=True)
+    for a, b in ((ex.gu_bf16, one.gu_bf16), (ex.dn_bf16, one.dn_bf16)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+    seen = []
+    real = pallas_kernels._EXPERTS["grouped"]
+
+    def grouped_spy(x, idx, w, kexp, *a, **k):
+        seen.append((kexp.gu_words.shape[1], kexp.gu_bf16 is not None))
+        return real(x, idx, w, kexp, *a, **k)
+
+    monkeypatch.setitem(pallas_kernels._EXPERTS, "grouped", grouped_spy)
+    x = jax.random.normal(jax.random.PRNGKey(0), (192, cfg.hidden_size), jnp.bfloat16)  # 96 gathered per device
+    lp = jax.tree.map(lambda a: a[1], stored.layers)
+    kw = dict(top_k=cfg.experts_per_token, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha)
+    run = lambda experts: jax.jit(  # noqa: E731
+        lambda *a: expert_parallel.moe(*a, **kw, layout=layout, kernels=grouped)
+    )(x, lp.router_w, lp.router_b, experts, jnp.int32(1))
+    plain = run(sharded.layers.experts)
+    np.testing.assert_array_equal(np.asarray(run(ex)).view(np.uint16), np.asarray(plain).view(np.uint16))
+    assert np.isfinite(np.asarray(plain, np.float32)).all()
+    assert seen == [(2, False), (2, True)]  # each device's 2 experts on the grouped GEMMs, then with the copy
+
+
 # ---- the whole engine on a mesh: logits and greedy tokens equal the single-device run ----------------
 
 _PROMPTS = [[int(t) for t in np.random.default_rng(i).integers(2, 512, n)] for i, n in enumerate((40, 9, 23))]

@@ -34,6 +34,7 @@ from pallas_kernels import (
     moe_dense,
     moe_reference,
     paged_attention,
+    ragged_dot,
 )
 from pallas_kernels.choice import Device, choose
 from tools import common
@@ -201,6 +202,74 @@ def bench_ragged_decode(model, T, bw):
     log(f"ROW ragged_dot(bf16) {model} T={T}: {t * 1e6:.1f} us (reads all {E} experts in bf16)")
     del wgu, wdn
     return t
+
+
+def bench_ragged_stack(mm, bw, Ts):
+    """The prefill MoE's two grouped GEMMs on 20b shapes: jax's Mosaic ragged dot on one layer's experts against
+    `pallas_kernels.ragged_dot` reading layer 1 of a 3-layer stack in place, and `moe_dense.dequantize_experts` (what
+    a call without the stored copy pays first)."""
+    s = kc.SHAPES["20b"]
+    E, D, I, k = s["E"], s["D"], s["I"], s["k"]
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    kx = jax.jit(expert_format.prepare_experts)(kc.experts(jax.random.PRNGKey(6), E, D, I))
+    deq = jax.jit(lambda kx: moe_dense.dequantize_experts(kx.gu_words, kx.gu_scales, kx.dn_words, kx.dn_scales))
+    t_deq = timeit(deq, kx, n=5, reps=3)
+    out_bytes = 3 * E * D * I * 2
+    log(
+        f"ROW dequantize_experts 20b layer: {t_deq * 1e3:.3f} ms "
+        f"({out_bytes / t_deq / bw * 100:.0f}% of copy, bf16 out)"
+    )
+    for name, N, K in (("gate_up", 2 * I, D), ("down", D, I)):
+        w = jax.random.normal(jax.random.PRNGKey(8), (3 * E, N, K), jnp.float32).astype(jnp.bfloat16)
+        bn = next(b for b in (192, 128, 64) if N % b == 0)
+        band = next(b for b in (5, 3, 2, 1) if (N // bn) % b == 0)
+        for T in Ts:
+            P = T * k
+            x = jax.random.normal(jax.random.PRNGKey(9), (P, K), jnp.float32).astype(jnp.bfloat16)
+            sizes = jnp.asarray(np.bincount(np.random.default_rng(T).integers(0, E, P), minlength=E), jnp.int32)
+            flops = 2 * P * N * K
+            jaxs = jax.jit(
+                lambda x, w, g: ragged_dot_mgpu.ragged_dot(
+                    x,
+                    w[E : 2 * E],
+                    group_sizes=g,
+                    block_m=128,
+                    block_n=bn,
+                    block_k=64,
+                    max_concurrent_steps=4,
+                    grid_block_n=band,
+                    transpose_rhs=True,
+                )
+            )
+            ours = jax.jit(lambda x, w, g: ragged_dot.ragged_dot(x, w, jnp.int32(E), g, block_n=bn, band=band))
+            one = jnp.asarray(w[E : 2 * E])
+            t_j = timeit(
+                lambda x, w, g: ragged_dot_mgpu.ragged_dot(
+                    x,
+                    w,
+                    group_sizes=g,
+                    block_m=128,
+                    block_n=bn,
+                    block_k=64,
+                    max_concurrent_steps=4,
+                    grid_block_n=band,
+                    transpose_rhs=True,
+                ),
+                x,
+                one,
+                sizes,
+                n=5,
+                reps=3,
+            )
+            t_slice = timeit(jaxs, x, w, sizes, n=5, reps=3)
+            t_o = timeit(ours, x, w, sizes, n=5, reps=3)
+            log(
+                f"ROW ragged_stack 20b {name} pairs={P}: jax's on the layer {t_j * 1e3:.3f} ms "
+                f"({flops / t_j / mm * 100:.0f}% of matmul), jax's on a slice of the stack {t_slice * 1e3:.3f} ms, "
+                f"ours in place {t_o * 1e3:.3f} ms ({flops / t_o / mm * 100:.0f}% of matmul)"
+            )
+        del w
 
 
 def bench_moe_prefill(model, T, mm, configs, bw, ragged=True):
@@ -726,6 +795,8 @@ def main():
     log(f"[{time.time() - t0:.0f}s]")
     if "ragged" in only:
         bench_ragged_decode("20b", 1, bw)
+    if "ragged_stack" in only and Device.current().hopper:
+        bench_ragged_stack(mm, bw, [int(t) for t in args.prefill_tokens.split(",")])
     if "moe_prefill" in only:
 
         def mma(bm, bn, bk, swap, warps, stages=3):

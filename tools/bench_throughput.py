@@ -14,6 +14,7 @@ the kernels' layout.
     python -m tools.bench_throughput --jobs '8192/1024x512,8192/1024x512:kv_cache_dtype=fp8;max_num_seqs=512'
     python -m tools.bench_throughput --jobs 1024/1024x256 --set 'kernels={moe_route_max_tokens: 0}'
     python -m tools.bench_throughput --jobs 1024/1024x256 --skip latency --trace-step 300   # GPU idle time, host split
+    python -m tools.bench_throughput --skip throughput --latency-set 'kernels={moe_prefill_bf16_experts: true}'
 """
 
 from __future__ import annotations
@@ -262,6 +263,14 @@ def main() -> None:
         "kernel settings: 'kernels={FIELD: VALUE, ...}'",
     )
     ap.add_argument(
+        "--latency-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="engine setting (YAML value) for the latency job, over --latency-config (repeatable), e.g. "
+        "'kernels={moe_prefill_bf16_experts: true}'",
+    )
+    ap.add_argument(
         "--trace-step",
         type=int,
         default=0,
@@ -272,6 +281,7 @@ def main() -> None:
     overrides = {}
     try:
         settings = dict(parse_setting(item) for item in args.set)
+        latency_settings = dict(parse_setting(item) for item in args.latency_set)
     except ValueError as e:
         ap.error(str(e))
     if args.smoke:
@@ -291,7 +301,8 @@ def main() -> None:
         jobs = parse_jobs(args.jobs, args.num_requests, args.throughput_config)
     except ValueError as e:
         ap.error(str(e))
-    jobs.append(("latency", args.latency_config, 1, args.latency_input_len, args.latency_output_len, {}))
+    latency = "latency" + "".join(f" {item}" for item in args.latency_set)
+    jobs.append((latency, args.latency_config, 1, args.latency_input_len, args.latency_output_len, latency_settings))
     kernels = resolved(KernelConfig(impl=args.impl or "auto"))
     result = {
         "preset": "smoke" if args.smoke else args.preset,

@@ -27,6 +27,7 @@ from pallas_kernels import (
     moe_dense,
     moe_reference,
     paged_attention,
+    ragged_dot,
 )
 from pallas_kernels.choice import Device, choose
 from tools import kernel_cases as kc
@@ -145,6 +146,74 @@ def check_swiglu_epilogue(key):
     return rows
 
 
+def check_bf16_experts(key):
+    """`KernelConfig.moe_prefill_bf16_experts` (Hopper): the grouped path reading the stored bf16 copy in place (the
+    whole stack of 3 layers, layer 1 traced) against the same call dequantizing per call, 20b shapes: must be
+    bit-identical (the row's error is their difference; `finite` also requires every bit equal)."""
+    rows = []
+    s = kc.SHAPES["20b"]
+    key, k0 = jax.random.split(key)
+    layers = [kc.experts(k, s["E"], s["D"], s["I"]) for k in jax.random.split(k0, 3)]
+    kx = jax.jit(expert_format.prepare_experts)(jax.tree.map(lambda *a: jnp.stack(a), *layers))
+    stored = pallas_kernels.with_bf16_experts(kx)
+    for T, empty in ((777, (2, 9)), (4099, (0, 5, 31))):
+        key, k1 = jax.random.split(key)
+        x, rw, rb = kc.router(k1, s["E"], s["D"], T, empty=empty)
+        idx, w, _ = moe_reference.route(x, rw, rb, s["k"])
+        run = lambda ex: moe_dense.experts_grouped(  # noqa: E731
+            x, idx, w, ex, jnp.int32(1), swiglu_limit=kc.LIMIT, swiglu_alpha=kc.ALPHA
+        )
+        got, want = np.asarray(run(stored), np.float32), np.asarray(run(kx), np.float32)
+        e_, fin = rel(got, want)
+        same = bool(np.array_equal(got, want))
+        rows.append(
+            ("bf16_experts", f"20b T={T} empty={list(empty)} layer 1 of 3, bit-identical={same}", e_, fin and same)
+        )
+        print(*rows[-1], flush=True)
+    return rows
+
+
+def check_ragged_dot(key):
+    """`pallas_kernels.ragged_dot` (Hopper) against `lax.ragged_dot` on groups 8..15 of a stack of 24, with empty
+    groups, groups spanning several row blocks, rows past the groups, and the 20b expert shapes; and against jax's
+    own Mosaic ragged dot on the sliced groups (same blocks along K: expected bit-identical)."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    rows = []
+    for N, K, sizes in (
+        (384, 256, (0, 300, 1, 0, 129, 7, 0, 40)),
+        (5760, 2880, (512, 0, 3, 130, 1000, 2, 255, 98)),
+        (2880, 2880, (0, 0, 0, 0, 0, 0, 0, 777)),
+    ):
+        key, k1, k2 = jax.random.split(key, 3)
+        M = -(-(sum(sizes) + 5) // 8) * 8
+        x = jax.random.normal(k1, (M, K), jnp.float32).astype(jnp.bfloat16)
+        w = jax.random.normal(k2, (24, N, K), jnp.float32).astype(jnp.bfloat16)
+        g = jnp.asarray(sizes, jnp.int32)
+        bn = next(b for b in (192, 128) if N % b == 0)
+        got = jax.jit(functools.partial(ragged_dot.ragged_dot, block_n=bn))(x, w, jnp.int32(8), g)
+        P = sum(sizes)
+        want = ragged_dot.ragged_dot_reference(x, w, 8, g)
+        e_, fin = rel(np.asarray(got[:P], np.float32), np.asarray(want[:P], np.float32))
+        rows.append(("ragged_dot", f"N={N} K={K} groups 8..15 of 24 sizes={list(sizes)}", e_, fin and e_ < TOL))
+        print(*rows[-1], flush=True)
+        jaxs = ragged_dot_mgpu.ragged_dot(
+            x,
+            w[8:16],
+            group_sizes=g,
+            block_m=128,
+            block_n=bn,
+            block_k=64,
+            max_concurrent_steps=4,
+            grid_block_n=1,
+            transpose_rhs=True,
+        )
+        same = bool(np.array_equal(np.asarray(got[:P]), np.asarray(jaxs[:P])))
+        rows.append(("ragged_dot", f"N={N} K={K} against jax's ragged dot, bit-identical={same}", 0.0, same))
+        print(*rows[-1], flush=True)
+    return rows
+
+
 def moe(kernels: KernelConfig, **override):
     """`moe_reference.moe`'s signature on the kernels: routing, then the experts on the kernel `kernels` chooses for
     the rows, with `override` replacing the kernel or launch settings it names -> (out, kernel that ran)."""
@@ -227,6 +296,10 @@ def main():
 
     if want("swiglu_epilogue"):
         rows += check_swiglu_epilogue(key)
+    if want("ragged_dot") and Device.current().hopper:
+        rows += check_ragged_dot(key)
+    if want("bf16_experts") and Device.current().hopper:
+        rows += check_bf16_experts(key)
 
     decode_launch = functools.partial(kc.decode_launch, auto)  # the engine's, per cache dtype
     default_launch = dict(block_kv=64, num_stages=3, num_warps=4)

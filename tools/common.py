@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+import pallas_kernels
 from gptoss_jax import checkpoint, config, kv_cache, model, random_weights, sampling, speculative, steps, structured
 from gptoss_jax.engine_config import EngineConfig
 from gptoss_jax.sampling import SamplerState, SamplingBatch
@@ -225,7 +226,8 @@ def random_params(cfg, kernels: KernelConfig, dtype=jnp.bfloat16, layout=None, s
     leaves = make([i for i in range(len(paths)) if i not in experts])
     for i in experts:
         leaves.update(make([i]))
-    return jax.tree.unflatten(jax.tree.structure(shapes), [leaves[i] for i in range(len(paths))])
+    tree = jax.tree.unflatten(jax.tree.structure(shapes), [leaves[i] for i in range(len(paths))])
+    return pallas_kernels.bf16_experts(tree, resolved(kernels))  # with `moe_prefill_bf16_experts`: as the engine
 
 
 def _draw(key, name: str, s):

@@ -12,6 +12,7 @@ separate runs:
     python -m tools.profile_decode --prefill 8x1024,2x1024
     python -m tools.profile_decode --prefill 8x2048@6144 --kv-cache-dtype fp8   # chunks after 6,144 cached tokens
     python -m tools.profile_decode --variant triton:mosaic=false --batch 64
+    python -m tools.profile_decode --prefill 1x1024,2x8192 --variant bf16x:moe_prefill_bf16_experts=true
     python -m tools.profile_decode --speculative 3      # verify steps of 3 oracle drafts per row
 
 `--hlo-dump DIR` names each kernel's source: run with `XLA_FLAGS=--xla_dump_to=DIR` (plus
