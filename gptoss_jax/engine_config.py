@@ -192,7 +192,8 @@ RENAMED = {
 
 def load(source: EngineConfig | str | Path | None, **overrides: Any) -> EngineConfig:
     """An `EngineConfig` from an instance, a YAML file or profile name ('low_latency',
-    'max_throughput'), or defaults; keyword overrides win. Unknown keys are errors naming the file."""
+    'max_throughput'), or defaults; keyword overrides win (a `kernels` mapping over the file's mapping: setting by
+    setting, so overriding one kernel setting keeps the profile's others). Unknown keys are errors naming the file."""
     if isinstance(source, EngineConfig):
         return dataclasses.replace(source, **overrides) if overrides else source
     raw: dict[str, Any] = {}
@@ -211,6 +212,8 @@ def load(source: EngineConfig | str | Path | None, **overrides: Any) -> EngineCo
             raise ConfigError(f"{path}: invalid YAML ({e})") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping of settings at top level")
+    if isinstance(raw.get("kernels"), dict) and isinstance(overrides.get("kernels"), dict):
+        overrides = dict(overrides, kernels={**raw["kernels"], **overrides["kernels"]})
     raw.update(overrides)
     known = {f.name for f in dataclasses.fields(EngineConfig)}
     for key in raw:

@@ -146,9 +146,10 @@ def prepare_params(params, kernels: KernelConfig):
 def bf16_experts(params, kernels: KernelConfig):
     """`params` (experts in the kernels' layout) with the bf16 copy of the experts that `kernels` asks for
     (`moe_prefill_bf16_experts`): made once (`with_bf16_experts`) where the grouped prefill GEMMs read it, else none.
-    Where the model never takes those GEMMs (`choice.bf16_experts_unused`) or the copy would not fit the devices'
-    free memory (`_bf16_too_big`: 120b on one GPU) the option is ignored with a warning: a speed option with the same
-    outputs either way, which a shared config or a profile may turn on for every model."""
+    Where the model never takes those GEMMs (`choice.bf16_experts_unused`) or the copy would take more than half of
+    the devices' free memory (`_bf16_too_big`: 20b on an 80 GB GPU, 120b on one GPU) the option is ignored, logged
+    with the reason: a speed option with the same outputs either way, which the max_throughput profile turns on for
+    every model, so it must not leave the KV cache a fraction of what it had."""
     kernels = _resolved(kernels)
     experts = params.layers.experts
     want = kernels.moe_prefill_bf16_experts
@@ -156,7 +157,7 @@ def bf16_experts(params, kernels: KernelConfig):
     if want and not why and experts.gu_bf16 is None:
         why = _bf16_too_big(experts)
     if why:
-        log.warning("kernels.moe_prefill_bf16_experts ignored: %s", why)
+        log.info("kernels.moe_prefill_bf16_experts ignored: %s", why)
     if not want or why:
         if getattr(experts, "gu_bf16", None) is None:
             return params
@@ -183,16 +184,18 @@ def _bf16_unused(experts, params, kernels: KernelConfig) -> str:
 
 
 def _bf16_too_big(kexp: KernelExperts) -> str:
-    """Why the bf16 copy of `kexp` cannot be made here: its bytes on a device past the memory free on the devices
-    holding the experts (JAX's pool less what is in use), or "" (also where devices report no memory, a CPU)."""
+    """Why the bf16 copy of `kexp` is not made here: its bytes on a device past half the memory free on the devices
+    holding the experts (JAX's pool less what is in use; the other half stays for the KV cache and the activations:
+    20b on an H200 takes 38.2 of ~118 GB, on an 80 GB GPU it would take 38.2 of ~59), or "" (also where devices
+    report no memory, a CPU)."""
     L, E, _, I, W = kexp.gu_words.shape
     shard = kexp.gu_words.sharding.shard_shape(kexp.gu_words.shape)
     need = 3 * L * shard[1] * 8 * W * I * 2
     free = [s["bytes_limit"] - s.get("bytes_in_use", 0) for s in map(_memory_stats, kexp.gu_words.devices()) if s]
-    if free and need > min(free):
+    if free and need > min(free) / 2:
         return (
-            f"its {need / 1e9:.1f} GB a device ({3 * L * E * 8 * W * I * 2 / 1e9:.1f} GB in all) would not fit the "
-            f"{min(free) / 1e9:.1f} GB free"
+            f"its {need / 1e9:.1f} GB a device ({3 * L * E * 8 * W * I * 2 / 1e9:.1f} GB in all) would take more than "
+            f"half of the {min(free) / 1e9:.1f} GB free, which the KV cache needs"
         )
     return ""
 

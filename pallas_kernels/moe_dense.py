@@ -18,16 +18,16 @@ order, so the GEMMs read contiguous tiles.  Transient memory: one group of `grou
 
 On Hopper, bf16 models whose experts dequantize in one group (20b's 32; 120b's 128 where
 `KernelConfig.moe_grouped_experts` allows) take `experts_grouped` instead: the pairs' rows gathered in expert order and
-two grouped GEMMs in jax's own Mosaic GPU ragged dot (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`: TMA, wgmma with
-one step in flight, a persistent grid). On the 20b shapes at 16,384 tokens it ran the gate/up GEMM in 3.31 ms and the
-down in 1.62 ms (80% of the bf16 matmul rate) against 4.92 and 2.64 ms for the Triton GEMMs here (H200,
-docs/BENCHMARKS.md §4g). Its outputs are bf16 (the gate/up biases and SwiGLU follow in `swiglu_epilogue`, the down bias
-in XLA, in f32), as in transformers' bf16 experts. It computes every tile of its row count, so expert groups (each would
-need its own rows) stay on the Triton GEMMs: a set too large to dequantize at once is not grouped. With
-`KernelConfig.moe_prefill_bf16_experts` the dequantized experts of every layer are made once at load
-(`dequantize_experts`, stored as `KernelExperts.gu_bf16` / `dn_bf16`) and the ragged dot reads the layer's straight out
-of that stack (`ragged_dot`, our own kernel: jax's takes its weights as one whole array), so no call dequantizes: 20b
-prefill calls lose the ~16 ms the dequantization took, for 38.2 GB of device memory.
+two grouped GEMMs in a Mosaic GPU ragged dot (`pallas_kernels.ragged_dot`: TMA, wgmma, a persistent grid; bit-identical
+to jax's example `ragged_dot_mgpu` and as fast, BENCHMARKS §21, but reading its groups at an offset in a larger stack).
+On the 20b shapes at 16,384 tokens it runs the gate/up GEMM in 3.3 ms and the down in 1.6 ms (80% of the bf16 matmul
+rate) against 4.92 and 2.64 ms for the Triton GEMMs here (H200, docs/BENCHMARKS.md §4g). Its outputs are bf16 (the
+gate/up biases and SwiGLU follow in `swiglu_epilogue`, the down bias in XLA, in f32), as in transformers' bf16 experts.
+It computes every tile of its row count, so expert groups (each would need its own rows) stay on the Triton GEMMs: a
+set too large to dequantize at once is not grouped. With `KernelConfig.moe_prefill_bf16_experts` the dequantized
+experts of every layer are made once at load (`dequantize_experts`, stored as `KernelExperts.gu_bf16` / `dn_bf16`) and
+the ragged dot reads the layer's straight out of that stack, so no call dequantizes: 20b prefill calls lose the ~16 ms
+the dequantization took, for 38.2 GB of device memory.
 """
 
 import functools
@@ -37,7 +37,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
-from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
 from pallas_kernels import moe_slots, ragged_dot
 from pallas_kernels.expert_format import F16_SHIFT, KernelExperts, clamped_swiglu, decode_words, phase_order, scale_f32
@@ -308,22 +307,16 @@ def grouped_matmul(lhs_PK, w_GNK, sizes_G, *, first=None, interpret=False):
     """`lhs` rows in contiguous groups of `sizes_G` rows times their group's `w.T`, `[P, N]` in lhs's dtype.
     With `first` (traced), `w` holds more groups than `sizes` (every layer's experts, `[L E, N, K]`) and groups
     `first ..` are used, read in place: slicing them out would copy a layer's weights into the call (20b: 1.6 GB,
-    more than dequantizing them costs). On the GPU jax's Mosaic GPU ragged dot, in the H200 sweep's best blocks
+    more than dequantizing them costs). On the GPU `pallas_kernels.ragged_dot`, in the H200 sweep's best blocks
     (128 rows, N tiles of 192 where they divide N, 4 stages, N tiles visited in bands of 3-5); else
     `lax.ragged_dot`."""
-    G = sizes_G.shape[0]
+    first = 0 if first is None else first
     if interpret:
-        w = w_GNK if first is None else jax.lax.dynamic_slice_in_dim(w_GNK, first, G)
-        return jax.lax.ragged_dot(lhs_PK, jnp.swapaxes(w, 1, 2), sizes_G, preferred_element_type=jnp.float32).astype(
-            lhs_PK.dtype
-        )
+        return ragged_dot.ragged_dot_reference(lhs_PK, w_GNK, first, sizes_G)
     P, N = lhs_PK.shape[0], w_GNK.shape[1]
     bn = next(b for b in (192, 128, 64) if N % b == 0)
     band = next(b for b in (5, 3, 2, 1) if (N // bn) % b == 0)
     lhs = jnp.pad(lhs_PK, ((0, -P % 8), (0, 0)))  # its TMA tiles rows by 8; rows past the groups stay unread
-    launch = dict(block_m=128, block_n=bn, block_k=64, max_concurrent_steps=4, grid_block_n=band, transpose_rhs=True)
-    if first is None:
-        return ragged_dot_mgpu.ragged_dot(lhs, w_GNK, group_sizes=sizes_G, **launch)[:P]
     return ragged_dot.ragged_dot(lhs, w_GNK, first, sizes_G, block_n=bn, band=band)[:P]
 
 

@@ -55,6 +55,17 @@ def test_prefix_match_shares_full_pages():
     assert kv.match_prefix(SequencePages(), [7] * 20) == (0, 0)
 
 
+def test_a_kernels_override_keeps_the_profiles_other_kernel_settings():
+    """max_throughput stores the 20b's experts in bf16 for its prefill GEMMs; overriding another kernel setting
+    (`--set 'kernels={...}'`, `LLM(kernels=...)`) must not drop it, and the override can turn it off."""
+    assert engine_config.load("max_throughput").kernels.moe_prefill_bf16_experts
+    assert not engine_config.load("low_latency").kernels.moe_prefill_bf16_experts
+    cfg = engine_config.load("max_throughput", kernels={"moe_route_max_tokens": 0})
+    assert cfg.kernels.moe_prefill_bf16_experts and cfg.kernels.moe_route_max_tokens == 0
+    off = engine_config.load("max_throughput", kernels={"moe_prefill_bf16_experts": False})
+    assert not off.kernels.moe_prefill_bf16_experts
+
+
 def test_profiles_load_and_bad_keys_are_named(tmp_path):
     for name in ("low_latency", "max_throughput"):
         cfg = engine_config.load(name)
