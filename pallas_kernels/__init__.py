@@ -121,7 +121,7 @@ def prepare_params(params, kernels: KernelConfig):
     kernels = _resolved(kernels)
     experts = params.layers.experts
     if kernels.impl == "reference":
-        return bf16_experts(params, kernels)  # none: a warning if asked for
+        return bf16_experts(params, kernels)  # none: the reason logged if asked for
     if not isinstance(experts, KernelExperts):
         shapes, out = expert_shapes(experts, "pallas"), {}
         for name, kname in expert_format.KERNEL_FIELDS.items():
