@@ -179,7 +179,7 @@ def _first_line(error: str) -> str:
     return re.sub(r"^at \d+\(\d+\): ", "", text)
 
 
-# Within this many tokens of its length limit a constrained answer is steered to its end (`Constraint._steer_to_end`):
+# Within this many tokens of its length limit a constrained answer is closed (`Constraint._fast_forward`):
 # room for the closing brackets of a JSON value nested some levels deep and the stop token.
 CLOSING_RESERVE = 24
 # What ends a value soonest, in order of preference, inside a JSON string and outside: after the stop tokens, closing
@@ -229,7 +229,7 @@ class Constraint:
         self.length, self.max_len = len(prompt), max_len
         self.closers = _closers(encoding)
         self.encoding = encoding
-        self.in_string = self.escaped = False  # where the answer's text is, as JSON (for `_steer_to_end`)
+        self.in_string = self.escaped = False  # where the answer's text is, as JSON (for `_closer`)
         if tuple(prompt[-3:]) == (CHANNEL, ANALYSIS, MESSAGE):
             self.phase, self.num_header = "reasoning", 3
         self.words = mask_words(vocab_size)
@@ -308,7 +308,31 @@ class Constraint:
 
     def _fast_forward(self) -> list[int]:
         """Tokens the grammar forces from here (a header, a key), consumed; stop tokens are left to the sampler, so
-        that the engine's stop logic sees them. Then the mask of the token after."""
+        that the engine's stop logic sees them. Then the mask of the token after. Within `CLOSING_RESERVE` tokens of
+        the length limit, the closers that end the answer soonest are forced too, all of them at once (each call then
+        feeds them, a token a step, instead of drawing one under a mask and waiting for the host)."""
+        forced = self._forced()
+        while not self.matcher.is_stopped():
+            self.matcher.unsafe_compute_mask_ptr(self._buffer.ctypes.data, self._buffer.nbytes)
+            if self.max_len - self.length > CLOSING_RESERVE:
+                break
+            closer = self._closer()
+            if closer is None or closer in (RETURN, CALL) or self.length + 1 >= self.max_len:
+                if closer is not None:  # the mask allows only it: the sampler draws it, the engine's stops see it
+                    self._buffer[:] = 0
+                    self._buffer[closer // 32] = np.int32(np.uint32(1 << (closer % 32)).view(np.int32))
+                break
+            if not self.matcher.consume_token(closer):
+                raise RuntimeError(f"the grammar refused the closer it allowed: {self.matcher.get_error()}")
+            self.length += 1
+            self._track(closer)
+            forced += [closer, *self._forced()]
+        if self.matcher.is_stopped():
+            self.phase = "done"
+        return forced
+
+    def _forced(self) -> list[int]:
+        """The tokens the grammar forces here, up to a stop token, consumed."""
         m = self.matcher
         forced = m.compute_ff_tokens()
         forced = forced[: next((i for i, t in enumerate(forced) if t in (RETURN, CALL)), len(forced))]
@@ -317,12 +341,6 @@ class Constraint:
         self.length += len(forced)
         for t in forced:
             self._track(t)
-        if m.is_stopped():
-            self.phase = "done"
-            return forced
-        m.unsafe_compute_mask_ptr(self._buffer.ctypes.data, self._buffer.nbytes)
-        if self.max_len - self.length <= CLOSING_RESERVE:
-            self._steer_to_end()
         return forced
 
     def _track(self, t: int) -> None:
@@ -338,11 +356,7 @@ class Constraint:
             elif b == 0x22:  # quote
                 self.in_string = not self.in_string
 
-    def _steer_to_end(self) -> None:
-        """Near the length limit: allow only the first of the closers the grammar allows, if any. A free model can
-        write a string or a number without end; this closes them (and the objects and arrays around them) instead."""
-        for t in self.closers[self.in_string]:
-            if self.mask[t // 32] >> (t % 32) & 1:
-                self._buffer[:] = 0
-                self._buffer[t // 32] = np.int32(np.uint32(1 << (t % 32)).view(np.int32))
-                return
+    def _closer(self) -> int | None:
+        """Near the length limit: the first of the closers the mask allows, if any. A free model can write a string
+        or a number without end; this closes them (and the objects and arrays around them) instead."""
+        return next((t for t in self.closers[self.in_string] if self.mask[t // 32] >> (t % 32) & 1), None)
