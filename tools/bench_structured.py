@@ -31,7 +31,7 @@ from gptoss_jax import tokenizer as tokenizer_lib
 from gptoss_jax.random_weights import DEMO_CONFIG
 from gptoss_jax.sampling import SamplingParams
 from pallas_kernels import KernelConfig
-from tools.bench_throughput import TimedEngine
+from tools.bench_throughput import TimedEngine, parse_setting
 from tools.common import commit_id, copy_bandwidth, random_params, resolved, timeit
 
 # Long enough to fill any output length: the engine steers it to its end near max_tokens.
@@ -86,7 +86,10 @@ def run_job(engine: StructuredEngine, prompts: list[list[int]], output_len: int,
         engine.add_request(f"{'json' if i < constrained else 'free'}-{i}", p, json_sp if i < constrained else free)
     t_added = time.perf_counter()
     first, late = {}, []  # late: (time, tokens) of outputs once every request has its first token
+    steps, late_steps = 0, 0  # engine steps: all, and once every request has its first token
     while engine.has_unfinished_requests():
+        steps += 1
+        late_steps += len(first) == len(prompts)
         for o in engine.step():
             kind = o.request_id.split("-")[0]
             tokens[kind] += len(o.new_token_ids)
@@ -117,6 +120,8 @@ def run_job(engine: StructuredEngine, prompts: list[list[int]], output_len: int,
         "output_tokens": dict(tokens),
         "output_tok_s": n_out / elapsed,
         "free_output_tok_s": tokens["free"] / elapsed,
+        "engine_steps": steps,
+        "decode_phase_steps": late_steps,
         "decode_phase_s": elapsed - (max(first.values()) - t0) if first else None,
         # Output tok/s once every request has its first token (prefill over): the decode throughput
         "decode_tok_s": sum(n for _, n in late[1:]) / decode_s if decode_s else None,
@@ -165,9 +170,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="gpt-oss-20b")
     ap.add_argument("--smoke", action="store_true", help="the demo model's shape and a short job: a CPU check")
-    ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--input-len", type=int, default=1024)
-    ap.add_argument("--output-len", type=int, default=512)
+    ap.add_argument("--num-requests", type=int, default=None, help="default 64 (--smoke: 8)")
+    ap.add_argument("--input-len", type=int, default=None, help="default 1,024 (--smoke: 32)")
+    ap.add_argument("--output-len", type=int, default=None, help="default 512 (--smoke: 64)")
     ap.add_argument("--fractions", default="0,0.5", help="comma-separated fractions of constrained requests")
     ap.add_argument("--config", default="max_throughput", help="engine profile")
     ap.add_argument("--tokenizer", default=None, help="o200k_base.tiktoken or its folder")
@@ -177,25 +182,28 @@ def main() -> None:
         default=128,
         help="smallest prefill bucket: the tokens a grammar forces (a header, a key) are prefilled in small chunks",
     )
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="engine setting (repeatable)")
     ap.add_argument("--out", default="structured.json")
     args = ap.parse_args()
     repo = Path(__file__).resolve().parents[1]
     shared = [p for p in (repo / "shared" / "tokenizer", repo.parent / "shared" / "tokenizer") if p.exists()]
     enc = tokenizer_lib.load(args.tokenizer or (shared[0] if shared else None))
+    defaults = (8, 32, 64) if args.smoke else (64, 1024, 512)
+    for name, default in zip(("num_requests", "input_len", "output_len"), defaults):
+        setattr(args, name, getattr(args, name) or default)
     overrides = {"max_num_seqs": args.num_requests}  # the batch, and no decode bucket above it to compile
     if args.smoke:
         cfg = config.from_hf_dict(DEMO_CONFIG)
-        args.num_requests, args.input_len, args.output_len = 8, 32, 64
-        overrides["max_num_seqs"] = 8
         overrides.update(
-            decode_batch_buckets=[8],
+            decode_batch_buckets=[args.num_requests],
             max_prefill_seqs=2,
             prefill_chunk_size=64,
             max_num_batched_tokens=128,
-            kv_cache_tokens=4096,
+            kv_cache_tokens=max(4096, 2 * args.num_requests * (args.input_len + args.output_len)),
         )
     else:
         cfg = config.preset(args.preset)
+    overrides.update(parse_setting(item) for item in args.set)
     kernels = resolved(KernelConfig(impl="auto"))
     import llguidance
 
@@ -243,7 +251,9 @@ def main() -> None:
         print(
             f"{n}/{args.num_requests} constrained: {row['output_tok_s']:.0f} output tok/s, decode phase "
             f"{row['decode_tok_s'] or 0:.0f} tok/s "
-            f"(free rows {row['free_output_tok_s']:.0f}), {row['seconds']:.1f}s, tokens {row['output_tokens']}, "
+            f"(free rows {row['free_output_tok_s']:.0f}), {row['seconds']:.1f}s, "
+            f"{row['engine_steps']} engine steps ({row['decode_phase_steps']} in the decode phase), "
+            f"tokens {row['output_tokens']}, "
             f"valid JSON {row['constrained_valid_json']}/{n}, host accept {row['host_accept_us_per_token']:.0f} us "
             f"per call ({row['host_accept_s']:.2f}s, {row['constrained_tokens_per_accept']:.2f} tokens kept per call), "
             f"compiles {row['num_compiles']}",
