@@ -209,6 +209,25 @@ def test_near_the_length_limit_the_answer_is_steered_to_its_end(enc):
     jsonschema.validate(answer_json(enc, out[:-1]), NESTED)
 
 
+def test_at_the_length_limit_the_closers_are_forced_at_once(enc):
+    """Entering the closing reserve forces every closer in one `accept` (fed a token a step), so the row needs only
+    its stop token drawn under a mask, not one masked draw a call for each closer."""
+    schema = {"type": "object", "properties": {"note": {"type": "array", "items": {"type": "string"}}}}
+    c = constraint(enc, SO(json=schema), room=40)
+    c.accept([10])
+    word = enc.encode_ordinary(" word")[0]
+    write(enc, c, '{"note":["')
+    out = []
+    for _ in range(40):
+        keep, forced = c.accept([word])
+        out += [word][:keep] + forced
+        if forced or c.gated:
+            break
+    assert keep == 1 and c.max_len - c.length <= structured.CLOSING_RESERVE
+    assert enc.decode(forced).replace(" ", "") == '"]}' and c.gated and allowed(c) == {RETURN}
+    assert json.loads('{"note":["' + enc.decode(out)) == {"note": [" word" * (len(out) - len(forced))]}
+
+
 def test_budget_only_limits_the_reasoning_and_leaves_the_answer_free(enc):
     c = constraint(enc, None, prompt=ANALYSIS_HEADER, budget=2)
     assert c.accept([10, 11, 12]) == (2, [END, START, structured.ASSISTANT])
