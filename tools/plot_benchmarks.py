@@ -34,7 +34,7 @@ CURRENT = [
     ("20b", "throughput 1024/1024", "engine_20b_bf16x_1k_h200.json"),
     ("20b", "throughput 8192/1024", "engine_20b_long_bf16kv_h200.json"),
     ("20b", FP8_8K_20B, "engine_20b_sched_h200.json"),
-    ("20b", BF16_8K_20B, "engine_20b_8k_bf16x_h200.json"),
+    ("20b", BF16_8K_20B, "engine_20b_8k_h200.json"),
     ("20b", "throughput 32768/1024", "engine_20b_long_bf16kv_h200.json"),
     ("120b", "latency", "engine_120b_b1_back_h200.json"),
     ("120b", "throughput 1024/1024", "engine_120b_1k_h200.json"),
