@@ -137,8 +137,8 @@ class KernelConfig:
     # instead of dequantizing every expert of the layer in each call: that dequantization was 15.6 of the 40.0 ms of
     # a 1 x 1,024-token prefill call (batch-1 TTFT) and 15.7 of 269.8 ms at 2 x 8,192 (20b, H200, BENCHMARKS §16).
     # It costs 38.2 GB for 20b (beside 13.4 GB of MXFP4 weights), taken from the KV cache; the max_throughput profile
-    # turns it on (20b 8k/1k: 4,344 -> 4,356-4,464, BENCHMARKS §21). Skipped, with the reason logged at load, where the
-    # grouped GEMMs never run (fp32, no Mosaic, more experts a device than `moe_grouped_experts`) or where the copy
+    # turns it on (20b 8k/1k: 4,344 -> 4,356-4,639, BENCHMARKS §21-§22). Skipped, with the reason logged at load, where
+    # the grouped GEMMs never run (fp32, no Mosaic, more experts a device than `moe_grouped_experts`) or where the copy
     # would take more than half the devices' free memory (20b on 80 GB; 120b: 229 GB, made over 4 devices: 57 GB each).
     moe_prefill_bf16_experts: bool = False
     # bf16 models from 2 to `moe_mosaic_rows` routed rows per expert take the Mosaic GPU kernels on Hopper: 20b
