@@ -241,11 +241,14 @@ def main() -> None:
     )
     print(f"engine ready in {time.perf_counter() - t0:.1f}s ({engine.stats().num_compiles} programs)", flush=True)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 199_998, args.input_len).tolist() for _ in range(args.num_requests)]
-    run_job(engine, prompts[:2], 8, 1)  # the first constraint builds llguidance's tokenizer (~1 s)
+
+    def fresh() -> list[list[int]]:  # new prompts for each job: a job on the last one's would hit the prefix cache
+        return [rng.integers(0, 199_998, args.input_len).tolist() for _ in range(args.num_requests)]
+
+    run_job(engine, fresh()[:2], 8, 1)  # the first constraint builds llguidance's tokenizer (~1 s)
     for fraction in (float(f) for f in args.fractions.split(",")):
         n = round(fraction * args.num_requests)
-        row = run_job(engine, prompts, args.output_len, n)
+        row = run_job(engine, fresh(), args.output_len, n)
         row.update(fraction=fraction, config=args.config, decode_steps_per_call=engine.config.decode_steps_per_call)
         result["jobs"].append(row)
         print(
