@@ -88,7 +88,8 @@ class _Call:
     epoch at dispatch: a sequence that left the batch since (finished, aborted, preempted) is skipped."""
 
     prefills: list[tuple[Sequence, int, int, bool]]  # sequence, row, epoch, chunk ends the prompt
-    decodes: list[tuple[Sequence, int, int, int]]  # sequence, row, epoch, steps whose samples are not its tokens
+    # sequence, row, epoch, steps whose samples are not its tokens, the mask its samples were drawn under
+    decodes: list[tuple[Sequence, int, int, int, structured.Gate | None]]
     prefill_out: Sampled | None
     decode_out: Sampled | None
     drafted: bool = False  # a speculative decode call that drafted (`Engine._drafts`): its acceptance counts
@@ -189,6 +190,7 @@ class Engine:
         spec = ec.speculative_config
         self._spec_counts = [0, 0, 0]  # drafts, draft tokens, accepted tokens
         self._spec_per_pos = [0] * (spec.num_speculative_tokens if spec is not None else 0)
+        self._stay_set = False  # the device has the tokens a structured-output mask holds across
         if ec.warmup:
             self.warmup()
 
@@ -268,7 +270,13 @@ class Engine:
         so = sp.structured_outputs
         grammar = structured.compile_grammar(so, self.tokenizer) if so is not None else None
         budget = sp.thinking_token_budget if sp.thinking_token_budget is not None else sp.max_tokens // 2
-        return structured.Constraint(grammar, self.tokenizer, budget, self.model_config.vocab_size, prompt, max_len)
+        constraint = structured.Constraint(
+            grammar, self.tokenizer, budget, self.model_config.vocab_size, prompt, max_len
+        )
+        if constraint.stay is not None and not self._stay_set:
+            self.runner.set_stay_tokens(constraint.stay)
+            self._stay_set = True
+        return constraint
 
     def bad_words_ids(self, words) -> tuple[tuple[int, ...], ...]:
         """`bad_words` as the token sequences the sampler bans, as vLLM builds them: each word (leading spaces
@@ -390,13 +398,13 @@ class Engine:
         """Enqueue this step's prefill and decode calls (neither waits for the other); the decode call drafts when
         `drafted` (`_drafts`)."""
         pre = self.runner.prefill(work.prefills) if work.prefills else (None, [])
-        dec = self.runner.decode(work.decodes, drafted) if work.decodes else (None, [])
+        dec = self.runner.decode(work.decodes, drafted) if work.decodes else (None, [], [])
         call = _Call(
             [
                 (c.seq, row, c.seq.epoch, c.start + c.num_tokens == len(c.seq.token_ids))
                 for row, c in zip(pre[1], work.prefills)
             ],
-            [(seq, row, seq.epoch, seq.fed_tokens - 1) for row, seq in zip(dec[1], work.decodes)],
+            [(seq, row, seq.epoch, seq.fed_tokens - 1, gate) for row, seq, gate in zip(dec[1], work.decodes, dec[2])],
             pre[0],
             dec[0],
             drafted,
@@ -432,7 +440,7 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - this call's requests fail, the engine goes on
                 return outputs + self._fail([s for s, *_ in call.decodes], e)
             K = sampled[0].shape[0]
-            for seq, row, epoch, fed in call.decodes:
+            for seq, row, epoch, fed, gate in call.decodes:
                 if seq.epoch != epoch:
                     continue
                 if self.config.speculative_config is not None:
@@ -440,7 +448,8 @@ class Engine:
                     continue
                 if fed < K:  # (all steps fed: the call computed forced tokens only)
                     seq.num_pending -= K - fed
-                    outputs += self._append_or_fail(seq, lambda: [_pick(sampled, (k, row)) for k in range(fed, K)])
+                    picks = [(k, row) for k in range(fed, K)]
+                    outputs += self._append_or_fail(seq, lambda: [_pick(sampled, i) for i in picks], gate)
         return outputs
 
     def _collect_speculative(
@@ -475,23 +484,31 @@ class Engine:
                     self._spec_per_pos[i] += 1
         return outputs
 
-    def _append_or_fail(self, seq: Sequence, picks: Callable[[], list]) -> list[StepOutput]:
+    def _append_or_fail(
+        self, seq: Sequence, picks: Callable[[], list], gate: structured.Gate | None = None
+    ) -> list[StepOutput]:
         """`_append` of one sequence's tokens; an error there (a token the stop-string check cannot decode, a
         bad value) fails that sequence only."""
         try:
-            return [self._append(seq, picks())]
+            return [self._append(seq, picks(), gate)]
         except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
             return self._fail([seq], e)
 
-    def _append(self, seq: Sequence, picks: list[tuple[int, float, list[tuple[int, float]]]]) -> StepOutput:
+    def _append(
+        self,
+        seq: Sequence,
+        picks: list[tuple[int, float, list[tuple[int, float]]]],
+        gate: structured.Gate | None = None,
+    ) -> StepOutput:
         """Add sampled tokens (fed one after another on device) until a stop or length limit. A structured-output
-        sequence keeps those its constraint accepts, then the tokens it forces; the dropped ones void the KV cache
-        positions after the kept tokens (`num_computed` rolls back) and any call still in flight for it (`epoch`)."""
+        sequence keeps those its constraint accepts (drawn under `gate`, the call's mask for it, where that applies),
+        then the tokens it forces; the dropped ones void the KV cache positions after the kept tokens (`num_computed`
+        rolls back) and any call still in flight for it (`epoch`)."""
         sp = seq.params
         new, lps, reason, stop_reason = [], [], None, None
         rollback = None
         if seq.constraint is not None:
-            keep, forced = seq.constraint.accept([p[0] for p in picks])
+            keep, forced = seq.constraint.accept([p[0] for p in picks], gate)
             # A rejected token, forced tokens, or a mask needed from here on (the answer nears the length limit):
             # tokens drawn without it may be in flight, so those calls are void.
             if keep < len(picks) or forced or seq.constraint.gated:

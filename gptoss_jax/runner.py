@@ -113,7 +113,7 @@ class ModelRunner:
         self._programs: dict[tuple, Any] = {}  # bucket -> its compiled step (`_program`)
         self.lowered_in_workers = 0  # programs of the warm-ups so far that worker processes lowered
         # Per row count, the all-zero token mask of calls without a structured-output row: on the device once.
-        self._no_mask: dict[int, tuple[jax.Array, jax.Array]] = {}
+        self._no_mask: dict[int, tuple[jax.Array, ...]] = {}
         self._no_lists: dict[int, sampling.SamplingLists] = {}  # rows -> empty processor lists on the device
         self._no_fed: dict[int, jax.Array] = {}  # rows -> decode's host-fed inputs when no row has any (all -1)
         self.store = store or ProgramStore(None)
@@ -252,15 +252,25 @@ class ModelRunner:
             self._write_history([c.seq for c in chunks if c.start + c.num_tokens >= len(c.seq.token_ids) - 1])
         return out, row_of
 
-    def decode(self, seqs: list[Sequence], draft: bool) -> tuple[Sampled, list[int]]:
-        """Dispatch one (multi-step) decode call for `seqs` -> (its sampled tokens `[steps, rows]`, each row). With
-        speculation, `draft` False runs one token per row (the engine's `disable_by_batch_size` decision; a call of
-        more sequences than that limit has no drafting program: `buckets`)."""
+    def decode(self, seqs: list[Sequence], draft: bool) -> tuple[Sampled, list[int], list[structured.Gate | None]]:
+        """Dispatch one (multi-step) decode call for `seqs` -> (its sampled tokens `[steps, rows]`, each row, each
+        row's structured-output mask: the host checks the tokens against it). With speculation, `draft` False runs
+        one token per row (the engine's `disable_by_batch_size` decision; a call of more sequences than that limit
+        has no drafting program: `buckets`)."""
         draft = draft and self.drafter is not None
         K = self.config.decode_tokens_per_call(draft)  # the positions the scheduler reserved for this call
         rows, row_of = self._rows(seqs, self.config.decode_buckets())
         width = self._width([s.decode_span(K)[0] + K for s in seqs], self._decode_widths)
-        return self._decode(seqs, rows, row_of, width, draft), row_of
+        # Masks hold across a call's steps where its tokens are sampled one a step (not with speculation).
+        gates = [_gate(s, holds=self.drafter is None) for s in seqs]
+        return self._decode(seqs, rows, row_of, width, draft, gates), row_of, gates
+
+    def set_stay_tokens(self, stay_W: np.ndarray) -> None:
+        """The tokens a held structured-output mask holds across (`structured.stay_tokens`), onto the device: set
+        with the first structured-output request (the sampler state keeps them)."""
+        self._sampler_state = self._sampler_state.replace(
+            stay_W=jax.device_put(stay_W, self._sampler_state.stay_W.sharding)
+        )
 
     def _prefill_batch(
         self, chunks: list[PrefillChunk], rows: int, row_of: list[int], T: int, width: int
@@ -279,7 +289,7 @@ class ModelRunner:
             self._put(positions),
             tables,
             self._put(last),
-            self._sampling(seqs, rows, row_of),
+            self._sampling(seqs, rows, row_of, [_gate(s, holds=False) for s in seqs]),
             self._lists(seqs, rows, row_of),
         )
         if not self.prefill_drafts:
@@ -290,7 +300,9 @@ class ModelRunner:
             nxt[i] = c.seq.token_ids[end] if end < len(c.seq.token_ids) else -1
         return steps.DraftingPrefillBatch(batch, self._put(nxt))
 
-    def _decode_batch(self, seqs: list[Sequence], rows: int, row_of: list[int], width: int, slots: jax.Array):
+    def _decode_batch(
+        self, seqs: list[Sequence], rows: int, row_of: list[int], width: int, slots: jax.Array, gates: list = ()
+    ):
         K = self.config.decode_steps_per_call
         positions = np.full((rows,), -1, np.int32)
         positions[row_of] = [s.decode_span(1)[0] for s in seqs]
@@ -308,7 +320,8 @@ class ModelRunner:
             fed_BS = self._no_fed[rows]
         else:
             fed_BS = self._put(fed)
-        batch = steps.DecodeBatch(tokens, self._put(positions), tables, self._sampling(seqs, rows, row_of), fed_BS)
+        sb = self._sampling(seqs, rows, row_of, gates)
+        batch = steps.DecodeBatch(tokens, self._put(positions), tables, sb, fed_BS)
         if self.drafter is None:
             return batch
         drafting, resume = np.zeros((rows,), bool), np.zeros((rows,), bool)
@@ -328,9 +341,11 @@ class ModelRunner:
         self._last_tokens = steps.store_tokens(self._last_tokens, self._slots(seqs, rows, row_of), out.tokens)
         return out
 
-    def _decode(self, seqs: list[Sequence], rows: int, row_of: list[int], width: int, draft: bool) -> Sampled:
+    def _decode(
+        self, seqs: list[Sequence], rows: int, row_of: list[int], width: int, draft: bool, gates: list = ()
+    ) -> Sampled:
         slots = self._slots(seqs, rows, row_of)
-        batch = self._decode_batch(seqs, rows, row_of, width, slots)
+        batch = self._decode_batch(seqs, rows, row_of, width, slots, gates)
         if self.drafter is not None:  # the step keeps each slot's next token and position in its `DraftState`
             program = self._program(("decode", rows, width, draft), steps.decode_speculative, batch)
             out, self.cache, (self._sampler_state, self._draft_state) = program(*self._args("decode", batch))
@@ -633,11 +648,13 @@ class ModelRunner:
             sliding[i, : len(s)], full[i, : len(f)], cached[i] = s, f, seq.full_cached
         return model.PageTables(self._put(sliding), self._put(full), self._put(cached))
 
-    def _sampling(self, seqs: list[Sequence], rows: int, row_of: list[int]) -> SamplingBatch:
+    def _sampling(
+        self, seqs: list[Sequence], rows: int, row_of: list[int], gates: list[structured.Gate | None] = ()
+    ) -> SamplingBatch:
+        """The rows' sampling parameters; `gates`: each sequence's structured-output mask, if any."""
         temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
         top_k, min_p = np.zeros(rows, np.int32), np.zeros(rows, np.float32)
         keys, want = np.zeros((rows, 2), np.uint32), np.zeros(rows, bool)
-        gated = []
         penalties = np.tile(np.array([0, 0, 1], np.float32), (rows, 1))  # presence, frequency, repetition
         proc = np.zeros((rows, 4), np.int32)  # flags, min_tokens, prompt length, slot
         proc[:, 3] = self._spare_slot
@@ -645,15 +662,11 @@ class ModelRunner:
             p = s.params
             temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
             keys[i], want[i] = s.key, p.logprobs is not None
-            if s.constraint is not None and s.constraint.gated and not s.num_pending:
-                # The mask holds for the position after the tokens the host has read: a row with tokens in flight
-                # draws freely, and the host keeps what the grammar accepts (or voids the call).
-                gated.append((i, s.constraint.mask))
             proc[i, 2:] = s.num_prompt_tokens, s.slot
             if p.uses_processors:
                 penalties[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
                 proc[i, :2] = _flags(p), p.min_tokens
-        masked, mask = self._masks(rows, gated)
+        masked, mask, mask_pos, holds = self._masks(rows, [(i, g) for i, g in zip(row_of, gates) if g is not None])
         put = self._put
         return SamplingBatch(
             temperature_B=put(temperature),
@@ -664,22 +677,27 @@ class ModelRunner:
             want_logprobs_B=put(want),
             masked_B=masked,
             mask_BW=mask,
+            mask_pos_B=mask_pos,
+            holds_B=holds,
             penalties_B3=put(penalties),
             proc_B4=put(proc),
         )
 
-    def _masks(self, rows: int, gated: list[tuple[int, np.ndarray]]) -> tuple[jax.Array, jax.Array]:
-        """`SamplingBatch.masked_B` and `.mask_BW`: the gated rows' structured-output masks. A call without any
-        reuses one all-zero pair per row count, already on the device (no per-call upload of `[B, V/32]`)."""
+    def _masks(self, rows: int, gates: list[tuple[int, structured.Gate]]) -> tuple[jax.Array, ...]:
+        """`SamplingBatch.masked_B`, `.mask_BW`, `.mask_pos_B` and `.holds_B`: the rows' structured-output masks. A
+        call without any reuses one all-zero set per row count, already on the device (no per-call upload of
+        `[B, V/32]`)."""
         words = structured.mask_words(self.model_config.vocab_size)
-        if not gated:
+        if not gates:
             if rows not in self._no_mask:
-                self._no_mask[rows] = (self._put(np.zeros(rows, bool)), self._put(np.zeros((rows, words), np.int32)))
+                zeros = (np.zeros(rows, bool), np.zeros((rows, words), np.int32), np.zeros(rows, np.int32))
+                self._no_mask[rows] = tuple(map(self._put, zeros + (np.zeros(rows, bool),)))
             return self._no_mask[rows]
         masked, mask = np.zeros(rows, bool), np.zeros((rows, words), np.int32)
-        for i, m in gated:
-            masked[i], mask[i] = True, m
-        return self._put(masked), self._put(mask)
+        mask_pos, holds = np.zeros(rows, np.int32), np.zeros(rows, bool)
+        for i, g in gates:
+            masked[i], mask[i], mask_pos[i], holds[i] = True, g.mask, g.position, g.holds
+        return tuple(map(self._put, (masked, mask, mask_pos, holds)))
 
     def _lists(self, seqs: list[Sequence], rows: int, row_of: list[int]) -> sampling.SamplingLists:
         """The prefill rows' logits-processor lists (`sampling.SamplingLists`); where no row has any, the empty ones
@@ -708,6 +726,11 @@ class ModelRunner:
         for i, s in zip(row_of, seqs):
             slots[i] = s.slot
         return self._put(slots)
+
+
+def _gate(seq: Sequence, holds: bool) -> structured.Gate | None:
+    """A structured-output row's mask for the call being packed (`structured.Constraint.gate`)."""
+    return None if seq.constraint is None else seq.constraint.gate(seq.num_pending > 0, holds)
 
 
 def drafts(seq: Sequence) -> bool:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from gptoss_jax.structured import StructuredOutputsParams
+from gptoss_jax.structured import MAX_HELD, StructuredOutputsParams
 from gptoss_jax.tokenizer import ASSISTANT_STOPS, ENDOFTEXT
 
 EOS_TOKEN_IDS = (*ASSISTANT_STOPS, ENDOFTEXT)  # what `ignore_eos` lets through: <|return|>, <|call|>, <|endoftext|>
@@ -215,8 +215,10 @@ class SamplingBatch:
     min_p_B: jax.Array  # f32
     keys_B2: jax.Array  # u32 [B, 2] raw PRNG key data
     want_logprobs_B: jax.Array  # bool
-    masked_B: jax.Array  # bool: the row draws under `mask_BW` (structured outputs)
+    masked_B: jax.Array  # bool: the row draws under `mask_BW` (structured outputs), as `mask_applies` says
     mask_BW: jax.Array  # i32 [B, ceil(V / 32)] packed allowed-token bits (`structured.mask_words`)
+    mask_pos_B: jax.Array  # i32: the position of the token the mask is for
+    holds_B: jax.Array  # bool: the mask also holds after it across `SamplerState.stay_W` tokens (`structured.Gate`)
     # The logits processors (`apply_penalties_and_bias`): presence, frequency, repetition penalty; and the flags
     # (`USES_*`), min_tokens, prompt length and sequence slot (its row of `SamplerState`).
     penalties_B3: jax.Array  # f32 [B, 3]
@@ -245,12 +247,15 @@ class SamplerState:
     that they see the tokens sampled earlier in the same call and in calls the host has not read yet:
     `counts_SV` (uint16) the generated tokens' counts in the low `COUNT_BITS` bits, saturating, and the prompt's
     tokens in the top bit; `recent_SR` the token at each position p in column p % MAX_BAD_WORD_TOKENS (bad words
-    match the last tokens); and the slot's `SamplingLists` rows. Counts and recent tokens are rebuilt by each
-    sequence's prefill from position 0 (`SamplingParams.needs_history`), so preemption loses nothing."""
+    match the last tokens; a held structured-output mask checks the tokens since its position); and the slot's
+    `SamplingLists` rows. Counts and recent tokens are rebuilt by each sequence's prefill from position 0
+    (`SamplingParams.needs_history`), so preemption loses nothing. `stay_W` is not per slot: the packed tokens a held
+    mask holds across (`structured.stay_tokens`; none until a structured-output request sets them)."""
 
     counts_SV: jax.Array
     recent_SR: jax.Array
     lists: SamplingLists
+    stay_W: jax.Array
 
     @staticmethod
     def zeros(num_slots: int, vocab_size: int) -> SamplerState:
@@ -259,6 +264,7 @@ class SamplerState:
             jnp.zeros((B, vocab_size), jnp.uint16),
             jnp.zeros((B, MAX_BAD_WORD_TOKENS), jnp.int32),
             empty_lists(B, vocab_size, jnp),
+            jnp.zeros((-(-vocab_size // 32),), jnp.int32),
         )
 
 
@@ -326,6 +332,22 @@ def sample_batch(
     empty = (jnp.zeros(B, jnp.float32), jnp.zeros((B, num_top), jnp.int32), jnp.zeros((B, num_top), jnp.float32))
     lp = shortcut(jnp.any(sb.want_logprobs_B), lambda: logprobs(logits_BV, tokens, num_top), lambda: empty, branchless)
     return Sampled(tokens, *lp)
+
+
+def mask_applies(sb: SamplingBatch, state: SamplerState, pos_B: jax.Array) -> jax.Array:
+    """Whether each row draws the token after `pos_B` under its structured-output mask (`structured.Gate.applies`
+    decides the same on the host): at the mask's position; after it, where the row's mask `holds_B`, while every
+    token from that position to `pos_B` (read back from `recent_SR`, where this step's input is already recorded;
+    at most `MAX_HELD` of them) is allowed by the mask and one of `stay_W`."""
+    R = state.recent_SR.shape[1]
+    assert R >= MAX_HELD, (R, MAX_HELD)
+    since_B = pos_B + 1 - sb.mask_pos_B  # tokens between the mask's position and the one drawn now
+    j_R = jnp.arange(MAX_HELD)
+    tok_BR = state.recent_SR[sb.proc_B4[:, 3:4], (sb.mask_pos_B[:, None] + j_R) % R]
+    allowed = jnp.take_along_axis(sb.mask_BW, tok_BR // 32, axis=1) & state.stay_W[tok_BR // 32]
+    stays_BR = ((allowed >> (tok_BR % 32)) & 1) != 0
+    held_B = jnp.all(stays_BR | (j_R >= since_B[:, None]), axis=1) & sb.holds_B & (since_B <= MAX_HELD)
+    return sb.masked_B & (pos_B >= 0) & ((since_B == 0) | ((since_B > 0) & held_B))
 
 
 def apply_mask(logits_BV: jax.Array, masked_B: jax.Array, mask_BW: jax.Array) -> jax.Array:
@@ -431,7 +453,7 @@ def record_prefill(st: SamplerState, sb: SamplingBatch, lists: SamplingLists, to
     tok = jnp.take_along_axis(tokens_BT, jnp.maximum(back, 0), axis=1)
     keep = (back >= 0) & (pos >= 0)
     recent = st.recent_SR.at[jnp.where(keep, slot[:, None], S), pos % R].set(tok, mode="drop")
-    return SamplerState(counts, recent, lists)
+    return st.replace(counts_SV=counts, recent_SR=recent, lists=lists)
 
 
 def record_input(st: SamplerState, sb: SamplingBatch, tokens_B, pos_B) -> SamplerState:
@@ -446,7 +468,7 @@ def record_input(st: SamplerState, sb: SamplingBatch, tokens_B, pos_B) -> Sample
     bump = (old & ((1 << COUNT_BITS) - 1)) < (1 << COUNT_BITS) - 1
     counts = st.counts_SV.at[count, tokens_B].set(old + bump.astype(jnp.uint16), mode="drop")
     recent = st.recent_SR.at[jnp.where(real, slot, S), jnp.maximum(pos_B, 0) % R].set(tokens_B, mode="drop")
-    return SamplerState(counts, recent, st.lists)
+    return st.replace(counts_SV=counts, recent_SR=recent)
 
 
 def sample(

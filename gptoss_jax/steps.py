@@ -116,7 +116,8 @@ def _sample_prefill(params, x, state: SamplerState, batch: PrefillBatch, st: Ste
         last_x = jnp.take_along_axis(x, batch.last_B[:, None, None], axis=1)[:, 0]
         pos_B = jnp.take_along_axis(batch.positions_BT, batch.last_B[:, None], axis=1)[:, 0]
         # Branchless: a conditional here would hold the host until the forward pass is done (`sampling.shortcut`).
-        sampled = _sampler(st, branchless=True)(model.unembed(params, last_x), pos_B, batch.sampling, state)
+        sb = batch.sampling.replace(masked_B=sampling.mask_applies(batch.sampling, state, pos_B))
+        sampled = _sampler(st, branchless=True)(model.unembed(params, last_x), pos_B, sb, state)
         return sampled, state
 
 
@@ -190,13 +191,13 @@ def decode(
         )
         with jax.named_scope("sample"):
             state = sampling.record_input(state, batch.sampling, tok_B, pos_B)
-            # A structured-output mask holds for the call's first sampled token only (after the fed ones; it depends
-            # on the tokens before); later steps draw freely and the host keeps what the grammar accepts.
-            sb = batch.sampling.replace(masked_B=batch.sampling.masked_B & (k == first_sample_B))
+            # A structured-output mask holds for the token at its position (after the fed ones; it depends on the
+            # tokens before) and, inside a JSON string, for the tokens after it while they stay in the string; other
+            # steps draw freely and the host keeps what the grammar accepts.
+            sb = batch.sampling.replace(masked_B=sampling.mask_applies(batch.sampling, state, pos_B))
             out = _sampler(st)(model.unembed(params, x[:, 0]), pos_B, sb, state)
         return (cache, state, out.tokens, jnp.where(pos_B >= 0, pos_B + 1, -1)), out
 
-    first_sample_B = jnp.sum(batch.fed_BS[:, 1:] >= 0, axis=1)  # the step whose sample follows the fed tokens
     carry = (cache, state, batch.tokens_B, batch.positions_B)
     (cache, state, _, _), outs = jax.lax.scan(one, carry, jnp.arange(st.num_steps))
     return outs, cache, state
@@ -256,10 +257,10 @@ def decode_speculative(
             logits_BTV = model.unembed(target, x_BTD)
             sstate = sampling.record_input(sstate, d.sampling, tok_B, pos_B)
             if st.draft:
-                out_BT, n_B, lp = _verify(logits_BTV, draft, drafting_B, pos_B, d.sampling, sstate, it, st)
+                out_BT, n_B, lp = _verify(logits_BTV, draft, drafting_B, pos_B, d.sampling, sstate, st)
             else:  # one token per row, sampled as `decode` samples it: no drafts, so no verification and no more
                 # conditionals than `decode` has (XLA reads each one's predicate on the host, BENCHMARKS §14b)
-                sb = d.sampling.replace(masked_B=d.sampling.masked_B & (it == 0))
+                sb = d.sampling.replace(masked_B=sampling.mask_applies(d.sampling, sstate, pos_B))
                 out = _sampler(st)(logits_BTV[:, 0], pos_B, sb, sstate)
                 n_B = jnp.zeros_like(pos_B)
                 out_BT, lp = out.tokens[:, None], tuple(a[:, None] for a in (out.logprob, out.top_ids, out.top_lps))
@@ -301,12 +302,13 @@ def decode_speculative(
     return outs, cache, (sstate, dstate)
 
 
-def _verify(logits_BTV, draft, drafting_B, pos_B, sampling_batch, sstate, it, st: StepConfig):
+def _verify(logits_BTV, draft, drafting_B, pos_B, sampling_batch, sstate, st: StepConfig):
     """A drafting step's tokens: the ordinary sampler's at each row's first position (rows that do not draft take
     it), `speculative.verify`'s accepted drafts and next token, and the log-probabilities of all of them (only when
     a row asks) -> (tokens `[B, k + 1]`, accepted counts `[B]`, log-probabilities `[B, k + 1, ...]`)."""
     sb = sampling_batch.replace(
-        masked_B=sampling_batch.masked_B & (it == 0), want_logprobs_B=jnp.zeros_like(sampling_batch.want_logprobs_B)
+        masked_B=sampling.mask_applies(sampling_batch, sstate, pos_B),
+        want_logprobs_B=jnp.zeros_like(sampling_batch.want_logprobs_B),
     )
     first_B = _sampler(st)(logits_BTV[:, 0], pos_B, sb, sstate).tokens
     out_BT, n_B = speculative.verify(logits_BTV, draft, drafting_B, first_B, pos_B, sampling_batch)

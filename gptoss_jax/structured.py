@@ -14,6 +14,9 @@ exceeds the reasoning budget (`thinking_token_budget`), force-feeding the tokens
 tokens before it (`Constraint.mask`); the call's later steps draw freely, and the host keeps them while the grammar
 accepts them (`Constraint._answer`). A row whose tokens are still in flight draws freely in the next call too (its
 mask depends on them), so it joins every call asynchronously like the other rows; a rejection voids that call.
+Inside a JSON string the mask does not change from one content token to the next, so there a row's mask also holds
+at the call's later steps and through the tokens in flight, for as long as every token since is string content
+(`Gate`; the device checks it, `sampling.mask_applies`): the draws there cannot be rejected.
 
 Why llguidance (docs/BENCHMARKS.md §11): it reads tiktoken encodings directly, ships abi3 wheels without torch,
 computes masks lazily over the 201k vocabulary in tens of microseconds and compiles schemas in milliseconds
@@ -22,6 +25,7 @@ computes masks lazily over the 201k vocabulary in tens of microseconds and compi
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
@@ -205,6 +209,57 @@ def mask_words(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
 
+def _bit(words: np.ndarray, t: int) -> bool:
+    return bool(words[t // 32] >> (t % 32) & 1)
+
+
+# How many tokens after its position a held mask can reach: the device reads them back from the sampler state's
+# `recent_SR` (at least this many columns).
+MAX_HELD = 8
+_NOT_CONTENT = re.compile(rb'["\\\x00-\x1f]')
+
+
+@functools.cache
+def stay_tokens(encoding, vocab_size: int) -> np.ndarray:
+    """The packed bitmask (`mask_words`) of JSON string content: tokens of whole UTF-8 characters without a quote, a
+    backslash or a control character. Inside a plain JSON string the grammar's mask is the same after any of them,
+    so a mask can hold across them (`Gate`); ~0.2 s for o200k, once per encoding."""
+    bits = np.zeros(mask_words(vocab_size) * 32, bool)
+    ranks = getattr(encoding, "_mergeable_ranks", None)  # tiktoken's: every ordinary token's bytes, at once
+    if ranks is None:
+        ranks = {encoding.decode_single_token_bytes(t): t for t in range(FIRST_SPECIAL)}
+    for token_bytes, t in ranks.items():
+        if t < vocab_size and _NOT_CONTENT.search(token_bytes) is None:
+            try:
+                token_bytes.decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            bits[t] = True
+    return np.packbits(bits.reshape(-1, 32), axis=-1, bitorder="little").view(np.int32)[:, 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Gate:
+    """The mask a call applied to one row: `mask`, computed for the token at `position`; where `holds` (the row was in
+    a JSON string), also at the positions after it for as long as every token since is allowed by `mask` and is one
+    of `stay` (`stay_tokens`), up to `MAX_HELD` of them. The device decides it the same way (`sampling.mask_applies`),
+    from the tokens it fed."""
+
+    mask: np.ndarray
+    position: int
+    holds: bool
+    stay: np.ndarray | None = None
+
+    def applies(self, position: int, before: collections.deque) -> bool:
+        """Whether the token at `position` was drawn under `mask`; `before` ends with the tokens before it."""
+        k = position - self.position
+        if k == 0:
+            return True
+        if k < 0 or not self.holds or k > MAX_HELD or k > len(before):
+            return False
+        return all(_bit(self.mask, t) and _bit(self.stay, t) for t in list(before)[-k:])
+
+
 class Constraint:
     """One sequence's structured-output state. `accept(tokens)` reads the tokens a call sampled for it and says how
     many to keep and which to force-feed after them; `gated` sequences draw the first token of a call dispatched after
@@ -229,25 +284,44 @@ class Constraint:
         self.length, self.max_len = len(prompt), max_len
         self.closers = _closers(encoding)
         self.encoding = encoding
-        self.in_string = self.escaped = False  # where the answer's text is, as JSON (for `_closer`)
+        self.in_string = self.escaped = False  # where the answer's text is, as JSON (for `_closer` and `gate`)
+        self.recent = collections.deque(maxlen=MAX_HELD)  # the last answer tokens (for `Gate.applies`)
+        self.stay = stay_tokens(encoding, vocab_size) if self.matcher is not None else None
         if tuple(prompt[-3:]) == (CHANNEL, ANALYSIS, MESSAGE):
             self.phase, self.num_header = "reasoning", 3
         self.words = mask_words(vocab_size)
         self._buffer = np.zeros(max(self.words, mask_words(tok.vocab_size)), np.int32)
         self.mask = self._buffer[: self.words]
+        self._mask_at = -1  # the position `mask` was computed for
+
+    def _compute_mask(self) -> None:
+        if self._mask_at != self.length:
+            self.matcher.unsafe_compute_mask_ptr(self._buffer.ctypes.data, self._buffer.nbytes)
+            self._mask_at = self.length
 
     @property
     def gated(self) -> bool:
         """Whether the next token must be drawn under `mask` (after a rejected token, and where the answer starts)."""
         return self.phase == "answer" and self.matcher is not None and self.need_mask
 
-    def accept(self, tokens: list[int]) -> tuple[int, list[int]]:
-        """Feed sampled `tokens` in order: `(how many to keep, tokens to force after them)`. The tokens after the kept
-        ones are dropped: sampled past the point where the reasoning had to end, or the first answer token the
-        grammar rejects and those after it."""
+    def gate(self, pending: bool, holds: bool) -> Gate | None:
+        """The mask of the row's next call, if any: where the row is `gated` and has no tokens in flight (`pending`),
+        for its first sampled token; with `holds` (calls that allow it: not speculative ones) and inside a JSON
+        string, also for the later ones and across the tokens in flight while they stay in the string."""
+        if self.phase != "answer" or self.matcher is None:
+            return None
+        holds = holds and self.in_string and self._mask_at == self.length
+        if holds or (self.need_mask and not pending):
+            return Gate(self.mask.copy(), self.length, holds, self.stay)
+        return None
+
+    def accept(self, tokens: list[int], gate: Gate | None = None) -> tuple[int, list[int]]:
+        """Feed sampled `tokens` in order (drawn under `gate`, if the call had one for this row): `(how many to keep,
+        tokens to force after them)`. The tokens after the kept ones are dropped: sampled past the point where the
+        reasoning had to end, or the first answer token the grammar rejects and those after it."""
         for i, t in enumerate(tokens):
             if self.phase == "answer" and self.matcher is not None:
-                return self._answer(tokens, i)
+                return self._answer(tokens, i, gate)
             if self.phase in ("answer", "done"):  # a free answer (budget only), or past the grammar's end
                 return len(tokens), []
             step = self._reasoning(t)
@@ -258,26 +332,36 @@ class Constraint:
             self.length += 1
         return len(tokens), []
 
-    def _answer(self, tokens: list[int], start: int) -> tuple[int, list[int]]:
-        """Answer tokens: the first was drawn under the mask when the call was gated, the others without one (the
-        call's later steps, or calls dispatched before this row needed a mask). Each is kept while the grammar accepts
-        it: a token drawn freely and kept is a draw from the masked distribution (rejection sampling, exact for
-        temperature alone; with top-k/top-p the filters then act before the mask rather than after). At the first
-        rejected token the row is gated again: the rest is dropped, and the next token is drawn under the mask of
-        the state after the kept ones (and the tokens the grammar forces there)."""
+    def _answer(self, tokens: list[int], start: int, gate: Gate | None) -> tuple[int, list[int]]:
+        """Answer tokens, each drawn under the call's mask where `gate` applies, else freely. Each is kept while the
+        grammar accepts it: a token drawn freely and kept is a draw from the masked distribution (rejection sampling,
+        exact for temperature alone; with top-k/top-p the filters then act before the mask rather than after). So is
+        one drawn under a held mask that allows every token this state's mask allows (a superset: where the string
+        ended in flight, it does not, and the token is dropped whatever it is). At the first token not kept the row
+        is gated again: the rest is dropped, and the next token is drawn under the mask of the state after the kept
+        ones (and the tokens the grammar forces there)."""
         m = self.matcher
-        n = m.try_consume_tokens(tokens[start:])
-        for t in tokens[start : start + n]:
+        n = start
+        for t in tokens[start:]:
+            if gate is not None and self.length > gate.position and gate.applies(self.length, self.recent):
+                self._compute_mask()
+                if np.any(self.mask & ~gate.mask):
+                    break
+            if m.try_consume_tokens([t]) != 1:
+                break
+            self.length += 1
             self._track(t)
-        self.length += n
-        if m.is_stopped():
-            self.phase = "done"
-            return start + n, []
-        if n < len(tokens) - start or self.max_len - self.length <= CLOSING_RESERVE:
+            n += 1
+            if m.is_stopped():
+                self.phase = "done"
+                return n, []
+        if n < len(tokens) or self.max_len - self.length <= CLOSING_RESERVE:
             self.need_mask = True
-            return start + n, self._fast_forward()
+            return n, self._fast_forward()
         self.need_mask = False
-        return start + n, []
+        if self.in_string:  # the mask a held gate needs
+            self._compute_mask()
+        return n, []
 
     def _reasoning(self, t: int) -> tuple[bool, list[int]] | None:
         """One token of the analysis message: None to go on, else (keep the token, tokens to force)."""
@@ -313,7 +397,7 @@ class Constraint:
         feeds them, a token a step, instead of drawing one under a mask and waiting for the host)."""
         forced = self._forced()
         while not self.matcher.is_stopped():
-            self.matcher.unsafe_compute_mask_ptr(self._buffer.ctypes.data, self._buffer.nbytes)
+            self._compute_mask()
             if self.max_len - self.length > CLOSING_RESERVE:
                 break
             closer = self._closer()
@@ -321,6 +405,7 @@ class Constraint:
                 if closer is not None:  # the mask allows only it: the sampler draws it, the engine's stops see it
                     self._buffer[:] = 0
                     self._buffer[closer // 32] = np.int32(np.uint32(1 << (closer % 32)).view(np.int32))
+                    self._mask_at = -1  # not the grammar's: no gate holds it
                 break
             if not self.matcher.consume_token(closer):
                 raise RuntimeError(f"the grammar refused the closer it allowed: {self.matcher.get_error()}")
@@ -345,6 +430,7 @@ class Constraint:
 
     def _track(self, t: int) -> None:
         """Follow JSON string boundaries through the answer's bytes (a new message starts outside any string)."""
+        self.recent.append(t)
         if t >= FIRST_SPECIAL:
             self.in_string = self.escaped = False
             return

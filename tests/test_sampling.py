@@ -272,6 +272,8 @@ def _batch(B, proc, penalties):
         jnp.zeros(B, bool),
         jnp.zeros(B, bool),  # no structured-output mask (unused by the processors)
         jnp.zeros((B, 1), jnp.int32),
+        jnp.zeros(B, jnp.int32),
+        jnp.zeros(B, bool),
         jnp.asarray(penalties, jnp.float32),
         jnp.asarray(proc, jnp.int32),
     )
@@ -302,7 +304,9 @@ def test_processors_match_numpy():
         lists.bad_BWL[s, 0, -1] = 1  # one token
         lists.bad_BWL[s, 1, -2:] = [recent[s, at[-1]], 2]  # matches the last token: bans 2
         lists.bad_BWL[s, 2, -3:] = [recent[s, at[-2]] + 1, recent[s, at[-1]], 3]  # mismatch: 3 stays
-    state = sampling.SamplerState(jnp.asarray(counts), jnp.asarray(recent), jax.tree.map(jnp.asarray, lists))
+    state = sampling.SamplerState.zeros(S, V).replace(
+        counts_SV=jnp.asarray(counts), recent_SR=jnp.asarray(recent), lists=jax.tree.map(jnp.asarray, lists)
+    )
     proc = np.stack([flags, min_tokens, prompt_len, slot], 1)
     got = np.asarray(
         jax.jit(sampling.apply_penalties_and_bias)(
@@ -385,13 +389,13 @@ def test_branchless_sampler_equals_the_shortcuts_and_has_no_conditional(mix):
         jnp.asarray([everything] + [False] * (B - 1)),
         jnp.asarray(masked),
         jnp.asarray(mask),
+        jnp.zeros(B, jnp.int32),
+        jnp.zeros(B, bool),
         jnp.tile(jnp.asarray([0.3, 0.2, 1.2], jnp.float32), (B, 1)),
         jnp.asarray(proc, jnp.int32),
     )
     counts = jnp.asarray(rng.integers(0, 3, (S, V)), jnp.uint16)
-    state = sampling.SamplerState(
-        counts, jnp.zeros((S, sampling.MAX_BAD_WORD_TOKENS), jnp.int32), sampling.empty_lists(S, V, jnp)
-    )
+    state = sampling.SamplerState.zeros(S, V).replace(counts_SV=counts)
     pos = jnp.arange(B, dtype=jnp.int32) + 10
 
     def run(branchless):

@@ -287,6 +287,8 @@ def _sampling(B, temperature, top_k=0):
         want_logprobs_B=jnp.zeros(B, bool),
         masked_B=jnp.zeros(B, bool),
         mask_BW=jnp.zeros((B, 1), jnp.int32),
+        mask_pos_B=jnp.zeros(B, jnp.int32),
+        holds_B=jnp.zeros(B, bool),
         penalties_B3=jnp.zeros((B, 3), jnp.float32),
         proc_B4=jnp.zeros((B, 4), jnp.int32),
     )

@@ -2,6 +2,7 @@
 (free reasoning, the budget, the answer under the grammar), the sampler's token mask, the API edge, and offline on
 the random demo model, whose free output is noise (the served tests with the openai client: test_server_real.py)."""
 
+import collections
 import json
 import re
 
@@ -157,6 +158,14 @@ def write(enc, c, text: str) -> None:
         text = text[len(done) :]
 
 
+def answering(enc, so, text: str):
+    """A constraint whose answer (no reasoning) has begun with `text`."""
+    c = constraint(enc, so)
+    _, forced = c.accept([10])
+    write(enc, c, text[len(enc.decode(forced).split("<|message|>")[1]) :])
+    return c
+
+
 def test_reasoning_is_free_then_end_opens_the_constrained_answer(enc):
     c = constraint(enc, SO(choice=["yes", "no"]))
     body = enc.encode_ordinary(" thinking hard")
@@ -228,6 +237,84 @@ def test_at_the_length_limit_the_closers_are_forced_at_once(enc):
     assert json.loads('{"note":["' + enc.decode(out)) == {"note": [" word" * (len(out) - len(forced))]}
 
 
+def test_a_held_mask_keeps_string_content_and_drops_what_it_does_not_cover(enc):
+    """Inside a JSON string the row's mask holds across content tokens (`Gate`): a token drawn under it is kept only
+    where the state's own mask is within it. In an enum's string the content changes the mask, so a token drawn
+    under the held one is dropped whatever it is; drawn freely, the same token is kept."""
+    c = answering(enc, SO(json=ENUMS), '{"color":"')
+    assert c.in_string and c.gate(pending=True, holds=False) is None  # in flight, a mask that does not hold: none
+    gate = c.gate(pending=True, holds=True)
+    assert gate.holds and gate.position == c.length
+    re_, d = enc.encode_ordinary("re") + enc.encode_ordinary("d")
+    assert structured._bit(gate.mask, re_) and structured._bit(c.stay, re_)
+    keep, forced = c.accept([re_, d], gate)  # "d" was drawn under the mask of the string's start: dropped
+    assert keep == 1 and enc.decode(forced).startswith('d","')  # (then forced: the enum allows only "red")
+    c = answering(enc, SO(json=ENUMS), '{"color":"')
+    assert c.accept([re_, d])[0] == 2  # drawn freely: kept
+
+    c = answering(enc, SO(json=PERSON), '{"name":"')
+    gate = c.gate(pending=False, holds=True)
+    words = enc.encode_ordinary(" Ada Love")
+    assert c.accept(words, gate) == (len(words), []) and not c.gated  # a plain string: its mask does not change
+    close, nxt = enc.encode_ordinary('",'), enc.encode_ordinary('"age')[0]
+    gate = c.gate(pending=True, holds=True)
+    assert c.accept(close + [nxt], gate) == (len(close) + 1, [])  # after the quote the draw is free: kept if valid
+    assert gate.applies(c.length - 2, collections.deque(list(c.recent)[:-2]))  # the quote: drawn under the mask
+    assert not gate.applies(c.length - 1, collections.deque(list(c.recent)[:-1]))  # after it: drawn freely
+
+
+def test_the_device_and_the_host_agree_where_a_mask_holds():
+    """`sampling.mask_applies` (the device, from the tokens it recorded) and `Gate.applies` (the host, from the tokens
+    it kept) decide the same for every row: at the mask's position, across tokens allowed by the mask and in `stay`,
+    up to `MAX_HELD` of them, and only where the row's mask holds."""
+    rng = np.random.default_rng(0)
+    B, V, S = 64, 96, 70
+    W, R = structured.mask_words(V), sampling.MAX_BAD_WORD_TOKENS
+    pack = lambda bits: np.packbits(bits.reshape(-1, W, 32), axis=-1, bitorder="little").view(np.int32)[..., 0]  # noqa: E731
+    stay = pack(np.pad(rng.random(V) < 0.95, (0, W * 32 - V)))[0]
+    masks = pack(np.pad(rng.random((B, V)) < 0.95, ((0, 0), (0, W * 32 - V))))
+    mask_pos = rng.integers(5, 40, B).astype(np.int32)
+    pos = (mask_pos - 1 + rng.integers(-2, structured.MAX_HELD + 3, B)).astype(np.int32)
+    holds, masked = rng.random(B) < 0.7, rng.random(B) < 0.9
+    pos[:3] = -1  # padding rows
+    slots = rng.permutation(S)[:B]
+    history = rng.integers(0, V, (B, 64)).astype(np.int32)  # each row's token at every position
+    recent = np.zeros((S, R), np.int32)
+    for b in range(B):
+        for p in range(max(pos[b] - R + 1, 0), pos[b] + 1):
+            recent[slots[b], p % R] = history[b, p]
+    proc = np.zeros((B, 4), np.int32)
+    proc[:, 3] = slots
+    sb = sampling.SamplingBatch(
+        *(jnp.zeros(B, t) for t in (jnp.float32, jnp.int32, jnp.float32, jnp.float32)),
+        jnp.zeros((B, 2), jnp.uint32),
+        jnp.zeros(B, bool),
+        jnp.asarray(masked),
+        jnp.asarray(masks),
+        jnp.asarray(mask_pos),
+        jnp.asarray(holds),
+        jnp.zeros((B, 3), jnp.float32),
+        jnp.asarray(proc),
+    )
+    state = sampling.SamplerState.zeros(S, V).replace(recent_SR=jnp.asarray(recent), stay_W=jnp.asarray(stay))
+    device = np.asarray(jax.jit(sampling.mask_applies)(sb, state, jnp.asarray(pos)))
+    for b in range(B):
+        gate = structured.Gate(masks[b], int(mask_pos[b]), bool(holds[b]), stay)
+        before = collections.deque(history[b, : max(pos[b] + 1, 0)].tolist(), maxlen=structured.MAX_HELD)
+        host = bool(masked[b]) and pos[b] >= 0 and gate.applies(int(pos[b]) + 1, before)
+        assert device[b] == host, b
+    assert 10 < device.sum() < B - 10  # both outcomes, many times
+    assert any(device[b] and pos[b] + 1 > mask_pos[b] for b in range(B))  # held past the mask's position
+
+
+def test_stay_tokens_are_whole_characters_of_string_content(enc):
+    stay = structured.stay_tokens(enc, tokenizer_lib.VOCAB_SIZE)
+    assert all(structured._bit(stay, t) for t in enc.encode_ordinary(" hello world"))
+    for text in ('"', '",', "\\n", "\n"):
+        assert not any(structured._bit(stay, t) for t in enc.encode_ordinary(text)), text
+    assert not structured._bit(stay, enc.encode_single_token(bytes([0xE4]))) and not structured._bit(stay, RETURN)
+
+
 def test_budget_only_limits_the_reasoning_and_leaves_the_answer_free(enc):
     c = constraint(enc, None, prompt=ANALYSIS_HEADER, budget=2)
     assert c.accept([10, 11, 12]) == (2, [END, START, structured.ASSISTANT])
@@ -259,6 +346,8 @@ def test_sampler_draws_only_allowed_tokens_and_leaves_other_rows_alone():
             jnp.zeros(B, bool),
             jnp.asarray(masked_B),
             jnp.asarray(packed),
+            jnp.zeros(B, jnp.int32),
+            jnp.zeros(B, bool),
             jnp.tile(jnp.asarray([0.0, 0.0, 1.0]), (B, 1)),  # no logits processor
             jnp.zeros((B, 4), jnp.int32),
         )
@@ -382,6 +471,32 @@ def test_answering_rows_join_every_call_and_close_in_time(demo):
     for ids in tokens.values():
         jsonschema.validate(answer_json(eng.tokenizer, ids), ENDLESS)
     assert answering > 10 and fed > 0 and not any(missed), missed
+
+
+LOWERCASE = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^[a-z ]*$"}}, "required": ["s"]}
+
+
+@pytest.mark.slow
+def test_a_string_is_written_at_nearly_a_token_a_step(demo):
+    """Inside a JSON string the mask holds at a call's later steps and across the tokens in flight (`structured.Gate`,
+    `sampling.mask_applies`). The random model's free draws would mostly break this string's pattern, each rejection
+    voiding the row's call in flight; drawn under the held mask, its tokens come nearly as fast as a free row's."""
+    from gptoss_jax.sampling import SamplingParams
+
+    eng = demo.engine
+    opened = eng.tokenizer.encode("<|start|>user<|message|>hi<|end|><|start|>assistant", allowed_special="all")
+    runs = {}
+    for name, so in (("free", None), ("string", SO(json=LOWERCASE))):
+        stops = {} if so else {"stop_token_ids": []}
+        sp = SamplingParams(temperature=1.0, seed=3, max_tokens=96, structured_outputs=so, **stops)
+        eng.add_request(name, opened, sp)
+        steps, ids = 0, []
+        while eng.has_unfinished_requests():
+            steps += 1
+            ids += [t for o in eng.step() for t in o.new_token_ids]
+        runs[name] = steps, ids
+    jsonschema.validate(answer_json(eng.tokenizer, runs["string"][1]), LOWERCASE)
+    assert len(runs["string"][1]) > 60 and runs["string"][0] <= runs["free"][0] + 6, runs
 
 
 # ---- the API edge (in process, the scripted engine) --------------------------------------------------------------

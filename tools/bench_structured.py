@@ -60,10 +60,10 @@ class StructuredEngine(TimedEngine):
         if c is not None:
             accept, engine = c.accept, self
 
-            def timed(tokens):
+            def timed(tokens, gate=None):
                 t0 = time.perf_counter()
                 try:
-                    return accept(tokens)
+                    return accept(tokens, gate)
                 finally:
                     engine.accept_s += time.perf_counter() - t0
                     engine.accepts += 1
@@ -151,6 +151,8 @@ def sampler_cost(batch: int, vocab: int) -> dict:
             jnp.zeros(batch, bool),
             jnp.asarray(masked),
             mask,
+            jnp.zeros(batch, jnp.int32),
+            jnp.zeros(batch, bool),
             jnp.tile(jnp.asarray([0.0, 0.0, 1.0]), (batch, 1)),  # no logits processor
             jnp.zeros((batch, 4), jnp.int32),
         )

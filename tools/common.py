@@ -450,6 +450,8 @@ def _sampling(put, B: int, vocab: int, temperature: float = 0.0, top_p: float = 
         put(np.zeros(B, bool)),
         put(np.zeros(B, bool)),
         put(np.zeros((B, structured.mask_words(vocab)), np.int32)),
+        put(np.zeros(B, np.int32)),
+        put(np.zeros(B, bool)),
         put(np.tile(np.array([0, 0, 1], f32), (B, 1))),
         put(proc),
     )
