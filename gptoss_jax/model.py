@@ -21,7 +21,7 @@ from pallas_kernels.params import Params
 from sharding import expert_parallel, tensor_parallel
 
 FULL_WINDOW = 2**31 - 1
-NULL_PAGE = 0  # write target of padded or already-cached tokens; never read at a visible position
+NULL_PAGE = 0  # never allocated: padded and already-cached tokens aim their writes here; never read where visible
 
 
 @struct.dataclass
@@ -223,7 +223,11 @@ def _attention(
         for y in pallas_kernels.linear_many(t_BTD.reshape(B * T, -1), ws, bs, layer, kernels=kernels)
     )
     q, k = rope.apply(q, inp.cos_BTF, inp.sin_BTF), rope.apply(k, inp.cos_BTF, inp.sin_BTF)
-    flat = _write(flat, (page_offset + inp.write_page_BT, inp.write_slot_BT), k, v)
+    # Tokens that write nothing (padding; the full layers' prefix-cached positions) aim at the null page: their
+    # writes are dropped rather than made. Made, hundreds of them a row on one page serialized the scatter: a prefill
+    # after an 881-token cached prefix took twice the time of the whole prompt's (BENCHMARKS §23).
+    page = jnp.where(inp.write_page_BT == NULL_PAGE, jnp.iinfo(jnp.int32).max, page_offset + inp.write_page_BT)
+    flat = _write(flat, (page, inp.write_slot_BT), k, v)
     table = inp.table_BM + page_offset
     args = (q, flat.k, flat.v, table, inp.positions_BT, per_layer["sinks"], window)
     o = pallas_kernels.attention(*args, **flat.scales(), kernels=kernels)
@@ -242,13 +246,13 @@ def _attention(
 
 
 def _write(pools: Pools, at: tuple, k_BTKH, v_BTKH) -> Pools:
-    """New K and V into (page, slot) `at` of flat pools; an FP8 pool stores them with `kv_quant.quantize` (its values
-    `[P, K, H, S]`)."""
+    """New K and V into (page, slot) `at` of flat pools (pages past the pools' end: not written); an FP8 pool stores
+    them with `kv_quant.quantize` (its values `[P, K, H, S]`)."""
     if pools.k_scale is None:
-        return pools.replace(k=pools.k.at[at].set(k_BTKH), v=pools.v.at[at].set(v_BTKH))
+        return pools.replace(k=pools.k.at[at].set(k_BTKH, mode="drop"), v=pools.v.at[at].set(v_BTKH, mode="drop"))
     (k, k_scale), (v, v_scale) = kv_quant.quantize(k_BTKH), kv_quant.quantize(v_BTKH)
     return Pools(
-        pools.k.at[at].set(k),
+        pools.k.at[at].set(k, mode="drop"),
         kv_quant.set_values(pools.v, at, v),
         kv_quant.set_scales(pools.k_scale, at, k_scale),
         kv_quant.set_scales(pools.v_scale, at, v_scale),

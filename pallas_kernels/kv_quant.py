@@ -65,15 +65,17 @@ def values_PSKH(v_PKHS: jax.Array) -> jax.Array:
 
 
 def set_values(v_PKHS: jax.Array, at: tuple, v_KH: jax.Array) -> jax.Array:
-    """`v_PKHS` with the values `[..., K, H]` written at (page, slot) `at` (index arrays `[...]`)."""
+    """`v_PKHS` with the values `[..., K, H]` written at (page, slot) `at` (index arrays `[...]`; pages past the
+    pool's end are not written)."""
     page, slot = at
-    return v_PKHS.at[page, :, :, slot].set(v_KH)
+    return v_PKHS.at[page, :, :, slot].set(v_KH, mode="drop")
 
 
 def set_scales(scale_PKS: jax.Array, at: tuple, scale: jax.Array) -> jax.Array:
-    """`scale_PKS` with the scales `[..., K]` of the vectors written at (page, slot) `at` (index arrays `[...]`)."""
+    """`scale_PKS` with the scales `[..., K]` of the vectors written at (page, slot) `at` (index arrays `[...]`; pages
+    past the pool's end are not written)."""
     page, slot = at
-    return scale_PKS.at[page[..., None], jnp.arange(scale_PKS.shape[1]), slot[..., None]].set(scale)
+    return scale_PKS.at[page[..., None], jnp.arange(scale_PKS.shape[1]), slot[..., None]].set(scale, mode="drop")
 
 
 def dequantize(q_H: jax.Array, scale: jax.Array | None, dtype=jnp.float32) -> jax.Array:

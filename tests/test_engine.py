@@ -447,8 +447,8 @@ def test_a_failed_device_call_fails_its_batch_and_the_engine_goes_on(engine, mon
             return real(items, *args)
         if where == "launch":
             raise RuntimeError("injected device fault")
-        sampled, rows = real(items, *args)
-        return sampled.replace(tokens=Unreadable()), rows
+        sampled, *rest = real(items, *args)  # (and, for decode, each row's structured-output mask)
+        return sampled.replace(tokens=Unreadable()), *rest
 
     monkeypatch.setattr(engine.runner, stage, faulty)
     for i, p in enumerate(ps[:2]):
