@@ -50,6 +50,17 @@ def test_bench_throughput_smoke(tmp_path):
         assert job["host_s"].get("compiles", 0) == 0, job["host_s"]  # warm-up compiled every program it ran
 
 
+@pytest.mark.slow  # a tool run: an engine warmed up
+def test_bench_prefix_cache_smoke(tmp_path):
+    """The prefix-cache benchmark: each shared-prefix job follows a job without hits over the prompts it shares, and
+    its hits spare the prompt tokens before the sliding layers' window (the smoke model: 1 sliding layer of window 8,
+    16-token pages: 40 shared tokens hit 32, 25 of them not computed)."""
+    _run("bench_prefix_cache", "--smoke", "--out", tmp_path / "pc.json")
+    result = json.loads((tmp_path / "pc.json").read_text())
+    got = [(j["job"], j["cached_prompt_tokens"], j["seconds"] > 0) for j in result["jobs"]]
+    assert got == [("no hit", 0, True), ("40 shared", 4 * 25, True)]
+
+
 @pytest.mark.slow  # a tool run: three engines warmed up
 def test_bench_speculative_smoke(tmp_path):
     """The speculative benchmark's whole path (verify steps, drafters, end to end with the oracle) on a tiny model."""
