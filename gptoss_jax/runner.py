@@ -691,7 +691,7 @@ class ModelRunner:
         if not gates:
             if rows not in self._no_mask:
                 zeros = (np.zeros(rows, bool), np.zeros((rows, words), np.int32), np.zeros(rows, np.int32))
-                self._no_mask[rows] = tuple(map(self._put, zeros + (np.zeros(rows, bool),)))
+                self._no_mask[rows] = tuple(map(self._put, (*zeros, zeros[0])))
             return self._no_mask[rows]
         masked, mask = np.zeros(rows, bool), np.zeros((rows, words), np.int32)
         mask_pos, holds = np.zeros(rows, np.int32), np.zeros(rows, bool)
