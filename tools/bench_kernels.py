@@ -695,12 +695,13 @@ def main():
                     (16, 2048, False, 4),
                 )
             ]
-        if T * k <= E:
+        if T * k <= 2 * E:  # also slots of 2-8 rows (pairs grouped by expert: one weight read, decoded once)
             return out + [
                 g16,
                 dict(g16, prefetch=T != 1),
                 dict(g16, block_k=1024),
                 dict(g16, block_n=32, block_n_down=32),
+                *(dict(g16, block_m=bm, block_k=1024) for bm in (2, 4, 8) if bm <= T),
             ]
         return out + [
             dict(kernel="mma", block_m=bm, block_n=bn, block_k=bk, block_n_down=bn, num_warps=4, num_stages=3, swap=sw)

@@ -37,7 +37,7 @@ from gptoss_jax import config, eagle3, random_weights, runtime, speculative
 from gptoss_jax.engine import Engine
 from gptoss_jax.sampling import SamplingParams
 from pallas_kernels import KernelConfig
-from tools.bench_throughput import SMOKE
+from tools.bench_throughput import SMOKE, parse_setting
 from tools.common import commit_id, copy_bandwidth, decode_step, random_params, resolved, speculative_step, timeit
 
 
@@ -158,17 +158,20 @@ def eagle3_times(cfg, k: int, batches: list[int], context: int, page_size: int =
     return out
 
 
-def run(engine: Engine, prompts: list[list[int]], output_len: int) -> tuple[list[list[int]], float]:
-    """All prompts at once, greedy -> (outputs, seconds)."""
+def run(engine: Engine, prompts: list[list[int]], output_len: int) -> tuple[list[list[int]], float, float]:
+    """All prompts at once, greedy -> (outputs, seconds, seconds to the first output token of any request)."""
     sp = SamplingParams(temperature=0, max_tokens=output_len, stop_token_ids=[])
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, sp)
     out = {str(i): [] for i in range(len(prompts))}
+    first = None
     while engine.has_unfinished_requests():
         for o in engine.step():
             out[o.request_id] += o.new_token_ids
-    return [out[str(i)] for i in range(len(prompts))], time.perf_counter() - t0
+            if first is None and o.new_token_ids:
+                first = time.perf_counter() - t0
+    return [out[str(i)] for i in range(len(prompts))], time.perf_counter() - t0, first
 
 
 def end_to_end(params, cfg, args, overrides: dict, save) -> list[dict]:
@@ -209,7 +212,7 @@ def end_to_end(params, cfg, args, overrides: dict, save) -> list[dict]:
                 **settings,
             )
             warm = time.perf_counter() - t0
-            outs, seconds = run(engine, prompts, args.output_len)
+            outs, seconds, ttft = run(engine, prompts, args.output_len)
             st = engine.stats()
             n_out = sum(map(len, outs))
             row = {
@@ -219,6 +222,7 @@ def end_to_end(params, cfg, args, overrides: dict, save) -> list[dict]:
                 "output_tokens": n_out,
                 "seconds": seconds,
                 "output_tok_s": n_out / seconds,
+                "ttft_s": ttft,
                 "warmup_s": warm,
             }
             if length is None:
@@ -235,7 +239,7 @@ def end_to_end(params, cfg, args, overrides: dict, save) -> list[dict]:
                 acc = f", acceptance length {row['acceptance_length']:.2f}, same tokens: {row['identical_to_plain']}"
             print(
                 f"[e2e] concurrency {n}, {'no speculation' if length is None else f'oracle L={length} k={args.k}'}: "
-                f"{row['output_tok_s']:.1f} output tok/s{acc} (warm-up {warm:.1f}s)",
+                f"{row['output_tok_s']:.1f} output tok/s{acc}, first token {ttft * 1e3:.1f} ms (warm-up {warm:.1f}s)",
                 flush=True,
             )
             engine.close()
@@ -273,6 +277,13 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--config", default="low_latency", help="engine profile of the end-to-end runs")
     ap.add_argument("--impl", choices=["pallas", "reference"], default=None, help="default: pallas on GPU")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an engine setting over the profile's for the end-to-end runs (VALUE as YAML)",
+    )
     ap.add_argument("--skip", action="append", default=[], choices=["verify", "drafter", "e2e"])
     ap.add_argument("--method", choices=["eagle3"], help="time only this drafter's cost (--k, --verify-batches)")
     ap.add_argument("--out", default="speculative.json")
@@ -286,6 +297,7 @@ def main() -> None:
         overrides.update(kv_cache_tokens=1024, decode_steps_per_call=2)
     else:
         cfg = config.preset(args.preset)
+    overrides.update(parse_setting(item) for item in args.set)
     args.acceptance_lengths = [float(x) for x in args.acceptance_lengths.split(",")]
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
     ks = [int(x) for x in args.ks.split(",")]
