@@ -148,7 +148,7 @@ def bf16_experts(params, kernels: KernelConfig):
     (`moe_prefill_bf16_experts`): made once (`with_bf16_experts`) where the grouped prefill GEMMs read it, else none.
     Where the model never takes those GEMMs (`choice.bf16_experts_unused`) or the copy would take more than half of
     the devices' free memory (`_bf16_too_big`: 20b on an 80 GB GPU, 120b on one GPU) the option is ignored, logged
-    with the reason: a speed option with the same outputs either way, which the max_throughput profile turns on for
+    with the reason: a speed option with the same outputs either way, which both profiles turn on for
     every model, so it must not leave the KV cache a fraction of what it had."""
     kernels = _resolved(kernels)
     experts = params.layers.experts

@@ -56,10 +56,11 @@ def test_prefix_match_shares_full_pages():
 
 
 def test_a_kernels_override_keeps_the_profiles_other_kernel_settings():
-    """max_throughput stores the 20b's experts in bf16 for its prefill GEMMs; overriding another kernel setting
+    """Both profiles store the 20b's experts in bf16 for its prefill GEMMs; overriding another kernel setting
     (`--set 'kernels={...}'`, `LLM(kernels=...)`) must not drop it, and the override can turn it off."""
     assert engine_config.load("max_throughput").kernels.moe_prefill_bf16_experts
-    assert not engine_config.load("low_latency").kernels.moe_prefill_bf16_experts
+    assert engine_config.load("low_latency").kernels.moe_prefill_bf16_experts
+    assert not engine_config.load(None).kernels.moe_prefill_bf16_experts  # no profile: KernelConfig's default
     cfg = engine_config.load("max_throughput", kernels={"moe_route_max_tokens": 0})
     assert cfg.kernels.moe_prefill_bf16_experts and cfg.kernels.moe_route_max_tokens == 0
     off = engine_config.load("max_throughput", kernels={"moe_prefill_bf16_experts": False})
