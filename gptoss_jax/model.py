@@ -167,7 +167,7 @@ class AttentionOutputs:
 
     y_BTD: jax.Array  # f32
     pools: Pools  # the layer type's pools, all layers
-    done_BK: jax.Array | None  # i32 [B, K]; None inside a sharded block (the counts stay outside)
+    done_BK: jax.Array | None  # i32 [B * T, K]; None inside a sharded block (the counts stay outside)
     sink_BTN: jax.Array | None  # f32 attention probability each head gives its sink, with `inspect`
 
 
@@ -273,25 +273,27 @@ def _attention_new_token(
     window: int,
     kernels: KernelConfig,
 ) -> AttentionOutputs:
-    """`_attention` for decode on one device with the kernels (`pallas_kernels.fuses_new_token`): the projections'
-    epilogue, RoPE, the cache write and the merge of the sequence splits (counted in `done_BK`) ride in one kernel,
-    which reads every layer's q/k/v biases and sinks in place (`stacked`) instead of slicing them per layer."""
-    B = t_BTD.shape[0]
+    """`_attention` for decode on one device with the kernels (`pallas_kernels.fuses_new_token`: one token a row, or a
+    verify step's few): the projections' epilogue, RoPE, the cache write and the merge of the sequence splits
+    (counted in `done_BK`, a row per token) ride in one kernel, which reads every layer's q/k/v biases and sinks in
+    place (`stacked`) instead of slicing them per layer."""
+    B, T, _ = t_BTD.shape
     flat, page_offset = pools.flat(idx)
+    tokens = lambda a: a.reshape(B * T, *a.shape[2:])  # noqa: E731
     o, k_pool, v_pool, done_BK, k_scale, v_scale = pallas_kernels.attention_new_token(
-        t_BTD.reshape(B, -1),
+        tokens(t_BTD),
         [stacked[f"{n}_w"] for n in "qkv"],
         [stacked[f"{n}_b"] for n in "qkv"],
         layer,
-        inp.cos_BTF[:, 0],
-        inp.sin_BTF[:, 0],
+        tokens(inp.cos_BTF),
+        tokens(inp.sin_BTF),
         flat.k,
         flat.v,
         inp.table_BM,
         page_offset,
-        inp.positions_BT[:, 0],
-        inp.write_page_BT[:, 0],
-        inp.write_slot_BT[:, 0],
+        tokens(inp.positions_BT),
+        tokens(inp.write_page_BT),
+        tokens(inp.write_slot_BT),
         stacked["sinks"],
         window,
         done_BK,
@@ -299,9 +301,9 @@ def _attention_new_token(
         null_page=NULL_PAGE,
         kernels=kernels,
     )
-    y = pallas_kernels.linear(o.reshape(B, -1), stacked["o_w"], per_layer["o_b"], layer, kernels=kernels)
+    y = pallas_kernels.linear(o.reshape(B * T, -1), stacked["o_w"], per_layer["o_b"], layer, kernels=kernels)
     flat = Pools(k_pool, v_pool, k_scale, v_scale)
-    return AttentionOutputs(y.reshape(B, 1, -1), pools.like(flat), done_BK, None)
+    return AttentionOutputs(y.reshape(B, T, -1), pools.like(flat), done_BK, None)
 
 
 def _attention_block(
@@ -483,15 +485,16 @@ def forward(
         x, t, caches, r1 = layer(x, t, caches, jax.tree.map(lambda a: a[1], lp_pair), i, sliding=False)
         return (x, t, caches), ((r0, r1) if on else None)
 
-    pairs = cfg.num_layers // 2
-    # The pools by layer type, and the new-token attention kernel's split counts: one zeroed buffer for all layers.
+    pairs, (B, T) = cfg.num_layers // 2, tokens_BT.shape
+    # The pools by layer type, and the new-token attention kernel's split counts (a row per token where it may run):
+    # one zeroed buffer for all layers.
     # With `aux_layers`, their buffer (a spare last slot takes the other layers' writes) rides along.
     if aux_layers and not all(0 <= i <= cfg.num_layers for i in aux_layers):
         raise ValueError(f"aux_layers {aux_layers} must lie in 0..{cfg.num_layers} (the residual entering layer i)")
     ids = jnp.asarray(aux_layers, jnp.int32) if aux_layers else None
     caches = (
         {True: cache.pools(True), False: cache.pools(False)},
-        jnp.zeros((tokens_BT.shape[0], cfg.num_kv_heads), jnp.int32),
+        jnp.zeros((B * T if T <= kernels.attention_rows_tokens else B, cfg.num_kv_heads), jnp.int32),
         jnp.zeros((len(aux_layers) + 1, *x.shape), jnp.float32) if aux_layers else None,
     )
     # The big per-layer weights are indexed inside the blocks (no copy), the rest is sliced by the scan.

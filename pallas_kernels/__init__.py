@@ -277,7 +277,8 @@ def attention(
     c = _choose("attention", B, (T, N, k_pages_PSKH.shape[2], H), k_pages_PSKH.dtype, kernels)
     if c.kernel == "reference":
         return attention_reference.attention(*args, **scales)
-    if c.kernel == "paged_rows":  # one decode query row per token, each with its row's table and own position
+    if T > 1 and c.kernel in ("paged_rows", "new_token"):  # one decode query row per token, each with its row's
+        # table and own position (the new-token kernel is `attention_new_token`'s; here the K/V are written already)
         rows = (q_BTNH.reshape(B * T, 1, N, H), k_pages_PSKH, v_pages, jnp.repeat(block_tables_BM, T, axis=0))
         o = paged_attention.attention(*rows, q_pos_BT.reshape(B * T, 1), sinks_N, window, **scales, **c.kw)
         return o.reshape(B, T, N, H)
@@ -287,7 +288,7 @@ def attention(
 
 def fuses_new_token(q_shape_BTNH: tuple, num_kv_heads: int, kv_dtype, kernels: KernelConfig) -> bool:
     """Whether decode of this shape over a KV cache of `kv_dtype` takes `attention_new_token` (with the kernels, up
-    to `KernelConfig.new_token_rows` rows of one token)."""
+    to `KernelConfig.new_token_rows` tokens, `attention_rows_tokens` a row at most)."""
     B, T, N, H = q_shape_BTNH
     return _choose("attention", B, (T, N, num_kv_heads, H), kv_dtype, kernels).kernel == "new_token"
 
@@ -315,12 +316,14 @@ def attention_new_token(
     null_page: int,
     kernels: KernelConfig,
 ):
-    """Decode with the kernels, one token per row: the q, k and v projections of the normed `t_BI` (weights
-    and biases stacked over layers, `linear_partials`), then `paged_attention.attention_new_token` (their
-    sums, biases and RoPE, the cache write, the attention and the merge of its splits in one launch, counted
-    in `done_BK`) -> (`[B, 1, N, H]`, k pages, v pages, done_BK, k scales, v scales) (FP8 pools: their scales)."""
-    B, H, K = t_BI.shape[0], k_pages_PSKH.shape[-1], k_pages_PSKH.shape[2]
-    c = _choose("attention", B, (1, ws_LOI[0].shape[1] // H, K, H), k_pages_PSKH.dtype, kernels)
+    """Decode with the kernels, one token or a few per row of `block_tables_BM` (`t_BI` holds R = B x T tokens, a
+    row's together): the q, k and v projections of the normed `t_BI` (weights and biases stacked over layers,
+    `linear_partials`), then `paged_attention.attention_new_token` (their sums, biases and RoPE, the cache write, the
+    attention and the merge of its splits in one launch, counted in `done_BK`) -> (`[R, 1, N, H]`, k pages, v pages,
+    done_BK, k scales, v scales) (FP8 pools: their scales)."""
+    B, H, K = block_tables_BM.shape[0], k_pages_PSKH.shape[-1], k_pages_PSKH.shape[2]
+    T = t_BI.shape[0] // B
+    c = _choose("attention", B, (T, ws_LOI[0].shape[1] // H, K, H), k_pages_PSKH.dtype, kernels)
     parts = linear_partials(t_BI, ws_LOI, layer, kernels=kernels)
     return paged_attention.attention_new_token(
         parts,
@@ -341,6 +344,7 @@ def attention_new_token(
         k_scale_PKS=k_scale_PKS,
         v_scale_PKS=v_scale_PKS,
         null_page=null_page,
+        tokens_per_row=T,
         **c.kw,
     )
 

@@ -58,9 +58,9 @@ class KernelConfig:
     # the device is Hopper; false runs the Pallas-Triton kernels at every batch size.
     mosaic: bool | None = None
 
-    # Attention. Decode (one token per row) up to `new_token_rows` rows takes the new-token kernel, which also sums
-    # the q/k/v projections' partials, adds their biases, applies RoPE and writes the cache: the 20b batch-1 step
-    # went from 2.45 to 2.24 ms, and the gain holds up to 256 rows (BENCHMARKS §7c).
+    # Attention. Decode up to `new_token_rows` tokens (one a row, or a few: `attention_rows_tokens`) takes the
+    # new-token kernel, which also sums the q/k/v projections' partials, adds their biases, applies RoPE and writes
+    # the cache: the 20b batch-1 step went from 2.45 to 2.24 ms, and the gain holds up to 256 rows (BENCHMARKS §7c).
     new_token_rows: int = 256
     attention_block_kv: int = 64  # keys per block of the decode kernels
     attention_stages: int = 3  # their Triton pipeline stages
@@ -76,9 +76,11 @@ class KernelConfig:
     # up to 2 rows (32 splits, the cap) and from 128 (1 split) nothing changes.
     attention_split_programs: int = 512
     attention_max_splits: int = 32  # splits per (row, KV head), at most
-    # Up to this many tokens per row (a speculative verify step: k + 1) the decode kernel attends, one query row per
-    # token (their K/V are written first, so each sees its causal prefix): its sequence splits keep the SMs busy,
-    # where the prefill kernel gave a few programs a whole context each (20b verify step, k = 3: BENCHMARKS §13d).
+    # Up to this many tokens per row (a speculative verify step: k + 1) a decode kernel attends, one query row per
+    # token, each to its causal prefix: its sequence splits keep the SMs busy, where the prefill kernel gave a few
+    # programs a whole context each (20b verify step, k = 3: BENCHMARKS §13d). The new-token kernel takes them where
+    # it runs (its split 0 attends to the row's earlier new tokens from their projections); elsewhere (several
+    # devices, inspection) XLA writes their K/V first and the paged kernel attends.
     attention_rows_tokens: int = 8
     # Prefill chunks: (token, head) rows per tile (a multiple of the GQA group), keys per block. The best of eight
     # launches in the H200 sweep at 8 chunks of 2,048 after 6,144 cached (the engine's long-prompt call), 6.78 ms bf16
@@ -217,8 +219,9 @@ def choose(op: str, rows: int, shape: tuple[int, ...], dtype, device: Device, co
     """The kernel for `op` on `rows` rows of a model of `shape`, in `dtype`, on `device`, under `config`:
 
     - "attention": rows = sequences, shape = (tokens per row, q heads, KV heads, head dim), dtype = the KV cache's
-      (an FP8 cache's decode takes its own launch settings) -> "reference"; "new_token" or "paged" (one token per
-      row); "paged_rows" (a few tokens per row); "flash" (prefill chunks).
+      (an FP8 cache's decode takes its own launch settings) -> "reference"; "new_token" (one or a few tokens per
+      row, up to `new_token_rows` tokens), else "paged" (one token per row) or "paged_rows" (a few); "flash"
+      (prefill chunks).
     - "projection": rows = tokens, shape = (input features, output features of each weight sharing the input)
       -> "reference" (XLA's GEMM), "mosaic" or "gemv" (`fuse`: the weights share one launch).
     - "moe": rows = tokens, shape = (hidden, intermediate, experts, top-k) -> "route" (the fused decode block) or
@@ -241,9 +244,7 @@ def choose(op: str, rows: int, shape: tuple[int, ...], dtype, device: Device, co
             split_programs=c.attention_split_programs,
             max_splits=c.attention_max_splits,
         )
-        if 1 < T <= c.attention_rows_tokens:
-            return _choice("paged_rows", **decode_kw)
-        if T > 1:
+        if T > max(1, c.attention_rows_tokens):
             return _choice(
                 "flash",
                 block_q=c.flash_fp8_block_q if fp8 else c.flash_block_q,
@@ -251,7 +252,9 @@ def choose(op: str, rows: int, shape: tuple[int, ...], dtype, device: Device, co
                 num_warps=c.flash_fp8_warps if fp8 else c.flash_warps,
                 num_stages=c.flash_fp8_stages if fp8 else c.flash_stages,
             )
-        return _choice("new_token" if rows <= c.new_token_rows else "paged", **decode_kw)
+        if rows * T <= c.new_token_rows:
+            return _choice("new_token", **decode_kw)
+        return _choice("paged_rows" if T > 1 else "paged", **decode_kw)
     if op == "projection":
         I, *Os = shape
         if mosaic and c.linear_mosaic_rows <= rows and linear_mosaic.fits(rows, I, dtype):

@@ -165,17 +165,21 @@ def _new_token_kernel(
     window,
     null_page,
     G,
+    T,
     interpret,
     **config,
 ):
-    """`_kernel` for a row's new token, from its q/k/v projections' split-K partial sums: sums them with the
-    bias (row `at_ref[1]` of the stacked biases), rotates q and k (RoPE), writes k and v into the cache
-    (split 0), and attends to the cached keys plus the new one, which split 0 takes from registers (its slot
-    is being written, so no split reads it); the last split of the (row, KV head) to finish merges them all
-    (`_merge_splits`).
-    A row whose write goes to the null page (padding, a prefix-cached position) reads its key from the cache.
+    """`_kernel` for a new token, from its q/k/v projections' split-K partial sums: sums them with the bias (row
+    `at_ref[1]` of the stacked biases), rotates q and k (RoPE), writes k and v into the cache (split 0), and attends
+    to the cached keys plus the new one, which split 0 takes from registers (its slot is being written, so no split
+    reads it); the last split of the (token, KV head) to finish merges them all (`_merge_splits`).
+    A token whose write goes to the null page (padding, a prefix-cached position) reads its key from the cache.
+    Tokens come `T` to a table row (a speculative verify step's k + 1): token t of a row also attends to the row's
+    earlier new tokens, which split 0 computes from their partial sums too, since the programs writing them may not
+    have run. A row's new tokens sit at consecutive positions, cached (null-page) ones before fresh ones and padding
+    last, so every split reads the cache only below the row's first fresh position.
     With `quantized` (FP8 pools), `refs` starts with the pools' scales and their outputs follow `v_out`, and the
-    value pool is `[P, K, H, S]` flat; the new token's k and v are stored as `kv_quant.quantize` does, and split 0
+    value pool is `[P, K, H, S]` flat; the new tokens' k and v are stored as `kv_quant.quantize` does, and split 0
     attends to the stored (rounded) values."""
     if quantized:
         ks_ref, vs_ref, _, o_ref, m_ref, l_ref, out_ref, k_out, v_out, ks_out, vs_out, done_ref = refs
@@ -183,66 +187,87 @@ def _new_token_kernel(
     else:
         _, o_ref, m_ref, l_ref, out_ref, k_out, v_out, done_ref = refs
         scale_refs = None
-    b, kh, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    r, kh, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, t = r // T, r % T  # the table row, the token's place in it
     gp, H = o_ref.shape[3], o_ref.shape[4]
     dtype, half, S = cos_ref.dtype, H // 2, config["page_size"]
-    p, page = pos_ref[b], wpage_ref[b]
+    p, page = pos_ref[r], wpage_ref[r]
     page_offset, layer = at_ref[0], at_ref[1]
     fresh = (page != null_page) & (p >= 0)
     here = fresh & (sp == 0)
+    hi = jnp.where(p >= 0, p + 1, 0)
+    lo = jnp.maximum(hi - window, 0)
     h = jnp.arange(H)
     first_half = h < half
     partner = jnp.where(first_half, h + half, h - half)
-    c, sn = (plt.load(r.at[b, h % half]) for r in (cos_ref, sin_ref))
 
-    def project(parts_ref, bias_ref, cols, mask):  # the consumer half of `linear_decode.linear_many`
-        y = plt.load(parts_ref.at[0, b, cols], mask=mask, other=0)
+    def project(parts_ref, bias_ref, row, cols, mask):  # the consumer half of `linear_decode.linear_many`
+        y = plt.load(parts_ref.at[0, row, cols], mask=mask, other=0)
         for i in range(1, parts_ref.shape[0]):
-            y = y + plt.load(parts_ref.at[i, b, cols], mask=mask, other=0)
+            y = y + plt.load(parts_ref.at[i, row, cols], mask=mask, other=0)
         return (y + plt.load(bias_ref.at[layer, cols], mask=mask, other=0).astype(jnp.float32)).astype(dtype)
 
-    def rotate(x, x_partner):  # `rope.apply`: first half pairs with second half
+    def rotated(parts_ref, bias_ref, row, cols, mask):  # `rope.apply`: first half pairs with second half
+        c, sn = (plt.load(ref.at[row, h % half]) for ref in (cos_ref, sin_ref))
+        x, x_partner = (project(parts_ref, bias_ref, row, cc, mask) for cc in (cols(h), cols(partner)))
         return jnp.where(first_half, x * c - x_partner * sn, x * c + x_partner * sn)
+
+    def key_value(row):  # a new token's k and v as split 0 attends to them, and as stored (FP8: with the scales)
+        all_h = jnp.full((H,), True)
+        k = rotated(kp_ref, kb_ref, row, lambda cols: kh * H + cols, all_h)
+        v = project(vp_ref, vb_ref, row, kh * H + h, all_h)
+        if not quantized:
+            return k, v, (k, v)
+        k_scale, v_scale = (kv_quant.scale_of(jnp.max(jnp.abs(x.astype(jnp.float32)))) for x in (k, v))
+        k_store, v_store = ((x.astype(jnp.float32) / sc).astype(k_ref.dtype) for x, sc in ((k, k_scale), (v, v_scale)))
+        return (
+            k_store.astype(jnp.float32) * k_scale,
+            v_store.astype(jnp.float32) * v_scale,
+            (k_store, v_store, k_scale, v_scale),
+        )
 
     g = jnp.arange(gp)[:, None]
     g_ok = jnp.broadcast_to(g < G, (gp, H))
-    q = rotate(*(project(qp_ref, qb_ref, (kh * G + g) * H + cols[None, :], g_ok) for cols in (h, partner)))
-    all_h = jnp.full((H,), True)
-    k_new = rotate(*(project(kp_ref, kb_ref, kh * H + cols, all_h) for cols in (h, partner)))
-    v_new = project(vp_ref, vb_ref, kh * H + h, all_h)
-    k_store, v_store = k_new, v_new
-    if quantized:  # `kv_quant.quantize`, and the values split 0 attends to are the stored ones
-        k_scale, v_scale = (kv_quant.scale_of(jnp.max(jnp.abs(x.astype(jnp.float32)))) for x in (k_new, v_new))
-        k_store, v_store = (
-            (x.astype(jnp.float32) / sc).astype(k_ref.dtype) for x, sc in ((k_new, k_scale), (v_new, v_scale))
-        )
-        k_new, v_new = k_store.astype(jnp.float32) * k_scale, v_store.astype(jnp.float32) * v_scale
+    q = rotated(qp_ref, qb_ref, r, lambda cols: (kh * G + g) * H + cols[None, :], g_ok)
+    k_new, v_new, stored = key_value(r)
 
     @pl.when(here)
     def _():
-        row = (page_offset + page) * S + wslot_ref[b]
-        k_out[row, kh, :] = k_store
+        row = (page_offset + page) * S + wslot_ref[r]
+        k_out[row, kh, :] = stored[0]
         if not quantized:
-            v_out[row, kh, :] = v_store
+            v_out[row, kh, :] = stored[1]
         else:
             head = (page_offset + page) * k_ref.shape[1] + kh  # the (page, KV head) written
-            v_out[(head * H + h) * S + wslot_ref[b]] = v_store  # the slot's column of its [H, S]
-            ks_out[head * S + wslot_ref[b]] = k_scale
-            vs_out[head * S + wslot_ref[b]] = v_scale
+            v_out[(head * H + h) * S + wslot_ref[r]] = stored[1]  # the slot's column of its [H, S]
+            ks_out[head * S + wslot_ref[r]] = stored[2]
+            vs_out[head * S + wslot_ref[r]] = stored[3]
 
-    s_new = jnp.sum(q.astype(jnp.float32) * k_new.astype(jnp.float32)[None, :], axis=1) * config["scale"]
-    m = jnp.where(here, s_new, NEG)
-    l = jnp.zeros((gp,), jnp.float32) + here.astype(jnp.float32)
-    acc = jnp.where(here, jnp.broadcast_to(v_new.astype(jnp.float32)[None, :], (gp, H)), 0.0)
-    hi = jnp.where(p >= 0, p + 1, 0)
-    lo = jnp.maximum(hi - window, 0)
+    # Split 0 starts the online softmax from the new keys: this token's and its row's earlier fresh ones.
+    score = lambda k: jnp.sum(q.astype(jnp.float32) * k.astype(jnp.float32)[None, :], axis=1) * config["scale"]  # noqa: E731
+    keys = [(here, score(k_new), v_new)]
+    n_new = fresh.astype(jnp.int32)  # the new keys the cache is not read for
+    for i in range(T - 1):  # token i < t of the row
+        ri = b * T + i
+        p_i = pos_ref[ri]
+        fresh_i = (i < t) & (wpage_ref[ri] != null_page) & (p_i >= 0) & (p >= 0)  # (padding attends to nothing)
+        k_i, v_i, _ = key_value(ri)
+        keys.append((fresh_i & (sp == 0) & (p_i >= lo), score(k_i), v_i))
+        n_new += fresh_i.astype(jnp.int32)
+    m = jnp.full((gp,), NEG, jnp.float32)
+    for on, s_k, _ in keys:
+        m = jnp.where(on, jnp.maximum(m, s_k), m)
+    l, acc = jnp.zeros((gp,), jnp.float32), jnp.zeros((gp, H), jnp.float32)
+    for on, s_k, v_k in keys:
+        w = jnp.where(on, jnp.exp(s_k - m), 0.0)
+        l, acc = l + w, acc + w[:, None] * v_k.astype(jnp.float32)[None, :]
     m, l, acc = _attend(
         q,
         m,
         l,
         acc,
         lo,
-        hi - fresh.astype(jnp.int32),
+        hi - n_new,
         b,
         kh,
         sp,
@@ -253,10 +278,10 @@ def _new_token_kernel(
         page_offset=page_offset,
         **config,
     )
-    o_ref[b, kh, sp, :, :] = acc
-    m_ref[b, kh, sp, :] = m
-    l_ref[b, kh, sp, :] = l
-    _merge_splits(o_ref, m_ref, l_ref, sinks_ref, layer, out_ref, done_ref, b, kh, G, config["num_splits"], interpret)
+    o_ref[r, kh, sp, :, :] = acc
+    m_ref[r, kh, sp, :] = m
+    l_ref[r, kh, sp, :] = l
+    _merge_splits(o_ref, m_ref, l_ref, sinks_ref, layer, out_ref, done_ref, r, kh, G, config["num_splits"], interpret)
 
 
 def _merge_splits(o_ref, m_ref, l_ref, sinks_ref, layer, out_ref, done_ref, b, kh, G: int, ns: int, interpret: bool):
@@ -311,14 +336,16 @@ def new_token_reference(
     *,
     k_scale_PKS=None,
     v_scale_PKS=None,
+    tokens_per_row=1,
 ):
     """`attention_new_token` as the model computes it without the kernel: sums, bias, cast, `rope.apply`, both
     pools written at (page + offset, slot) (null-page writes included; FP8 pools with `kv_quant.quantize`, values
-    `[P, K, H, S]`), `attention_reference` through the offset table. Returns (out, k pages, v pages, k scales,
-    v scales)."""
-    B, H, dtype = q_pos_B.shape[0], k_pages_PSKH.shape[-1], cos_BF.dtype
+    `[P, K, H, S]`), `attention_reference` through the offset table, the tokens of a row as one query chunk. Returns
+    (out `[R, 1, N, H]`, k pages, v pages, k scales, v scales)."""
+    R, H, dtype = q_pos_B.shape[0], k_pages_PSKH.shape[-1], cos_BF.dtype
+    B, T = R // tokens_per_row, tokens_per_row
     q, k, v = (
-        (jnp.sum(y, 0) + b[layer].astype(jnp.float32)).astype(dtype).reshape(B, 1, -1, H)
+        (jnp.sum(y, 0) + b[layer].astype(jnp.float32)).astype(dtype).reshape(R, 1, -1, H)
         for y, b in zip(qkv_parts, qkv_bias_LO)
     )
     q, k = (rope.apply(a, cos_BF[:, None], sin_BF[:, None]) for a in (q, k))
@@ -332,16 +359,16 @@ def new_token_reference(
         scales[i] = kv_quant.set_scales(scales[i], at, sc)
         pools[i] = kv_quant.set_values(pools[i], at, x) if i else pools[i].at[at].set(x)
     out = attention_reference.attention(
-        q,
+        q.reshape(B, T, *q.shape[2:]),
         *pools,
         block_tables_BM + page_offset,
-        q_pos_B[:, None],
+        q_pos_B.reshape(B, T),
         sinks_LN[layer],
         window,
         k_scale_PKS=scales[0],
         v_scale_PKS=scales[1],
     )
-    return out, *pools, *scales
+    return out.reshape(R, 1, *out.shape[2:]), *pools, *scales
 
 
 def _geometry(B, N, S, K, M, block_kv, num_splits, split_programs, max_splits):
@@ -376,7 +403,7 @@ def _partials_shapes(B, K, ns, gp, H):
 _LAUNCH = ("block_kv", "num_splits", "split_programs", "max_splits", "num_warps", "num_stages", "interpret")
 
 
-@functools.partial(jax.jit, static_argnames=("window", "null_page") + _LAUNCH)
+@functools.partial(jax.jit, static_argnames=("window", "null_page", "tokens_per_row") + _LAUNCH)
 def attention_new_token(
     qkv_parts,
     qkv_bias_LO,
@@ -397,6 +424,7 @@ def attention_new_token(
     k_scale_PKS=None,
     v_scale_PKS=None,
     null_page=0,
+    tokens_per_row=1,
     block_kv=64,
     num_splits=None,
     split_programs=512,
@@ -405,15 +433,17 @@ def attention_new_token(
     num_stages=3,
     interpret=None,
 ):
-    """One new token per row, from the split-K partial sums of its q, k and v projections
-    (`linear_decode.partial_sums`, each `[splits, B, heads * H]`), their biases and the sinks (layer `layer`
-    of `qkv_bias_LO` and `sinks_LN`, stacked over layers: no per-layer slice) to its attention output
-    `[B, 1, N, H]`, writing its rotated k and v into the pools: the projections' epilogue (sum, bias, cast,
-    RoPE with `cos_BF`/`sin_BF` `[B, H/2]`), the cache write, the attention and the merge of its sequence
-    splits in one launch, where XLA spends a dozen small kernels a layer on them. The pools (`[P, S, K, H]`,
-    updated in place when donated) may hold several layers: the table's pages are offset by `page_offset`,
-    as is `write_page_B` (`null_page` = no write); `write_slot_B` is the slot in the page.
-    `done_BK` (int32 `[B, K]`, all 0; updated in place when donated) counts finished splits, and every launch
+    """New tokens, `tokens_per_row` to a row of `block_tables_BM` (R = B * tokens_per_row in all), from the split-K
+    partial sums of their q, k and v projections (`linear_decode.partial_sums`, each `[splits, R, heads * H]`), their
+    biases and the sinks (layer `layer` of `qkv_bias_LO` and `sinks_LN`, stacked over layers: no per-layer slice) to
+    their attention output `[R, 1, N, H]`, writing their rotated k and v into the pools: the projections' epilogue
+    (sum, bias, cast, RoPE with `cos_BF`/`sin_BF` `[R, H/2]`), the cache write, the attention and the merge of its
+    sequence splits in one launch, where XLA spends a dozen small kernels a layer on them. The pools (`[P, S, K, H]`,
+    updated in place when donated) may hold several layers: the table's pages are offset by `page_offset`, as is
+    `write_page_B` (`null_page` = no write); `write_slot_B` is the slot in the page. Several tokens of a row (a
+    speculative verify step's) sit at consecutive positions, null-page ones before the others and padding last; each
+    attends causally (`_new_token_kernel`).
+    `done_BK` (int32 `[R, K]`, all 0; updated in place when donated) counts finished splits, and every launch
     leaves it at 0: a decode step threads one through all its layers, where a fresh one each layer would cost a
     memset kernel on the critical path. None: a fresh one. FP8 pools come with their scales `[P, K, S]`
     (`kv_quant`), written beside them, and keep their values `[P, K, H, S]`. Returns (out, k pages, v pages,
@@ -422,18 +452,20 @@ def attention_new_token(
 
     The same function as `new_token_reference`, except that null-page writes are skipped."""
     q_parts, k_parts, v_parts = qkv_parts
-    B = q_parts.shape[1]
+    R = q_parts.shape[1]
     _, S, K, H = k_pages_PSKH.shape
     N = q_parts.shape[2] // H
     M = block_tables_BM.shape[1]
-    G, gp, ppb, ns = _geometry(B, N, S, K, M, block_kv, num_splits, split_programs, max_splits)
+    if R != block_tables_BM.shape[0] * tokens_per_row:
+        raise ValueError(f"{R} tokens for {block_tables_BM.shape[0]} table rows of {tokens_per_row} tokens")
+    G, gp, ppb, ns = _geometry(R, N, S, K, M, block_kv, num_splits, split_programs, max_splits)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
     flat = kv_quant.flat_pools(k_pages_PSKH, v_pages, k_scale_PKS, v_scale_PKS)
     dtype = cos_BF.dtype
     if done_BK is None:
-        done_BK = jnp.zeros((B, K), jnp.int32)
+        done_BK = jnp.zeros((R, K), jnp.int32)
     outs = pl.pallas_call(
         functools.partial(
             _new_token_kernel,
@@ -441,6 +473,7 @@ def attention_new_token(
             window=min(int(window), 2**31 - 1),
             null_page=null_page,
             G=G,
+            T=tokens_per_row,
             interpret=interpret,
             page_size=S,
             pages_per_block=ppb,
@@ -448,12 +481,12 @@ def attention_new_token(
             max_pages=M,
             scale=H**-0.5,
         ),
-        grid=(B, K, ns),
+        grid=(R, K, ns),
         out_shape=(
-            *_partials_shapes(B, K, 1 << (ns - 1).bit_length(), gp, H),
-            jax.ShapeDtypeStruct((B, N, H), dtype),
+            *_partials_shapes(R, K, 1 << (ns - 1).bit_length(), gp, H),
+            jax.ShapeDtypeStruct((R, N, H), dtype),
             *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in flat),
-            jax.ShapeDtypeStruct((B, K), jnp.int32),
+            jax.ShapeDtypeStruct((R, K), jnp.int32),
         ),
         input_output_aliases={14 + i: 4 + i for i in range(len(flat) + 1)},
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -478,7 +511,7 @@ def attention_new_token(
     out, written, done_BK = outs[3], outs[4:-1], outs[-1]
     k_pages, v_pages = (a.reshape(p.shape) for a, p in zip(written[:2], (k_pages_PSKH, v_pages)))
     k_scale, v_scale = (a.reshape(k_scale_PKS.shape) for a in written[2:]) if k_scale_PKS is not None else (None, None)
-    return out.reshape(B, 1, N, H), k_pages, v_pages, done_BK, k_scale, v_scale
+    return out.reshape(R, 1, N, H), k_pages, v_pages, done_BK, k_scale, v_scale
 
 
 @functools.partial(jax.jit, static_argnames=("window",) + _LAUNCH)

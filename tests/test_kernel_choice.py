@@ -96,11 +96,19 @@ def test_projections(preset):
 
 @pytest.mark.parametrize("device", [H200, CPU], ids=["h200", "cpu"])
 def test_attention(device):
-    """Decode rows to `new_token_rows` (256) take the new-token kernel, more rows the paged decode kernel; prefill
-    chunks the flash kernel; all with the config's launch settings."""
+    """Decode to `new_token_rows` (256) tokens takes the new-token kernel, one token a row or up to
+    `attention_rows_tokens` (8, a verify step's); more tokens the paged decode kernel, one query row per token;
+    prefill chunks the flash kernel; all with the config's launch settings."""
     heads = (64, 8, 64)
     assert _choices("attention", None, device, shape=(1, *heads)) == ["new_token"] * 5 + ["paged"]
     assert set(_choices("attention", None, device, shape=(512, *heads))) == {"flash"}
+    for rows, T, kernel in ((64, 4, "new_token"), (32, 8, "new_token"), (65, 4, "paged_rows"), (1, 9, "flash")):
+        assert choose("attention", rows, (T, *heads), jnp.bfloat16, device, PALLAS).kernel == kernel
+    never = dataclasses.replace(PALLAS, attention_rows_tokens=0)  # a few tokens a row take the prefill kernel
+    assert [choose("attention", 1, (T, *heads), jnp.bfloat16, device, never).kernel for T in (1, 2)] == [
+        "new_token",
+        "flash",
+    ]
     launch = choose("attention", 1, (1, *heads), jnp.bfloat16, device, dataclasses.replace(PALLAS, attention_stages=2))
     assert launch.kw == dict(block_kv=64, num_stages=2, num_warps=4, split_programs=512, max_splits=32)
 
@@ -109,8 +117,8 @@ def test_fp8_attention_takes_its_own_launches():
     """Over an FP8 KV cache (the dtype the attention choice is given is the cache's) the decode kernels take the
     `attention_fp8_*` launch, one token per row or a few; prefill chunks the `flash_fp8_*` one."""
     heads, fp8 = (64, 8, 64), kv_quant.FP8
-    for T, kernel in ((1, "new_token"), (4, "paged_rows")):
-        launch = choose("attention", 64, (T, *heads), fp8, H200, PALLAS)
+    for rows, T, kernel in ((64, 1, "new_token"), (64, 4, "new_token"), (128, 4, "paged_rows")):
+        launch = choose("attention", rows, (T, *heads), fp8, H200, PALLAS)
         assert launch.kernel == kernel
         assert launch.kw == dict(block_kv=128, num_stages=5, num_warps=2, split_programs=512, max_splits=32)
     assert choose("attention", 512, (1, *heads), fp8, H200, PALLAS).kw["block_kv"] == 128  # the paged kernel

@@ -93,10 +93,11 @@ def test_prefill_flash_matches_reference(window, S, chunks, T, sink_scale, block
 @pytest.mark.parametrize("window", [FULL, 8])
 def test_a_few_tokens_per_row_take_the_decode_kernel_and_match_reference(window):
     """A verify step's rows (k + 1 tokens at consecutive positions, or one token for a row that does not draft, or
-    padding) attend through the decode kernel, one query row per token, each to its own causal prefix."""
+    padding) with their K/V written already (several devices, inspection) attend through the decode kernel, one
+    query row per token, each to its own causal prefix."""
     chunks = [(0, 4), (19, 4), (30, 1), (0, 0)]
     q, kp, vp, bt, pos, sinks = _prefill_case(7, 8, 2, 16, 4, chunks, 4, 5.0)
-    kernels = KernelConfig(impl="pallas")
+    kernels = KernelConfig(impl="pallas", new_token_rows=8)
     assert pallas_kernels.choose("attention", 4, (4, 8, 2, 16), q.dtype, CPU, kernels).kernel == "paged_rows"
     assert pallas_kernels.choose("attention", 4, (9, 8, 2, 16), q.dtype, CPU, kernels).kernel == "flash"
     ref = attention_reference.attention(q, kp, vp, bt, pos, sinks, window)
@@ -148,10 +149,80 @@ def test_new_token_attention_matches_reference(window, S, splits, sink_scale):
         np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("window,S,splits,fp8", [(FULL, 4, 1, False), (16, 8, 3, False), (FULL, 4, 2, True)])
+def test_new_token_attention_of_a_few_tokens_a_row_matches_reference(window, S, splits, fp8):
+    """A verify step's rows through the new-token kernel, 4 tokens a row, each attending to the cache and to its
+    row's earlier new tokens (which the kernel takes from their projections, not from the pools being written):
+    tokens from position 0 (no cache), across a page boundary, one token and padding, all padding, two
+    prefix-cached (null-page) tokens before two fresh ones, a long context past a sliding window."""
+    rng = np.random.default_rng(S * 10 + splits + fp8)
+    N, K, H, T = 8, 2, 16, 4
+    starts = [0, 14, 30, -1, 40, 61]
+    pos = np.array([[s + i if s >= 0 and (s != 30 or i == 0) else -1 for i in range(T)] for s in starts], np.int32)
+    B, M = len(starts), 80 // S + 1
+    P = B * M + 1  # pages per layer; page 0 is the null page
+    kp, vp = (rng.normal(size=(2 * P, S, K, H)) for _ in "kv")
+    scales = {}
+    if fp8:
+        (kp, ks), (vp, vs) = _fp8(kp, rng), _fp8(vp, rng, values=True)
+        scales = dict(k_scale_PKS=ks, v_scale_PKS=vs)
+    else:
+        kp, vp = jnp.asarray(kp, jnp.bfloat16), jnp.asarray(vp, jnp.bfloat16)
+    bt = rng.permutation(np.arange(1, P))[: B * M].reshape(B, M).astype(np.int32)
+    wpage = np.where(pos >= 0, bt[np.arange(B)[:, None], np.maximum(pos, 0) // S], 0)
+    wpage[4, :2] = 0  # prefix-cached: not written, read from the cache
+    wslot = np.maximum(pos, 0) % S
+    R = B * T
+    parts = tuple(jnp.asarray(rng.normal(size=(3, R, n * H)), jnp.float32) for n in (N, K, K))
+    biases = tuple(jnp.asarray(rng.normal(size=(3, n * H)), jnp.bfloat16) for n in (N, K, K))
+    angle = rng.uniform(0, 6.3, size=(R, H // 2))
+    cos, sin = (jnp.asarray(f(angle), jnp.bfloat16) for f in (np.cos, np.sin))
+    sinks = jnp.asarray(rng.normal(size=(3, N)), jnp.float32)
+    flat = lambda a: jnp.asarray(a.reshape(R))  # noqa: E731
+    args = (jnp.asarray(bt), P, flat(pos), flat(wpage), flat(wslot), sinks, window)
+    ref, *ref_pools = paged_attention.new_token_reference(
+        parts, biases, 2, cos, sin, kp, vp, *args, **scales, tokens_per_row=T
+    )
+    out, *got = paged_attention.attention_new_token(
+        parts,
+        biases,
+        2,
+        cos,
+        sin,
+        kp,
+        vp,
+        *args,
+        **scales,
+        tokens_per_row=T,
+        block_kv=8,
+        num_splits=splits,
+        interpret=True,
+    )
+    done = got.pop(2)
+    assert not np.asarray(done).any() and done.shape == (R, K)
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(out).all()
+    valid = pos.reshape(R) >= 0
+    for r in np.flatnonzero(valid):  # every token on its own: an error in one row's causal prefix shows
+        assert np.linalg.norm(out[r] - ref[r]) / np.linalg.norm(ref[r]) < 2e-2, (r, pos.reshape(R)[r])
+    assert np.abs(out[~valid]).max() == 0.0  # padding
+    keep = np.ones(2 * P, bool)
+    keep[P] = False  # the null page of layer 1: the reference writes there, the kernel skips it
+    fresh = int(((pos >= 0) & (wpage != 0)).sum())
+    written = set(bt[np.arange(B)[:, None], np.maximum(pos, 0) // S][(pos >= 0) & (wpage != 0)] + P)
+    for got_a, want, before in zip(got, ref_pools, (kp, vp, *scales.values())):
+        got_a, want, before = (np.asarray(a, np.float32) for a in (got_a, want, before))
+        changed = set(np.flatnonzero((want != before).reshape(len(want), -1).any(axis=1))) - {P}
+        assert changed == written and fresh == 15
+        np.testing.assert_allclose(got_a[keep], want[keep], rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.slow  # the whole model on the interpreted kernels
-def test_decode_step_takes_the_new_token_kernel_and_matches_reference(monkeypatch):
-    """A bf16 decode step of the tiny model with the kernels: each layer runs `attention_new_token` (spied), and
-    the hidden states and every written cache slot match the reference path's from the same cache."""
+@pytest.mark.parametrize("T", [1, 3])
+def test_decode_step_takes_the_new_token_kernel_and_matches_reference(monkeypatch, T):
+    """A bf16 decode step of the tiny model with the kernels, one token a row or a verify step's three: each layer
+    runs `attention_new_token` (spied), and the hidden states and every written cache slot match the reference
+    path's from the same cache."""
     cfg = config.from_hf_dict(json.loads((Path(__file__).parent / "tiny_config.json").read_text()))
     ref_params = random_params(cfg, seed=3)
     kern_params = random_params(cfg, seed=3, kernels=KernelConfig(impl="pallas"))
@@ -163,7 +234,8 @@ def test_decode_step_takes_the_new_token_kernel_and_matches_reference(monkeypatc
     prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, size=(B, ctx)), jnp.int32)
     pos = jnp.asarray(np.stack([np.arange(ctx), np.full(ctx, -1)]), jnp.int32)
     _, cache, _ = model.forward(ref_params, cache, prompt, pos, tables, cfg)
-    step = (jnp.asarray([[7], [0]], jnp.int32), jnp.asarray([[ctx], [-1]], jnp.int32), tables)
+    toks = jnp.asarray([[7, 9, 11][:T], [0] * T], jnp.int32)
+    step = (toks, jnp.asarray([list(range(ctx, ctx + T)), [-1] * T], jnp.int32), tables)
     calls = []
     spy = paged_attention.attention_new_token
     monkeypatch.setattr(paged_attention, "attention_new_token", lambda *a, **kw: calls.append(1) or spy(*a, **kw))
@@ -176,10 +248,11 @@ def test_decode_step_takes_the_new_token_kernel_and_matches_reference(monkeypatc
     for name in ("k_sliding", "v_sliding", "k_full", "v_full"):
         new, old = np.asarray(getattr(got_cache, name), np.float32), np.asarray(getattr(cache, name), np.float32)
         ref = np.asarray(getattr(want_cache, name), np.float32)
-        slot = (slice(None), ctx // S + 1, ctx % S)  # page table[0][ctx // S], every layer
-        assert (new[slot] != old[slot]).all(axis=-1).any()
-        np.testing.assert_allclose(new[slot], ref[slot], rtol=2e-2, atol=2e-2)
-        new[slot], ref[slot] = 0, 0
+        for p in range(ctx, ctx + T):
+            slot = (slice(None), p // S + 1, p % S)  # page table[0][p // S], every layer
+            assert (new[slot] != old[slot]).all(axis=-1).any()
+            np.testing.assert_allclose(new[slot], ref[slot], rtol=2e-2, atol=2e-2)
+            new[slot], ref[slot] = 0, 0
         np.testing.assert_array_equal(new[:, 1:], ref[:, 1:])  # nothing else written (page 0 is the null page)
 
 

@@ -329,25 +329,32 @@ def main():
         )
         print(*rows[-1], flush=True)
 
-    for name, (B, S, ctxs, window, sink_scale, kv, launch) in {
-        "paged_decode_new_token": (1, 16, [1000], 2**31 - 1, 1.0, "auto", decode_launch("auto")),
-        "paged_decode_new_token ": (6, 16, [1, 129, 300, 8191, 0, 17], 128, 20.0, "auto", decode_launch("auto")),
-        "paged_decode_new_token fp8": (1, 16, [1000], 2**31 - 1, 1.0, "fp8", decode_launch("fp8")),
-        "paged_decode_new_token fp8 ": (6, 16, [1, 129, 300, 8191, 0, 17], 128, 20.0, "fp8", decode_launch("fp8")),
-        "paged_decode_new_token fp8  ": (6, 16, [1, 129, 300, 8191, 0, 17], 128, 20.0, "fp8", default_launch),
+    # (rows, page size, contexts, window, sink scale, KV dtype, launch, tokens a row: a verify step's k + 1 end at
+    # the row's context, each attending to the cache and the row's earlier new tokens)
+    for name, (B, S, ctxs, window, sink_scale, kv, launch, T) in {
+        "paged_decode_new_token": (1, 16, [1000], 2**31 - 1, 1.0, "auto", decode_launch("auto"), 1),
+        "paged_decode_new_token ": (6, 16, [1, 129, 300, 8191, 0, 17], 128, 20.0, "auto", decode_launch("auto"), 1),
+        "paged_decode_new_token fp8": (1, 16, [1000], 2**31 - 1, 1.0, "fp8", decode_launch("fp8"), 1),
+        "paged_decode_new_token fp8 ": (6, 16, [1, 129, 300, 8191, 0, 17], 128, 20.0, "fp8", decode_launch("fp8"), 1),
+        "paged_decode_new_token fp8  ": (6, 16, [1, 129, 300, 8191, 0, 17], 128, 20.0, "fp8", default_launch, 1),
+        "paged_decode_new_token rows": (2, 16, [1000, 8191], 2**31 - 1, 1.0, "auto", decode_launch("auto"), 4),
+        "paged_decode_new_token rows ": (4, 16, [8, 129, 0, 300], 128, 20.0, "auto", decode_launch("auto"), 8),
+        "paged_decode_new_token rows fp8": (4, 16, [4, 129, 0, 8191], 128, 20.0, "fp8", decode_launch("fp8"), 4),
     }.items():
         if not want(name):
             continue
         key, k1, k2 = jax.random.split(key, 3)
         _, kp, vp, bt, pos, sinks = kc.paged(k1, B, 64, 8, 64, S, ctxs, sink_scale)
         kp, vp, scales, _ = kc.as_kv_cache(kp, vp, kv)
-        args = new_token_case(k2, B, bt, pos[:, 0], S)
+        pos = jnp.where(pos >= 0, pos - T + 1 + jnp.arange(T)[None, :], -1).reshape(-1)  # [B * T]
+        args = new_token_case(k2, B * T, jnp.repeat(bt, T, axis=0), pos, S)
         sinks = jnp.concatenate([jnp.full((args[2], sinks.shape[0]), -3.0), sinks[None]])  # the case's layer's
+        rows_kw = dict(tokens_per_row=T)
         ref, *ref_cache = paged_attention.new_token_reference(
-            *args[:3], *args[3:5], kp, vp, bt, 0, pos[:, 0], *args[5:], sinks, window, **scales
+            *args[:3], *args[3:5], kp, vp, bt, 0, pos, *args[5:], sinks, window, **scales, **rows_kw
         )
         out, got_k, got_v, _, *got_scales = paged_attention.attention_new_token(
-            *args[:3], *args[3:5], kp, vp, bt, 0, pos[:, 0], *args[5:], sinks, window, **scales, **launch
+            *args[:3], *args[3:5], kp, vp, bt, 0, pos, *args[5:], sinks, window, **scales, **launch, **rows_kw
         )
         e, fin = rel(out, ref)
         # the k and v pools and their scales; page 0, the null page, is where the reference writes padding rows
@@ -359,7 +366,7 @@ def main():
         rows.append(
             (
                 name.strip(),
-                f"kv={kv} B={B} ctx={ctxs} win={'full' if window > 2**30 else window} sinks*{sink_scale} "
+                f"kv={kv} B={B} T={T} ctx={ctxs} win={'full' if window > 2**30 else window} sinks*{sink_scale} "
                 f"{'/'.join(map(str, launch.values()))} cache err {ek:.1e}",
                 max(e, ek),
                 fin,
