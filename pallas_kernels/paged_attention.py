@@ -243,24 +243,25 @@ def _new_token_kernel(
             ks_out[head * S + wslot_ref[r]] = stored[2]
             vs_out[head * S + wslot_ref[r]] = stored[3]
 
-    # Split 0 starts the online softmax from the new keys: this token's and its row's earlier fresh ones.
-    score = lambda k: jnp.sum(q.astype(jnp.float32) * k.astype(jnp.float32)[None, :], axis=1) * config["scale"]  # noqa: E731
-    keys = [(here, score(k_new), v_new)]
+    # Split 0 starts the online softmax from the new keys, one at a time (one key's k and v live at once): this
+    # token's and its row's earlier fresh ones.
+    def admit(carry, on, k, v):
+        m, l, acc = carry
+        s_k = jnp.sum(q.astype(jnp.float32) * k.astype(jnp.float32)[None, :], axis=1) * config["scale"]
+        m_new = jnp.where(on, jnp.maximum(m, s_k), m)
+        w, alpha = jnp.where(on, jnp.exp(s_k - m_new), 0.0), jnp.exp(m - m_new)
+        return m_new, l * alpha + w, acc * alpha[:, None] + w[:, None] * v.astype(jnp.float32)[None, :]
+
+    carry = (jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32), jnp.zeros((gp, H), jnp.float32))
+    carry = admit(carry, here, k_new, v_new)
     n_new = fresh.astype(jnp.int32)  # the new keys the cache is not read for
     for i in range(T - 1):  # token i < t of the row
         ri = b * T + i
         p_i = pos_ref[ri]
         fresh_i = (i < t) & (wpage_ref[ri] != null_page) & (p_i >= 0) & (p >= 0)  # (padding attends to nothing)
-        k_i, v_i, _ = key_value(ri)
-        keys.append((fresh_i & (sp == 0) & (p_i >= lo), score(k_i), v_i))
+        carry = admit(carry, fresh_i & (sp == 0) & (p_i >= lo), *key_value(ri)[:2])
         n_new += fresh_i.astype(jnp.int32)
-    m = jnp.full((gp,), NEG, jnp.float32)
-    for on, s_k, _ in keys:
-        m = jnp.where(on, jnp.maximum(m, s_k), m)
-    l, acc = jnp.zeros((gp,), jnp.float32), jnp.zeros((gp, H), jnp.float32)
-    for on, s_k, v_k in keys:
-        w = jnp.where(on, jnp.exp(s_k - m), 0.0)
-        l, acc = l + w, acc + w[:, None] * v_k.astype(jnp.float32)[None, :]
+    m, l, acc = carry
     m, l, acc = _attend(
         q,
         m,

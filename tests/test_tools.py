@@ -149,7 +149,7 @@ def test_inspect_kernels_lowers_a_prefill_call_and_counts_loop_instructions():
 
 def test_speculative_step_lowers_for_cuda_on_the_cpu():
     """The verify step (k + 1 tokens per row over the paged cache) through the GPU kernels, at the 20b shapes: the
-    decode attention kernel, one query row per token, the MoE and projection kernels of a 4-token batch."""
+    new-token attention kernel, one program row per token, the MoE and projection kernels of a 4-token batch."""
     from gptoss_jax import speculative
     from tools import common, inspect_kernels
 
@@ -165,8 +165,10 @@ def test_speculative_step_lowers_for_cuda_on_the_cpu():
     with inspect_kernels.lowering_for_hopper(), inspect_kernels.capture_triton_modules(found):
         step.lower(lowering_platforms=("cuda",))
     names = {k["name"] for k in found}
-    assert {"paged_decode_attention", "moe_route", "mxfp4_gate_up_swiglu_gemv16"} <= names
-    assert "paged_flash_attention" not in names
+    assert {"paged_decode_attention_new_token", "moe_route", "mxfp4_gate_up_swiglu_gemv16"} <= names
+    assert not names & {"paged_flash_attention", "paged_decode_attention"}
+    attention = [k for k in found if k["name"] == "paged_decode_attention_new_token"]
+    assert {k["grid"][0] for k in attention} == {4}, [k["grid"] for k in attention]
 
 
 def test_resident_programs_follow_the_sm_limits():

@@ -472,7 +472,8 @@ def _sampler_state(put: _Placer, cfg, B: int) -> SamplerState:
 
 def summarize_trace(trace_dir: str, top: int = 60, timeline: int = 0) -> dict:
     """GPU kernel time from the perfetto trace `jax.profiler` wrote under `trace_dir`, per stream: events, span,
-    busy time (the union of the kernels' intervals) and the `top` kernels by total time; with `timeline`, also
+    busy time (the union of the kernels' intervals), the `top` kernels by total time, and the idle time between
+    kernels by the pair of kernels around each gap (the largest ten: where the stream waits); with `timeline`, also
     that many consecutive kernels from the middle of the busiest stream: start (from the first), duration and the
     gap since the previous kernel ended (negative: they overlapped), which show where the step waits."""
     path = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))[-1]
@@ -488,11 +489,16 @@ def summarize_trace(trace_dir: str, top: int = 60, timeline: int = 0) -> dict:
     out = {}
     for name, evs in by_thread.items():
         evs.sort(key=lambda e: e["ts"])
-        busy, end = 0.0, -1e30
+        busy, end, last = 0.0, -1e30, ""
+        idle, idle_n = collections.Counter(), collections.Counter()
         for e in evs:  # union of intervals
             s, f = e["ts"], e["ts"] + e["dur"]
+            if end > -1e30 and s > end:
+                idle[(last, e["name"][:60])] += s - end
+                idle_n[(last, e["name"][:60])] += 1
             busy += max(0.0, f - max(s, end))
-            end = max(end, f)
+            if f >= end:
+                end, last = f, e["name"][:60]
         totals, counts, args = collections.Counter(), collections.Counter(), {}
         for e in evs:
             totals[e["name"][:120]] += e["dur"]
@@ -503,6 +509,7 @@ def summarize_trace(trace_dir: str, top: int = 60, timeline: int = 0) -> dict:
             "span_us": end - evs[0]["ts"],
             "busy_us": busy,
             "top": [{"name": n, "us": t, "count": counts[n], "args": args[n]} for n, t in totals.most_common(top)],
+            "gaps": [{"after": a, "before": b, "us": t, "count": idle_n[a, b]} for (a, b), t in idle.most_common(10)],
         }
     if timeline and out:
         name = max(out, key=lambda n: out[n]["busy_us"])

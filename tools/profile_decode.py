@@ -267,6 +267,9 @@ def profile(step, per: int, what: str, unit: str, meta: dict, args) -> dict:
         )
         for row in t["top"][:12]:
             print(f"    {row['us'] / per:8.1f} us/{unit}  x{row['count'] / per:5.1f}  {row['name'][:90]}")
+        for row in t.get("gaps", [])[:6]:
+            idle = f"    idle {row['us'] / per:6.1f} us/{unit}  x{row['count'] / per:5.1f}"
+            print(f"{idle}  {row['after']} -> {row['before']}")
         for row in t.get("timeline", []):
             print(f"    t={row['start_us']:8.2f}  {row['dur_us']:6.2f} us  gap {row['gap_us']:5.2f}  {row['name']}")
     return result
