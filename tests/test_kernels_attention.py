@@ -179,25 +179,10 @@ def test_new_token_attention_of_a_few_tokens_a_row_matches_reference(window, S, 
     cos, sin = (jnp.asarray(f(angle), jnp.bfloat16) for f in (np.cos, np.sin))
     sinks = jnp.asarray(rng.normal(size=(3, N)), jnp.float32)
     flat = lambda a: jnp.asarray(a.reshape(R))  # noqa: E731
-    args = (jnp.asarray(bt), P, flat(pos), flat(wpage), flat(wslot), sinks, window)
-    ref, *ref_pools = paged_attention.new_token_reference(
-        parts, biases, 2, cos, sin, kp, vp, *args, **scales, tokens_per_row=T
-    )
-    out, *got = paged_attention.attention_new_token(
-        parts,
-        biases,
-        2,
-        cos,
-        sin,
-        kp,
-        vp,
-        *args,
-        **scales,
-        tokens_per_row=T,
-        block_kv=8,
-        num_splits=splits,
-        interpret=True,
-    )
+    args = (parts, biases, 2, cos, sin, kp, vp, jnp.asarray(bt), P, flat(pos), flat(wpage), flat(wslot), sinks, window)
+    kw = dict(scales, tokens_per_row=T)
+    ref, *ref_pools = paged_attention.new_token_reference(*args, **kw)
+    out, *got = paged_attention.attention_new_token(*args, **kw, block_kv=8, num_splits=splits, interpret=True)
     done = got.pop(2)
     assert not np.asarray(done).any() and done.shape == (R, K)
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
