@@ -44,6 +44,10 @@ class EngineConfig:
     min_prefill_bucket: int = 16  # smallest padded prefill chunk
     min_context_bucket: int = 1024  # smallest padded block-table width, in tokens
     max_logprobs: int = 20  # largest `SamplingParams.logprobs` accepted
+    # Decode buckets of up to this many rows also get a program for calls whose rows are all greedy without logits
+    # processors, structured outputs or log-probabilities, traced without the sampler's conditionals (each makes the
+    # device wait: 20b batch 1 +7.8%, BENCHMARKS §24); one more program per such bucket to compile. 0: none.
+    greedy_program_rows: int = 8
     warmup: bool = False  # compile every bucket at start-up
     # Processes that trace and lower warm-up's programs in parallel (`gptoss_jax/lowering.py`); the engine's process
     # compiles them. None: one per two cores up to 8 on a GPU, none elsewhere; 0: lower in the engine's process.
@@ -93,6 +97,9 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 2):
                 raise ConfigError(f"EngineConfig.{name}={v!r}: must be an integer >= 2 or null")
+        g = self.greedy_program_rows
+        if not isinstance(g, int) or isinstance(g, bool) or g < 0:
+            raise ConfigError(f"EngineConfig.greedy_program_rows={g!r}: must be an integer >= 0 (0: none)")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ConfigError(f"EngineConfig.max_logprobs={self.max_logprobs!r}: must be an integer >= 0")
         f = self.gpu_memory_utilization

@@ -263,7 +263,8 @@ class ModelRunner:
         width = self._width([s.decode_span(K)[0] + K for s in seqs], self._decode_widths)
         # Masks hold across a call's steps where its tokens are sampled one a step (not with speculation).
         gates = [_gate(s, holds=self.drafter is None) for s in seqs]
-        return self._decode(seqs, rows, row_of, width, draft, gates), row_of, gates
+        greedy = rows <= self.config.greedy_program_rows and all(map(plain, seqs))
+        return self._decode(seqs, rows, row_of, width, draft, greedy, gates), row_of, gates
 
     def set_stay_tokens(self, stay_W: np.ndarray) -> None:
         """The tokens a held structured-output mask holds across (`structured.stay_tokens`), onto the device: set
@@ -342,15 +343,22 @@ class ModelRunner:
         return out
 
     def _decode(
-        self, seqs: list[Sequence], rows: int, row_of: list[int], width: int, draft: bool, gates: list = ()
+        self,
+        seqs: list[Sequence],
+        rows: int,
+        row_of: list[int],
+        width: int,
+        draft: bool,
+        greedy: bool,
+        gates: list = (),
     ) -> Sampled:
         slots = self._slots(seqs, rows, row_of)
         batch = self._decode_batch(seqs, rows, row_of, width, slots, gates)
         if self.drafter is not None:  # the step keeps each slot's next token and position in its `DraftState`
-            program = self._program(("decode", rows, width, draft), steps.decode_speculative, batch)
+            program = self._program(("decode", rows, width, draft, greedy), steps.decode_speculative, batch)
             out, self.cache, (self._sampler_state, self._draft_state) = program(*self._args("decode", batch))
             return out
-        program = self._program(("decode", rows, width, False), steps.decode, batch)
+        program = self._program(("decode", rows, width, False, greedy), steps.decode, batch)
         out, self.cache, self._sampler_state = program(self.params, self.cache, self._sampler_state, batch)
         self._last_tokens = steps.store_tokens(self._last_tokens, slots, out.tokens)
         return out
@@ -365,7 +373,8 @@ class ModelRunner:
     def _st(self, key: tuple) -> steps.StepConfig:
         if key[0] != "decode":
             return self.st_decode if self.prefill_drafts else self.st
-        return self.st_no_draft if self.drafter is not None and not key[3] else self.st_decode
+        st = self.st_no_draft if self.drafter is not None and not key[3] else self.st_decode
+        return dataclasses.replace(st, plain=True) if key[4] else st
 
     def _drafting_bucket(self, rows: int) -> bool:
         """Whether a speculative decode call of `rows` (padded) rows can draft: the fewest sequences such a call
@@ -404,20 +413,23 @@ class ModelRunner:
         return program
 
     def buckets(self) -> list[tuple]:
-        """Every program the scheduler can ask for: ("decode", rows, table width, drafts) and ("prefill", rows,
-        tokens, table width). With speculation, a decode bucket has a drafting program (drafts True) and, with
+        """Every program the scheduler can ask for: ("decode", rows, table width, drafts, greedy) and ("prefill",
+        rows, tokens, table width). With speculation, a decode bucket has a drafting program (drafts True) and, with
         `disable_by_batch_size`, a non-drafting one, or only the latter where its calls have too many sequences to
-        draft; without speculation, one plain program (drafts False)."""
+        draft; without speculation, one program without drafts (drafts False). Buckets of up to
+        `greedy_program_rows` rows have each twice: for calls whose rows are all `plain` (greedy True: no
+        conditionals) and for the others."""
         ec, R = self.config, self.num_ranks
         spec = self.drafter is not None
         limited = spec and ec.speculative_config.disable_by_batch_size is not None
         decode = []
         for w in self._decode_widths:
             for b in ec.decode_buckets():
-                if spec and self._drafting_bucket(R * b):
-                    decode.append(("decode", R * b, w, True))
-                if limited or not spec:
-                    decode.append(("decode", R * b, w, False))
+                for greedy in (True, False) if R * b <= ec.greedy_program_rows else (False,):
+                    if spec and self._drafting_bucket(R * b):
+                        decode.append(("decode", R * b, w, True, greedy))
+                    if limited or not spec:
+                        decode.append(("decode", R * b, w, False, greedy))
         prefill = [
             ("prefill", R * b, T, w)
             for w in self._prefill_widths
@@ -473,7 +485,7 @@ class ModelRunner:
         self.check_temporaries(jax.devices()[0].memory_stats() or {})
         for i, key in enumerate(self.buckets(), 1):
             if key[0] == "decode":
-                self._decode([], key[1], [], key[2], key[3])
+                self._decode([], key[1], [], key[2], key[3], key[4])
             else:
                 self._prefill([], key[1], [], key[2], key[3])
             report("first run", i, len(self.buckets()), self._label(key))
@@ -582,9 +594,9 @@ class ModelRunner:
 
     def _label(self, key: tuple) -> str:
         if key[0] == "decode":
-            _, rows, width, drafts = key
+            _, rows, width, drafts, greedy = key
             plain = " no drafts" if self.drafter is not None and not drafts else ""
-            return f"decode rows={rows} ctx={width * self.config.page_size}{plain}"
+            return f"decode rows={rows} ctx={width * self.config.page_size}{plain}{' greedy' if greedy else ''}"
         _, rows, tokens, width = key
         return f"prefill rows={rows} tokens={tokens} ctx={width * self.config.page_size}"
 
@@ -731,6 +743,13 @@ class ModelRunner:
 def _gate(seq: Sequence, holds: bool) -> structured.Gate | None:
     """A structured-output row's mask for the call being packed (`structured.Constraint.gate`)."""
     return None if seq.constraint is None else seq.constraint.gate(seq.num_pending > 0, holds)
+
+
+def plain(seq: Sequence) -> bool:
+    """Whether a sequence's sampling needs no more than the argmax: greedy, without logits processors, a structured
+    output or log-probabilities (calls of such rows alone take programs without the sampler's conditionals)."""
+    p = seq.params
+    return p.temperature == 0 and not p.uses_processors and p.logprobs is None and seq.constraint is None
 
 
 def drafts(seq: Sequence) -> bool:

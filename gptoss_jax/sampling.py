@@ -304,12 +304,18 @@ def sample_batch(
     num_top: int,
     state: SamplerState | None = None,
     branchless: bool = False,
+    plain: bool = False,
 ) -> Sampled:
     """The tokens after positions `pos_B`: each row's key folded with the position it predicts from (so a
     request's draws depend neither on its batch neighbours, nor on chunking, nor on preemption), `sample` of the
     logits after the processors (`apply_penalties_and_bias`, skipped by batches where no row uses one), and the
     log-probabilities of the model's own distribution (before the processors, as vLLM's default) when any row asks
-    for them. `branchless`: no conditional skips work (`shortcut`)."""
+    for them. `branchless`: no conditional skips work (`shortcut`). `plain` (static): every row is greedy, without
+    processors, a mask or log-probabilities (the caller knows), so the argmax is all there is: no conditional."""
+    if plain:
+        B = logits_BV.shape[0]
+        tokens = _max_argmax(logits_BV.astype(jnp.float32))[1]
+        return Sampled(tokens, jnp.zeros(B), jnp.zeros((B, num_top), jnp.int32), jnp.zeros((B, num_top)))
     keys = jax.vmap(jax.random.fold_in)(sb.keys_B2, pos_B)
 
     def draw(logits):

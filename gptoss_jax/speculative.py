@@ -411,6 +411,7 @@ def verify(
     first_B: jax.Array,
     pos_B: jax.Array,
     sb: sampling.SamplingBatch,
+    plain: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Accept a prefix of each drafting row's k drafts against the target's logits at its k + 1 positions.
 
@@ -421,6 +422,8 @@ def verify(
     draws from p. Each row's draws use its key folded with the position predicted from, so they depend neither on
     batch neighbours nor on how far earlier drafts got. Rows that do not draft take `first_B` (the ordinary sampler's
     token at position 0: their logits processors and structured-output masks apply there).
+
+    `plain` (static): every row is greedy, so the sampled rows' pass is not traced (no conditional).
 
     -> (tokens `[B, k + 1]`: the accepted drafts and the target's token after them, -1 beyond; accepted counts `[B]`).
     """
@@ -462,7 +465,7 @@ def verify(
         return accept, resample.astype(jnp.int32)
 
     off = (jnp.zeros((B, k), bool), jnp.zeros((B, T), jnp.int32))
-    accept_s, token_s = jax.lax.cond(jnp.any(sampled_B), rejection, lambda: off)
+    accept_s, token_s = off if plain else jax.lax.cond(jnp.any(sampled_B), rejection, lambda: off)
     accept = jnp.where(sampled_B[:, None], accept_s, d_BK == greedy_BT[:, :k]) & drafting_B[:, None]
     if draft.accept_BK is not None:
         accept = draft.accept_BK & drafting_B[:, None]

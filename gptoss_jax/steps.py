@@ -58,6 +58,10 @@ class StepConfig:
     num_steps: int = 1  # decode tokens per call, fed back on device
     drafter: object = None  # with speculative decoding: the drafter (`speculative.make_drafter`), else None
     draft: bool = True  # False: speculation disabled for this call (`disable_by_batch_size`): one token per row
+    # True: every row of the call is greedy, without logits processors, a structured-output mask or log-probabilities
+    # (`runner.plain`), so the sampler and the verifier are traced without their conditionals, each of which makes
+    # the device wait (BENCHMARKS §24)
+    plain: bool = False
 
 
 @struct.dataclass
@@ -91,7 +95,7 @@ def _sampler(st: StepConfig, branchless: bool = False):
     indexed by slot, is the same on every rank). `branchless` for prefill calls (`sampling.shortcut`)."""
 
     def fn(logits_BV, pos_B, sb, state):
-        return sampling.sample_batch(logits_BV, pos_B, sb, st.num_top, state, branchless)
+        return sampling.sample_batch(logits_BV, pos_B, sb, st.num_top, state, branchless, st.plain)
 
     return fn if st.layout is None else st.layout.per_rank(fn, ("rows", "rows", "rows", None), "rows")
 
@@ -311,9 +315,11 @@ def _verify(logits_BTV, draft, drafting_B, pos_B, sampling_batch, sstate, st: St
         want_logprobs_B=jnp.zeros_like(sampling_batch.want_logprobs_B),
     )
     first_B = _sampler(st)(logits_BTV[:, 0], pos_B, sb, sstate).tokens
-    out_BT, n_B = speculative.verify(logits_BTV, draft, drafting_B, first_B, pos_B, sampling_batch)
+    out_BT, n_B = speculative.verify(logits_BTV, draft, drafting_B, first_B, pos_B, sampling_batch, st.plain)
     B, T, V = logits_BTV.shape
     empty = (jnp.zeros(B * T), jnp.zeros((B * T, st.num_top), jnp.int32), jnp.zeros((B * T, st.num_top)))
+    if st.plain:
+        return out_BT, n_B, jax.tree.map(lambda a: a.reshape(B, T, *a.shape[1:]), empty)
     lp = jax.lax.cond(
         jnp.any(sampling_batch.want_logprobs_B),
         lambda: sampling.logprobs(logits_BTV.reshape(B * T, V), jnp.maximum(out_BT, 0).reshape(-1), st.num_top),

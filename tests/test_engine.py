@@ -183,6 +183,49 @@ def test_logprobs(engine):
     assert [t for t, _ in top] == list(np.argsort(-ref)[:3]) and top[0][0] == o.new_token_ids[0]
 
 
+def test_greedy_calls_take_programs_without_conditionals(engine, monkeypatch):
+    """Calls whose rows are all greedy, without processors, masks or log-probabilities run a program traced without
+    the sampler's conditionals (`StepConfig.plain`); the same greedy request asking for log-probabilities runs the
+    other program, and both give the same tokens."""
+    p = prompts(1, 9, 14, seed=17)[0]
+    used = []
+    program = engine.runner._program
+    monkeypatch.setattr(engine.runner, "_program", lambda key, *a: used.append(key) or program(key, *a))
+    plain = alone(engine, p, greedy(6))
+    first = len(used)
+    with_lp = alone(engine, p, greedy(6, logprobs=1))
+    monkeypatch.undo()
+    decodes = [k for k in used if k[0] == "decode"]
+    assert decodes and all(k[4] for k in used[:first] if k[0] == "decode")
+    assert not any(k[4] for k in used[first:] if k[0] == "decode")
+    assert plain[0] == with_lp[0]
+    key = next(k for k in engine.runner.buckets() if k[0] == "decode" and k[4])
+    step, batch = engine.runner._padding(key)
+    text = {
+        greedy_: step.lower(*engine.runner._args("decode", batch), st=engine.runner._st(key[:4] + (greedy_,))).as_text()
+        for greedy_ in (True, False)
+    }
+    assert "stablehlo.case" not in text[True] and "stablehlo.case" in text[False]
+
+
+def test_greedy_programs_only_up_to_greedy_program_rows(small_checkpoint):
+    """`greedy_program_rows` bounds the buckets that get the greedy calls' program (each one more to compile); 0 gives
+    none, and a bad value is named."""
+    from gptoss_jax.config import ConfigError
+
+    def decode(**kw):
+        eng = Engine(small_checkpoint, dtype="float32", progress=False, **{**SMALL, **kw})
+        keys = [k for k in eng.runner.buckets() if k[0] == "decode"]
+        eng.close()
+        return sorted((k[1], k[4]) for k in keys)
+
+    assert decode() == [(1, False), (1, True), (2, False), (2, True), (4, False), (4, True)]
+    assert decode(greedy_program_rows=2) == [(1, False), (1, True), (2, False), (2, True), (4, False)]
+    assert decode(greedy_program_rows=0) == [(1, False), (2, False), (4, False)]
+    with pytest.raises(ConfigError, match="greedy_program_rows=-1"):
+        Engine(small_checkpoint, dtype="float32", progress=False, **{**SMALL, "greedy_program_rows": -1})
+
+
 def _steps(engine, rid, p, sp):
     engine.add_request(rid, p, sp)
     outs = []

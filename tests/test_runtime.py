@@ -24,7 +24,7 @@ SMALL = dict(
     kv_cache_tokens=512,
     max_model_len=128,
 )
-FEW = dict(SMALL, max_num_seqs=2, max_prefill_seqs=1, min_context_bucket=128)  # 4 programs
+FEW = dict(SMALL, max_num_seqs=2, max_prefill_seqs=1, min_context_bucket=128)  # 6 programs
 
 
 def test_compile_cache_dir_resolution(monkeypatch, tmp_path):
@@ -153,7 +153,7 @@ def test_warmup_reports_progress(small_checkpoint, caplog):
         )
     n = len(eng.runner.buckets())
     eng.close()
-    assert n == 4
+    assert n == 6  # 2 prefill programs; 2 decode buckets, each with a program for greedy calls and one for the others
     stages = [s for s, *_ in seen]
     assert stages[:2] == ["loading weights", "loading weights"] and seen[1][1:3] == (1, 1)
     compiling = [(d, t) for s, d, t, _ in seen if s == "compiling"]
@@ -176,7 +176,8 @@ def test_the_kernels_steps_take_one_table_width(small_checkpoint, impl):
     decode_widths = {k[2] for k in buckets if k[0] == "decode"}
     prefill_widths = {k[3] for k in buckets if k[0] == "prefill"}
     assert decode_widths == prefill_widths == ({widths[-1]} if impl == "pallas" else set(widths))
-    assert len([k for k in buckets if k[0] == "decode"]) == len(ec.decode_buckets()) * len(decode_widths)
+    # each decode bucket twice: calls of greedy rows alone and the others (`StepConfig.plain`)
+    assert len([k for k in buckets if k[0] == "decode"]) == 2 * len(ec.decode_buckets()) * len(decode_widths)
     rows_tokens = len(ec.prefill_row_buckets()) * len(ec.prefill_token_buckets())
     assert len([k for k in buckets if k[0] == "prefill"]) == rows_tokens * len(prefill_widths)
 

@@ -191,7 +191,7 @@ def test_drafting_stops_while_more_requests_are_enqueued_than_disable_by_batch_s
     limit = 3
     spec = {**_oracle(baseline, 2.5), "disable_by_batch_size": limit}
     engine = _spec_engine(small_checkpoint, spec, warmup=True, async_scheduling=async_scheduling)
-    assert sorted(k[3] for k in engine.runner.buckets() if k[0] == "decode") == [False, True]
+    assert sorted(k[3] for k in engine.runner.buckets() if k[0] == "decode") == [False, False, True, True]
     first = {rid: REQUESTS[rid] for rid in ("r4", "r5", "r6")}
     later = {rid: REQUESTS[rid] for rid in ("r0", "r1", "r2", "r3")}
     with steps.compilations() as seen:
@@ -254,15 +254,16 @@ def test_decode_programs_under_disable_by_batch_size(small_checkpoint, limit, dr
     kw = dict(decode_batch_buckets=(1, 2, 4))
     plain = Engine(small_checkpoint, dtype="float32", progress=False, **{**SMALL, **kw}).runner.buckets()
     decode = [k for k in plain if k[0] == "decode"]
-    assert sorted(k[1] for k in decode) == [1, 2, 4] and not any(k[3] for k in decode)
+    twice = lambda rows: sorted(rows * 2)  # noqa: E731 - each bucket also has its program for greedy calls
+    assert sorted(k[1] for k in decode) == twice([1, 2, 4]) and not any(k[3] for k in decode)
     engine = _spec_engine(small_checkpoint, {**NGRAM, "disable_by_batch_size": limit}, **kw)
     buckets = engine.runner.buckets()
     assert [k for k in buckets if k[0] == "prefill"] == [k for k in plain if k[0] == "prefill"]
     decode = [k for k in buckets if k[0] == "decode"]
-    assert sorted(k[1] for k in decode if k[3]) == drafting
-    assert sorted(k[1] for k in decode if not k[3]) == ([] if limit is None else [1, 2, 4])
+    assert sorted(k[1] for k in decode if k[3]) == twice(drafting)
+    assert sorted(k[1] for k in decode if not k[3]) == ([] if limit is None else twice([1, 2, 4]))
     assert {engine.runner._st(k).draft for k in decode} == ({True} if limit is None else {True, False})
-    assert all(engine.runner._st(k).draft == k[3] for k in decode)
+    assert all(engine.runner._st(k).draft == k[3] and engine.runner._st(k).plain == k[4] for k in decode)
 
 
 def test_sampled_outputs_are_reproducible(ngram_engine):
