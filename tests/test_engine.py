@@ -195,9 +195,8 @@ def test_greedy_calls_take_programs_without_conditionals(engine, monkeypatch):
     first = len(used)
     with_lp = alone(engine, p, greedy(6, logprobs=1))
     monkeypatch.undo()
-    decodes = [k for k in used if k[0] == "decode"]
-    assert decodes and all(k[4] for k in used[:first] if k[0] == "decode")
-    assert not any(k[4] for k in used[first:] if k[0] == "decode")
+    greedy_calls, other_calls = ([k[4] for k in keys if k[0] == "decode"] for keys in (used[:first], used[first:]))
+    assert greedy_calls and all(greedy_calls) and other_calls and not any(other_calls)
     assert plain[0] == with_lp[0]
     key = next(k for k in engine.runner.buckets() if k[0] == "decode" and k[4])
     step, batch = engine.runner._padding(key)
