@@ -655,6 +655,11 @@ def main():
         default="",
         help="prefill attention launches BQ:BKV:WARPS:STAGES[,...] on the long-context cases (replaces --sweep's)",
     )
+    ap.add_argument(
+        "--moe-launches",
+        default="",
+        help="moe_decode, 2+ tokens: gemv16 launches BN:BK:WARPS:STAGES[:p][,...] (p: register double buffer)",
+    )
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     kv_dtypes = tuple(args.kv_cache_dtypes.split(","))
@@ -694,6 +699,21 @@ def main():
                     (8, 4096, False, 8),
                     (16, 2048, False, 4),
                 )
+            ]
+        if T * k <= 2 * E and args.moe_launches:
+            launches = [v.split(":") for v in args.moe_launches.split(",")]
+            return out + [
+                dict(
+                    g16,
+                    block_n=int(bn),
+                    block_n_down=int(bn),
+                    block_k=int(bk),
+                    num_warps=int(w),
+                    num_stages=int(st),
+                    prefetch=p == ["p"],
+                    prefetch_down=p == ["p"],
+                )
+                for bn, bk, w, st, *p in launches
             ]
         if T * k <= 2 * E:  # also slots of 2-8 rows (pairs grouped by expert: one weight read, decoded once)
             return out + [
