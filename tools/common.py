@@ -285,12 +285,14 @@ def decode_step(
     temperature: float = 0.0,
     top_p: float = 1.0,
     kv_dtype=None,
+    plain: bool = False,
 ) -> Step:
     """`steps.decode` as the engine calls it: `batch` rows (per attention rank under `layout`) at position `context`
     of their sequences, each with a token no other row has (identical rows would all route to the same experts: a
     too-cheap MoE), `num_steps` tokens per call fed back on device, greedy unless `temperature` > 0, the cache's
-    pools in `kv_dtype` (default the weights' dtype; `kv_quant.FP8` with scales). `params`: arrays, or
-    `ShapeDtypeStruct`s (then every input is one too, for `Step.lower`)."""
+    pools in `kv_dtype` (default the weights' dtype; `kv_quant.FP8` with scales); `plain`: the greedy calls' program
+    (`StepConfig.plain`, no sampler conditionals). `params`: arrays, or `ShapeDtypeStruct`s (then every input is one
+    too, for `Step.lower`)."""
     put = _Placer.of(params, layout)
     cache, tables, pages = _paged_state(cfg, batch, context, num_steps, kv_dtype or params.embed.dtype, put)
     B = tables.full_BM.shape[0]
@@ -304,7 +306,7 @@ def decode_step(
         _sampling(put, B, cfg.vocab_size, temperature, top_p),
         put(np.full((B, num_steps), -1, np.int32)),
     )
-    st = steps.StepConfig(cfg, resolved(kernels), layout, num_top=num_top, num_steps=num_steps)
+    st = steps.StepConfig(cfg, resolved(kernels), layout, num_top=num_top, num_steps=num_steps, plain=plain)
     return Step(steps.decode, params, cache, inputs, st, pages, _sampler_state(put, cfg, B))
 
 
@@ -319,11 +321,12 @@ def speculative_step(
     num_steps: int = 1,
     draft_params=None,
     draft: bool = True,
+    plain: bool = False,
 ) -> Step:
     """`steps.decode_speculative` as the engine calls it with `drafter` (`speculative.make_drafter`): `batch` greedy
     rows at position `context`, every row drafting, each verify step `drafter.num_tokens + 1` tokens (`draft=False`:
-    the step of a call with more requests enqueued than `disable_by_batch_size`, one token per row); the drafter's
-    history holds random tokens up to the position. One device."""
+    the step of a call with more requests enqueued than `disable_by_batch_size`, one token per row; `plain`: the greedy
+    calls' program); the drafter's history holds random tokens up to the position. One device."""
     put = _Placer.of(params, None)
     T = num_steps * (drafter.num_tokens + 1)
     cache, tables, pages = _paged_state(cfg, batch, context, T, params.embed.dtype, put)
@@ -344,7 +347,7 @@ def speculative_step(
     )
     state = (_sampler_state(put, cfg, batch), history_state)
     st = steps.StepConfig(
-        cfg, resolved(kernels), None, num_top=NUM_TOP, num_steps=num_steps, drafter=drafter, draft=draft
+        cfg, resolved(kernels), None, num_top=NUM_TOP, num_steps=num_steps, drafter=drafter, draft=draft, plain=plain
     )
     batch_ = steps.SpeculativeBatch(decode, put(np.ones(batch, bool)), put(np.zeros(batch, bool)))
     return Step(steps.decode_speculative, (params, draft_params), cache, batch_, st, pages, state)

@@ -36,6 +36,7 @@ from pathlib import Path
 import jax
 
 from gptoss_jax import runtime, speculative
+from gptoss_jax.engine_config import EngineConfig
 from pallas_kernels import KernelConfig, kv_quant
 from tools.common import (
     decode_step,
@@ -103,6 +104,12 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="every row's sampling temperature (0: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument(
+        "--conditionals",
+        action="store_true",
+        help="greedy rows too take the program with the sampler's conditionals (the engine's greedy calls of up to "
+        "greedy_program_rows rows do not)",
+    )
+    ap.add_argument(
         "--prefill",
         default="",
         help="comma-separated ROWSxTOKENS[@START] prefill calls to trace (chunks at positions START..)",
@@ -151,6 +158,7 @@ def main() -> None:
         results.append(profile(step, 1, f"prefill {spec} kv {args.kv_cache_dtype}", "call", meta, args))
     batches = args.batch or ("" if args.prefill else "1")
     for B in [int(b) for b in batches.split(",") if b]:
+        plain = args.temperature == 0 and B <= EngineConfig().greedy_program_rows and not args.conditionals
         if args.speculative:
             spec = speculative.SpeculativeConfig("oracle", args.speculative)
             drafter = speculative.make_drafter(spec, cfg.vocab_size, args.context + args.steps * 8 + 8)
@@ -164,10 +172,11 @@ def main() -> None:
                 num_steps=args.steps,
                 draft_params=drafter.params(spec),
                 draft=not args.no_draft,
+                plain=plain,
             )
             what = f"B={B} ctx={args.context} {'no-draft' if args.no_draft else 'verify'} k={args.speculative}"
             meta = dict(batch=B, context=args.context, steps=args.steps, speculative=args.speculative)
-            meta.update(draft=not args.no_draft)
+            meta.update(draft=not args.no_draft, plain=plain)
             results.append(profile(step, args.steps, what, "verify_step", meta, args))
             continue
         step = decode_step(
@@ -180,6 +189,7 @@ def main() -> None:
             temperature=args.temperature,
             top_p=args.top_p,
             kv_dtype=kv_dtype,
+            plain=plain,
         )
         results.append(
             profile(
@@ -194,6 +204,7 @@ def main() -> None:
                     temperature=args.temperature,
                     top_p=args.top_p,
                     kv_cache_dtype=args.kv_cache_dtype,
+                    plain=plain,
                 ),
                 args,
             )
