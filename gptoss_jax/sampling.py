@@ -313,9 +313,7 @@ def sample_batch(
     for them. `branchless`: no conditional skips work (`shortcut`). `plain` (static): every row is greedy, without
     processors, a mask or log-probabilities (the caller knows), so the argmax is all there is: no conditional."""
     if plain:
-        B = logits_BV.shape[0]
-        tokens = _max_argmax(logits_BV.astype(jnp.float32))[1]
-        return Sampled(tokens, jnp.zeros(B), jnp.zeros((B, num_top), jnp.int32), jnp.zeros((B, num_top)))
+        return Sampled(_max_argmax(logits_BV.astype(jnp.float32))[1], *no_logprobs(logits_BV.shape[0], num_top))
     keys = jax.vmap(jax.random.fold_in)(sb.keys_B2, pos_B)
 
     def draw(logits):
@@ -334,10 +332,14 @@ def sample_batch(
             lambda: draw(logits_BV),
             branchless,
         )
-    B = tokens.shape[0]
-    empty = (jnp.zeros(B, jnp.float32), jnp.zeros((B, num_top), jnp.int32), jnp.zeros((B, num_top), jnp.float32))
-    lp = shortcut(jnp.any(sb.want_logprobs_B), lambda: logprobs(logits_BV, tokens, num_top), lambda: empty, branchless)
+    empty = lambda: no_logprobs(tokens.shape[0], num_top)  # noqa: E731
+    lp = shortcut(jnp.any(sb.want_logprobs_B), lambda: logprobs(logits_BV, tokens, num_top), empty, branchless)
     return Sampled(tokens, *lp)
+
+
+def no_logprobs(n: int, num_top: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`logprobs`' outputs for `n` tokens when no row asks for them: zeros."""
+    return jnp.zeros(n, jnp.float32), jnp.zeros((n, num_top), jnp.int32), jnp.zeros((n, num_top), jnp.float32)
 
 
 def mask_applies(sb: SamplingBatch, state: SamplerState, pos_B: jax.Array) -> jax.Array:

@@ -408,7 +408,7 @@ def verify(
     logits_BTV: jax.Array,
     draft: Draft,
     drafting_B: jax.Array,
-    first_B: jax.Array,
+    first_B: jax.Array | None,
     pos_B: jax.Array,
     sb: sampling.SamplingBatch,
     plain: bool = False,
@@ -423,7 +423,8 @@ def verify(
     batch neighbours nor on how far earlier drafts got. Rows that do not draft take `first_B` (the ordinary sampler's
     token at position 0: their logits processors and structured-output masks apply there).
 
-    `plain` (static): every row is greedy, so the sampled rows' pass is not traced (no conditional).
+    `plain` (static): every row is greedy, so the sampled rows' pass is not traced (no conditional), and `first_B`
+    may be None: the argmax at the first position.
 
     -> (tokens `[B, k + 1]`: the accepted drafts and the target's token after them, -1 beyond; accepted counts `[B]`).
     """
@@ -432,6 +433,9 @@ def verify(
     d_BK = draft.tokens_BK
     greedy_BT = jnp.argmax(logits_BTV, axis=-1).astype(jnp.int32)
     sampled_B = (sb.temperature_B > 0) & drafting_B
+    if first_B is None:
+        assert plain, "only greedy rows take the first position's argmax"
+        first_B = greedy_BT[:, 0]
 
     def rejection():
         rep = lambda a: jnp.repeat(a, T, axis=0)  # noqa: E731 - per row -> per (row, position)

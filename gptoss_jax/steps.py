@@ -310,21 +310,24 @@ def _verify(logits_BTV, draft, drafting_B, pos_B, sampling_batch, sstate, st: St
     """A drafting step's tokens: the ordinary sampler's at each row's first position (rows that do not draft take
     it), `speculative.verify`'s accepted drafts and next token, and the log-probabilities of all of them (only when
     a row asks) -> (tokens `[B, k + 1]`, accepted counts `[B]`, log-probabilities `[B, k + 1, ...]`)."""
-    sb = sampling_batch.replace(
-        masked_B=sampling.mask_applies(sampling_batch, sstate, pos_B),
-        want_logprobs_B=jnp.zeros_like(sampling_batch.want_logprobs_B),
-    )
-    first_B = _sampler(st)(logits_BTV[:, 0], pos_B, sb, sstate).tokens
-    out_BT, n_B = speculative.verify(logits_BTV, draft, drafting_B, first_B, pos_B, sampling_batch, st.plain)
     B, T, V = logits_BTV.shape
-    empty = (jnp.zeros(B * T), jnp.zeros((B * T, st.num_top), jnp.int32), jnp.zeros((B * T, st.num_top)))
+    first_B = None  # greedy rows alone: the argmax at the first position, which `verify` computes anyway
+    if not st.plain:
+        sb = sampling_batch.replace(
+            masked_B=sampling.mask_applies(sampling_batch, sstate, pos_B),
+            want_logprobs_B=jnp.zeros_like(sampling_batch.want_logprobs_B),
+        )
+        first_B = _sampler(st)(logits_BTV[:, 0], pos_B, sb, sstate).tokens
+    out_BT, n_B = speculative.verify(logits_BTV, draft, drafting_B, first_B, pos_B, sampling_batch, st.plain)
+    empty = lambda: sampling.no_logprobs(B * T, st.num_top)  # noqa: E731
     if st.plain:
-        return out_BT, n_B, jax.tree.map(lambda a: a.reshape(B, T, *a.shape[1:]), empty)
-    lp = jax.lax.cond(
-        jnp.any(sampling_batch.want_logprobs_B),
-        lambda: sampling.logprobs(logits_BTV.reshape(B * T, V), jnp.maximum(out_BT, 0).reshape(-1), st.num_top),
-        lambda: empty,
-    )
+        lp = empty()
+    else:
+        lp = jax.lax.cond(
+            jnp.any(sampling_batch.want_logprobs_B),
+            lambda: sampling.logprobs(logits_BTV.reshape(B * T, V), jnp.maximum(out_BT, 0).reshape(-1), st.num_top),
+            empty,
+        )
     return out_BT, n_B, jax.tree.map(lambda a: a.reshape(B, T, *a.shape[1:]), lp)
 
 
