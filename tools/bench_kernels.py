@@ -701,20 +701,7 @@ def main():
                 )
             ]
         if T * k <= 2 * E and args.moe_launches:
-            launches = [v.split(":") for v in args.moe_launches.split(",")]
-            return out + [
-                dict(
-                    g16,
-                    block_n=int(bn),
-                    block_n_down=int(bn),
-                    block_k=int(bk),
-                    num_warps=int(w),
-                    num_stages=int(st),
-                    prefetch=p == ["p"],
-                    prefetch_down=p == ["p"],
-                )
-                for bn, bk, w, st, *p in launches
-            ]
+            return out + [kc.gemv16_launch(v) for v in args.moe_launches.split(",")]
         if T * k <= 2 * E:  # also slots of 2-8 rows (pairs grouped by expert: one weight read, decoded once)
             return out + [
                 g16,

@@ -1,4 +1,5 @@
-"""Random inputs shared by tools.check_kernels and tools.bench_kernels (device-side generation)."""
+"""Random inputs shared by tools.check_kernels, tools.bench_kernels and tools.probe_moe_gemv (device-side
+generation), and the half-precision MoE GEMV's launch as those tools spell it."""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,23 @@ from pallas_kernels.params import Experts
 
 SHAPES = {"20b": dict(E=32, D=2880, I=2880, k=4), "120b": dict(E=128, D=2880, I=2880, k=4)}
 LIMIT, ALPHA = 7.0, 1.702
+
+
+def gemv16_launch(spec: str) -> dict:
+    """BLOCK_N:BLOCK_K:WARPS:STAGES[:p] (p: the register double buffer) -> `moe_gemv.experts`' launch, one pair a
+    program."""
+    bn, bk, warps, stages, *p = spec.split(":")
+    return dict(
+        kernel="gemv16",
+        block_m=1,
+        block_n=int(bn),
+        block_n_down=int(bn),
+        block_k=int(bk),
+        num_warps=int(warps),
+        num_stages=int(stages),
+        prefetch=p == ["p"],
+        prefetch_down=p == ["p"],
+    )
 
 
 def experts(key, E, D, I, dtype=jnp.bfloat16):

@@ -36,20 +36,6 @@ def routings(E: int, T: int, k: int, L: int) -> dict[str, list]:
     }
 
 
-def launch(spec: str) -> dict:
-    bn, bk, warps, stages, *p = spec.split(":")
-    return dict(
-        block_m=1,
-        block_n=int(bn),
-        block_n_down=int(bn),
-        block_k=int(bk),
-        num_warps=int(warps),
-        num_stages=int(stages),
-        prefetch=p == ["p"],
-        prefetch_down=p == ["p"],
-    )
-
-
 def main() -> None:
     runtime.prepare()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,7 +51,8 @@ def main() -> None:
     w = jnp.full((T, k), 1.0 / k, jnp.float32)
     expert_bytes = 3 * I * D // 2 + 3 * I * D // 32  # gate/up and down: 4-bit weights and a byte per 32
     for spec in args.launches.split(","):
-        cfg = launch(spec)
+        cfg = kc.gemv16_launch(spec)
+        cfg.pop("kernel")
         for name, idxs in routings(E, T, k, L).items():
 
             def run(xs, ex, idxs=idxs):
