@@ -27,8 +27,10 @@ from tools import kernel_cases as kc
 def routings(E: int, T: int, k: int, L: int) -> dict[str, list]:
     """Per routing name, each layer's `[T, k]` expert ids."""
     rng = np.random.default_rng(0)
-    if T * k > E or 4 * L > E:
-        raise ValueError(f"{T} tokens x {k} experts need {T * k} distinct experts of {E}")
+    if T * k > E:
+        raise ValueError(f"{T} tokens x {k} experts need {T * k} distinct experts; the model has {E}")
+    if 4 * L > E:
+        raise ValueError(f"{L} layers of four experts each need {4 * L} experts; the model has {E}")
     return {
         "distinct": [jnp.asarray(rng.permutation(E)[: T * k].reshape(T, k), jnp.int32) for _ in range(L)],
         "one": [jnp.full((T, k), i, jnp.int32) for i in range(L)],
