@@ -372,11 +372,14 @@ def new_token_reference(
     return out.reshape(R, 1, *out.shape[2:]), *pools, *scales
 
 
-def _geometry(B, N, S, K, M, block_kv, num_splits, split_programs, max_splits):
-    """(G, gp, pages per block, splits) of a launch."""
+def _geometry(B, N, S, K, M, block_kv, num_splits, split_programs, max_splits, span=None):
+    """(G, gp, pages per block, splits) of a launch. `span`: the most keys a query can see (a sliding layer's window
+    plus a row's other new tokens), so its splits count the blocks that window covers, not the table's."""
     G = N // K
     gp = max(16, 1 << (G - 1).bit_length())
     ppb = max(1, block_kv // S)
+    if span is not None:  # a window of `span` keys, unaligned, covers at most ceil(span / S) + 1 pages
+        M = min(M, -(-span // S) + 1)
     return G, gp, ppb, num_splits or default_splits(B, K, M, S, ppb * S, split_programs, max_splits)
 
 
@@ -459,7 +462,8 @@ def attention_new_token(
     M = block_tables_BM.shape[1]
     if R != block_tables_BM.shape[0] * tokens_per_row:
         raise ValueError(f"{R} tokens for {block_tables_BM.shape[0]} table rows of {tokens_per_row} tokens")
-    G, gp, ppb, ns = _geometry(R, N, S, K, M, block_kv, num_splits, split_programs, max_splits)
+    span = int(window) + tokens_per_row if window < 2**31 - 1 else None
+    G, gp, ppb, ns = _geometry(R, N, S, K, M, block_kv, num_splits, split_programs, max_splits, span)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
@@ -542,7 +546,8 @@ def attention(
         raise ValueError("paged_attention.attention is the decode kernel (T = 1)")
     _, S, K, _ = k_pages_PSKH.shape
     M = block_tables_BM.shape[1]
-    G, gp, ppb, ns = _geometry(B, N, S, K, M, block_kv, num_splits, split_programs, max_splits)
+    span = int(window) if window < 2**31 - 1 else None
+    G, gp, ppb, ns = _geometry(B, N, S, K, M, block_kv, num_splits, split_programs, max_splits, span)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
 

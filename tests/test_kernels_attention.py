@@ -1,5 +1,6 @@
 """The Pallas paged decode and prefill attention kernels (CPU interpret mode) against the pure-JAX reference."""
 
+import functools
 import json
 from pathlib import Path
 
@@ -109,12 +110,13 @@ def test_a_few_tokens_per_row_take_the_decode_kernel_and_match_reference(window)
 
 
 @pytest.mark.parametrize(
-    "window,S,splits,sink_scale", [(FULL, 8, 1, 1.0), (FULL, 8, 3, 1.0), (16, 4, 2, 30.0), (FULL, 4, 11, 5.0)]
-)  # 11: two merge chunks, idle splits
+    "window,S,splits,sink_scale",
+    [(FULL, 8, 1, 1.0), (FULL, 8, 3, 1.0), (16, 4, 2, 30.0), (FULL, 4, 11, 5.0), (16, 4, None, 30.0)],
+)  # 11: two merge chunks, idle splits; None: the default, one split for this window (4 without it)
 def test_new_token_attention_matches_reference(window, S, splits, sink_scale):
     """Rows: fresh tokens at position 0, inside and past the window, a long context; a padding row; a row
     whose position is prefix-cached (null-page write: its key comes from the cache). Layer 1 of a 2-layer pool."""
-    rng = np.random.default_rng(S * 10 + splits)
+    rng = np.random.default_rng(S * 10 + (splits or 0))
     N, K, H, parts_n = 8, 2, 16, 3
     pos = np.array([0, 5, 17, 61, -1, 40], np.int32)
     B, M = len(pos), 64 // S + 1
@@ -345,3 +347,12 @@ def test_new_token_attention_fp8_writes_and_attends_like_reference():
         got, want, before = (np.asarray(a, np.float32)[keep] for a in (got, want, before))
         assert (want != before).reshape(len(want), -1).any(axis=1).sum() == 4  # the four fresh rows' pages
         np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_a_sliding_layer_splits_only_the_blocks_its_window_covers():
+    """Default splits, one row of 8 KV heads over a 512-page table of 16 keys (64-key blocks): a full layer takes
+    the cap of 32, a sliding layer of 128 keys (3 blocks at most) one split, where 32 would leave 29 of them empty."""
+    geometry = functools.partial(paged_attention._geometry, 1, 64, 16, 8, 512, 64, None, 512, 32)
+    assert geometry()[3] == 32
+    assert geometry(span=128 + 1)[3] == 1
+    assert geometry(span=2048)[3] == 16
