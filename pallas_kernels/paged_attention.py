@@ -374,12 +374,13 @@ def new_token_reference(
 
 def _geometry(B, N, S, K, M, block_kv, num_splits, split_programs, max_splits, span=None):
     """(G, gp, pages per block, splits) of a launch. `span`: the most keys a query can see (a sliding layer's window
-    plus a row's other new tokens), so its splits count the blocks that window covers, not the table's."""
+    plus a row's other new tokens): such a launch takes a split for each block that window can cover, not splits
+    over the table's blocks, most of which would get no keys and still sum the projections' partials and merge."""
     G = N // K
     gp = max(16, 1 << (G - 1).bit_length())
     ppb = max(1, block_kv // S)
-    if span is not None:  # a window of `span` keys, unaligned, covers at most ceil(span / S) + 1 pages
-        M = min(M, -(-span // S) + 1)
+    if span is not None and not num_splits:  # `span` keys, unaligned, cover at most ceil(span / block) + 1 blocks
+        return G, gp, ppb, max(1, min(-(-span // (ppb * S)) + 1, split_programs // (B * K), max_splits))
     return G, gp, ppb, num_splits or default_splits(B, K, M, S, ppb * S, split_programs, max_splits)
 
 

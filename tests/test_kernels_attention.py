@@ -112,7 +112,7 @@ def test_a_few_tokens_per_row_take_the_decode_kernel_and_match_reference(window)
 @pytest.mark.parametrize(
     "window,S,splits,sink_scale",
     [(FULL, 8, 1, 1.0), (FULL, 8, 3, 1.0), (16, 4, 2, 30.0), (FULL, 4, 11, 5.0), (16, 4, None, 30.0)],
-)  # 11: two merge chunks, idle splits; None: the default, one split for this window (4 without it)
+)  # 11: two merge chunks, idle splits; None: the default, two splits for this window (4 without it)
 def test_new_token_attention_matches_reference(window, S, splits, sink_scale):
     """Rows: fresh tokens at position 0, inside and past the window, a long context; a padding row; a row
     whose position is prefix-cached (null-page write: its key comes from the cache). Layer 1 of a 2-layer pool."""
@@ -351,8 +351,10 @@ def test_new_token_attention_fp8_writes_and_attends_like_reference():
 
 def test_a_sliding_layer_splits_only_the_blocks_its_window_covers():
     """Default splits, one row of 8 KV heads over a 512-page table of 16 keys (64-key blocks): a full layer takes
-    the cap of 32, a sliding layer of 128 keys (3 blocks at most) one split, where 32 would leave 29 of them empty."""
+    the cap of 32, a sliding layer one split per block its window can cover (4 at 129 keys), where 32 would leave
+    28 of them empty."""
     geometry = functools.partial(paged_attention._geometry, 1, 64, 16, 8, 512, 64, None, 512, 32)
     assert geometry()[3] == 32
-    assert geometry(span=128 + 1)[3] == 1
-    assert geometry(span=2048)[3] == 16
+    assert geometry(span=128 + 1)[3] == 4
+    assert geometry(span=1000)[3] == 17
+    assert geometry(span=4096)[3] == 32
