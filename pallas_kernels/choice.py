@@ -73,7 +73,8 @@ class KernelConfig:
     attention_fp8_warps: int = 2
     # Sequence splits aim at this many programs (~4 per SM on 132 SMs). 512 rather than 1,024: the 20b decode step at
     # 64 rows of 8,192 context took 11.23 against 12.41 ms (one split a (row, KV head) instead of two, BENCHMARKS §16);
-    # up to 2 rows (32 splits, the cap) and from 128 (1 split) nothing changes.
+    # up to 2 rows (32 splits, the cap) and from 128 (1 split) nothing changes. A sliding layer takes at most one split
+    # per block its window can cover (`paged_attention._geometry`).
     attention_split_programs: int = 512
     attention_max_splits: int = 32  # splits per (row, KV head), at most
     # Up to this many tokens per row (a speculative verify step: k + 1) a decode kernel attends, one query row per
