@@ -112,7 +112,7 @@ def test_a_few_tokens_per_row_take_the_decode_kernel_and_match_reference(window)
 @pytest.mark.parametrize(
     "window,S,splits,sink_scale",
     [(FULL, 8, 1, 1.0), (FULL, 8, 3, 1.0), (16, 4, 2, 30.0), (FULL, 4, 11, 5.0), (16, 4, None, 30.0)],
-)  # 11: two merge chunks, idle splits; None: the default, two splits for this window (4 without it)
+)  # 11: two merge chunks, idle splits; None: the default (4 here, as many as the window can cover)
 def test_new_token_attention_matches_reference(window, S, splits, sink_scale):
     """Rows: fresh tokens at position 0, inside and past the window, a long context; a padding row; a row
     whose position is prefix-cached (null-page write: its key comes from the cache). Layer 1 of a 2-layer pool."""
