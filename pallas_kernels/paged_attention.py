@@ -134,13 +134,20 @@ def _kernel(bt_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, *refs, quantized, **con
 
 
 def default_splits(
-    B: int, K: int, max_pages: int, page_size: int, block_kv: int, split_programs: int, max_splits: int
+    B: int,
+    K: int,
+    max_pages: int,
+    page_size: int,
+    block_kv: int,
+    split_programs: int,
+    max_splits: int,
+    blocks_per_split: int = 2,
 ) -> int:
     """Sequence splits per (row, KV head): about `split_programs` programs in all, at most `max_splits`, and at
-    least two key blocks per split."""
+    least `blocks_per_split` key blocks per split."""
     max_blocks = max(1, (max_pages * page_size) // block_kv)
     want = max(1, split_programs // (B * K))
-    return int(max(1, min(want, max_blocks // 2, max_splits)))
+    return int(max(1, min(want, max_blocks // blocks_per_split, max_splits)))
 
 
 def _new_token_kernel(
@@ -379,9 +386,10 @@ def _geometry(B, N, S, K, M, block_kv, num_splits, split_programs, max_splits, s
     G = N // K
     gp = max(16, 1 << (G - 1).bit_length())
     ppb = max(1, block_kv // S)
-    if span is not None and not num_splits:  # `span` keys, unaligned, cover at most ceil(span / block) + 1 blocks
-        return G, gp, ppb, max(1, min(-(-span // (ppb * S)) + 1, split_programs // (B * K), max_splits))
-    return G, gp, ppb, num_splits or default_splits(B, K, M, S, ppb * S, split_programs, max_splits)
+    per_split = 2
+    if span is not None:  # `span` keys, unaligned, cover at most ceil(span / block) + 1 blocks: one split each
+        M, per_split = (-(-span // (ppb * S)) + 1) * ppb, 1
+    return G, gp, ppb, num_splits or default_splits(B, K, M, S, ppb * S, split_programs, max_splits, per_split)
 
 
 def _combine(o, m, l, sinks_N, G, dtype):
