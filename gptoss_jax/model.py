@@ -15,7 +15,7 @@ from flax import struct
 
 import pallas_kernels
 from gptoss_jax.config import ModelConfig
-from pallas_kernels import REFERENCE, KernelConfig, attention_reference, kv_quant, moe_reference, rope
+from pallas_kernels import REFERENCE, KernelConfig, attention_reference, kv_quant, layer_index, moe_reference, rope
 from pallas_kernels.norm import rms_norm
 from pallas_kernels.params import Params
 from sharding import expert_parallel, tensor_parallel
@@ -35,11 +35,14 @@ class Pools:
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
 
-    def flat(self, idx) -> tuple["Pools", jax.Array]:
-        """All layers as one pool of `L * P` pages, and layer `idx`'s first page in it: a reshape is free, while
-        slicing layer `idx` out would copy its whole pool into the kernel call."""
-        flat = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), self)
-        return flat, idx * self.k.shape[1]
+    def flat(self) -> "Pools":
+        """All layers as one pool of `L * P` pages (`page_offset` finds a layer's): a reshape is free, while slicing
+        a layer out would copy its whole pool into the kernel call."""
+        return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), self)
+
+    def page_offset(self, idx) -> jax.Array:
+        """Layer `idx`'s first page in `flat`."""
+        return idx * self.k.shape[1]
 
     def like(self, flat: "Pools") -> "Pools":
         """`flat` (from `flat`) in this pools' `[L, P, ...]` shape."""
@@ -214,7 +217,7 @@ def _attention(
     holds this layer's biases and sinks."""
     B, T, _ = t_BTD.shape
     H, dtype = cfg.head_dim, inp.cos_BTF.dtype
-    flat, page_offset = pools.flat(idx)
+    flat, page_offset = pools.flat(), pools.page_offset(idx)
     # q, k and v in one kernel launch for decode rows: k and v alone cost a launch's latency, not their bytes
     bs = [per_layer[f"{n}_b"] for n in "qkv"]
     ws = [stacked[f"{n}_w"] for n in "qkv"]
@@ -278,7 +281,7 @@ def _attention_new_token(
     (counted in `done_BK`, a row per token) ride in one kernel, which reads every layer's q/k/v biases and sinks in
     place (`stacked`) instead of slicing them per layer."""
     B, T, _ = t_BTD.shape
-    flat, page_offset = pools.flat(idx)
+    flat = pools.flat()  # the kernel takes the layer's page offset from `layer`'s counter
     tokens = lambda a: a.reshape(B * T, *a.shape[2:])  # noqa: E731
     o, k_pool, v_pool, done_BK, k_scale, v_scale = pallas_kernels.attention_new_token(
         tokens(t_BTD),
@@ -290,7 +293,7 @@ def _attention_new_token(
         flat.k,
         flat.v,
         inp.table_BM,
-        page_offset,
+        None,
         tokens(inp.positions_BT),
         tokens(inp.write_page_BT),
         tokens(inp.write_slot_BT),
@@ -340,6 +343,7 @@ def _attention_block(
     heads_axis = tensor_parallel.heads_axis(layout, cfg.num_kv_heads) if layout is not None else None
     block = functools.partial(_attention, cfg, window=window, kernels=kernels, inspect=inspect, heads_axis=heads_axis)
     if layout is not None:
+        layer = layer_index.value(layer)
         pool_kinds = Pools("pool", "pool") if pools.k_scale is None else Pools("pool", "values", "scales", "scales")
         in_kinds = ("same", "same", "rows", pool_kinds, jax.tree.map(lambda _: "rows", inp))
         out_kinds = AttentionOutputs("rows", pool_kinds, None, "heads" if inspect else None)
@@ -368,6 +372,7 @@ def _moe_block(
         idx, w, logits = moe_reference.route(t, lp.router_w, lp.router_b, cfg.experts_per_token)
         routing = tuple(r.reshape(B, T, -1) for r in (logits, idx, w))
     if layout is not None:  # experts split over `model` (padded), tokens as the ranks hold them
+        layer = layer_index.value(layer)
         x = x + expert_parallel.moe(
             t, lp.router_w, lp.router_b, dense_all.experts, layer, layout=layout, kernels=kernels, **kw
         ).astype(jnp.float32)
@@ -447,9 +452,10 @@ def forward(
 
     def layer(x, t, caches, lp, idx, sliding: bool):  # t: x normed for this layer's attention
         pools, done, aux = caches
-        n = 2 * idx + (0 if sliding else 1)  # the layer's index in model order
+        # the layer's index in model order, 2 idx (+ 1), which the kernels compute from the counter (`layer_index`)
+        n = layer_index.LayerIndex(jnp.asarray(idx, jnp.int32), 2, 0 if sliding else 1, pools[sliding].k.shape[1])
         if aux_layers:  # the stream entering layer n into its aux slot; other layers write the spare last slot
-            hit = ids == n
+            hit = ids == n.value()
             slot = jnp.where(jnp.any(hit), jnp.argmax(hit), len(aux_layers))
             aux = jax.lax.dynamic_update_index_in_dim(aux, x, slot, 0)
         with jax.named_scope("sliding_attention" if sliding else "full_attention"):

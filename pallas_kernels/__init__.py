@@ -22,6 +22,7 @@ from pallas_kernels import (
     choice,
     expert_format,
     flash_attention,
+    layer_index,
     linear_decode,
     linear_mosaic,
     moe_dense,
@@ -410,6 +411,7 @@ def experts(
     as in `moe`, by the kernel `choice.choose` picks for that many tokens. Pairs outside `valid_TK` (bool) must
     carry weight 0; the kernels skip them (the reference computes them)."""
     kw = dict(swiglu_limit=float(swiglu_limit), swiglu_alpha=float(swiglu_alpha))
+    layer = None if layer is None else layer_index.value(layer)  # these kernels take the layer number
     if _resolved(kernels).impl == "reference":
         one = jax.tree.map(lambda a: a[layer], experts_all)
         return moe_reference.apply_experts(x_TD, idx_TK, w_TK, one, **kw)
@@ -429,6 +431,7 @@ def moe(
     layer, or of all layers stacked with `layer` (traced) choosing one: the kernels then index the stacked
     arrays directly, so no per-layer copy of the experts is made."""
     kw = dict(top_k=top_k, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
+    layer = None if layer is None else layer_index.value(layer)  # these kernels take the layer number
     if _resolved(kernels).impl == "reference":
         if layer is not None:
             experts_all = jax.tree.map(lambda a: a[layer], experts_all)
@@ -475,6 +478,7 @@ def moe_block(
         return moe_route.moe(
             x_TD, norm_LD, router_w_LED, router_b_LE, experts_all, layer, next_gains, eps=eps, dtype=dtype, **kw, **c.kw
         )
+    layer = layer_index.value(layer)
     t = rms_norm(x_TD, norm_LD[layer], eps, dtype)
     x = x_TD + moe(t, router_w_LED[layer], router_b_LE[layer], experts_all, layer=layer, kernels=kernels, **kw).astype(
         jnp.float32
@@ -484,5 +488,5 @@ def moe_block(
 
 def next_gain(gain_LD, final_D, layer):
     """The norm gain of the block after layer `layer`'s MoE: layer `layer + 1`'s attention gain, or the final one."""
-    L = gain_LD.shape[0]
+    L, layer = gain_LD.shape[0], layer_index.value(layer)
     return jnp.where(layer + 1 < L, gain_LD[jnp.minimum(layer + 1, L - 1)], final_D)

@@ -35,24 +35,26 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels import layer_index
+
 MAX_ROWS = 64  # the row tiles it is built and measured for; beyond, the weight is amortised enough for XLA's GEMM
 SMEM_BYTES = 200 * 1024  # of the H100/H200's 227 KiB per block, leaving room for Triton's own scratch
 
 
 def reference(x_TI, w_LOI, b_O, layer):
     """The same function in plain JAX (XLA copies the layer slice first)."""
-    w = jax.lax.dynamic_index_in_dim(w_LOI, layer, 0, keepdims=False)
+    w = jax.lax.dynamic_index_in_dim(w_LOI, layer_index.value(layer), 0, keepdims=False)
     y = jnp.einsum("ti,oi->to", x_TI, w, preferred_element_type=jnp.float32)
     return y + b_O.astype(jnp.float32)
 
 
-def _kernel(layer_ref, x_ref, *refs, rows, bn, bk, per, K, Os):
+def _kernel(layer_ref, map_ref, x_ref, *refs, rows, bn, bk, per, K, Os):
     """One `[rows, bn]` output tile over one K split. `refs` are the weights then their outputs; the
     tile index picks the weight (a `switch` on static boundaries: one branch runs, none for 1 weight)."""
     w_refs, y_refs = refs[: len(Os)], refs[len(Os) :]
     first = [sum(pl.cdiv(O, bn) for O in Os[:i]) for i in range(len(Os))]  # each weight's first tile
     tile, split = pl.program_id(0), pl.program_id(1)
-    layer = layer_ref[0]
+    layer = layer_index.read(layer_ref, map_ref)
     row_ok = jnp.arange(rows) < x_ref.shape[0]  # rows beyond T load as zeros: no padded copy of x
 
     def project(i):
@@ -111,7 +113,7 @@ def partial_sums(
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="decode_linear" if len(Os) == 1 else f"decode_linear_x{len(Os)}",
-    )(jnp.reshape(layer, (1,)).astype(jnp.int32), x_TI.astype(ws_LOI[0].dtype), *ws_LOI)
+    )(*layer_index.operands(layer), x_TI.astype(ws_LOI[0].dtype), *ws_LOI)
 
 
 def linear_many(x_TI, ws_LOI, bs_O, layer, **config):

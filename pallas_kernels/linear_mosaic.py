@@ -30,6 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, memref
 
+from pallas_kernels import layer_index
 from pallas_kernels.moe_mosaic import _elements
 
 ROWS = 64  # weight rows per compute warpgroup (wgmma M)
@@ -172,6 +173,6 @@ def linear_many(x_TI, ws_LOI, bs_O, layer, *, splits: int, stages: int, interpre
             lambda: body(layer_ref, x_ref, *w_refs, *y_refs)
         )
 
-    layer_1 = jnp.asarray(layer, jnp.int32).reshape(1)
+    layer_1 = layer_index.value(layer).reshape(1)  # its scalar kernel costs little at the rows this kernel takes
     _, _, _, ys = pl.run_state(stateful)((layer_1, x, tuple(ws_LOI), y0))
     return tuple(y[:T] for y in ys)

@@ -33,7 +33,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels import moe_slots
+from pallas_kernels import layer_index, moe_slots
 from pallas_kernels.expert_format import (
     F16_SHIFT,
     KernelExperts,
@@ -169,7 +169,7 @@ def activation_shift(limit: float) -> int:
     return 14 - math.ceil(math.log2(max(limit, 1.0) * (limit + 1.0)))
 
 
-def _routed_pair(logits_ref, layer_ref, s, k: int, E: int):
+def _routed_pair(logits_ref, layer_ref, map_ref, s, k: int, E: int):
     """Pair `s` = token s // k and its (s % k)-th best expert, routed in-kernel from the token's logits
     (`moe_route`): the expert's row in the flat `[L * E]` expert axis and its softmax weight over the k best.
     Repeated argmax takes ties in lower-id order, as `lax.top_k` does."""
@@ -182,15 +182,16 @@ def _routed_pair(logits_ref, layer_ref, s, k: int, E: int):
         chosen, value = jnp.where(i == j, best, chosen), jnp.where(i == j, v, value)
         total = total + jnp.exp(v - top)
         logits = jnp.where(ids == best, -jnp.inf, logits)
-    return layer_ref[0] * E + chosen, jnp.exp(value - top) / total
+    return layer_index.read(layer_ref, map_ref) * E + chosen, jnp.exp(value - top) / total
 
 
 def _slot_program(slot_refs, route, bm: int, body, routed_out=()):
     """Run `body(e, r0, rows, tok, weight)` for this program's slot (`tok(r)`, `weight(r)`: row r's token and
     routing weight). From `dispatch`'s slot arrays, `slot_refs` = (expert, start, rows, per-pair operand: the
     token for gate/up, the weight for down, so both callables read it); with `route` = (k, E) and `slot_refs` =
-    (logits, layer), one pair per program (bm = 1), routed in-kernel, the program of feature tile 0 storing the
-    pair's expert and weight in `routed_out`; with `route` = "pairs", `slot_refs` = those two arrays."""
+    (logits, the layer's `layer_index.operands`), one pair per program (bm = 1), routed in-kernel, the program of
+    feature tile 0 storing the pair's expert and weight in `routed_out`; with `route` = "pairs", `slot_refs` = those
+    two arrays."""
     s = pl.program_id(0)
     if route == "pairs":
         w = slot_refs[1][s]
@@ -409,7 +410,7 @@ def run_routed(
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
     )
-    slots = (logits_TE, jnp.asarray(layer, jnp.int32).reshape(1))
+    slots = (logits_TE, *layer_index.operands(layer))
     return _run_gemv(
         call,
         words,
@@ -480,7 +481,7 @@ def experts(
     E, D = kexp.gu_words.shape[-4], kexp.dn_words.shape[-2]
     tok, w, order, slot_e, slot_start, slot_rows = moe_slots.slots(idx_TK, w_TK, valid_TK, E, block_m)
     if layer is not None:
-        kexp, slot_e = flatten_layers(kexp), slot_e + layer * E
+        kexp, slot_e = flatten_layers(kexp), slot_e + layer_index.value(layer) * E
     # slots of more than one row may read up to block_m - 1 entries past the last pair; one-row slots never do
     pad = lambda a: a if block_m == 1 else jnp.concatenate([a, jnp.zeros((block_m,) + a.shape[1:], a.dtype)])  # noqa: E731
     if interpret is None:

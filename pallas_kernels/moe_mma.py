@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels import moe_slots
+from pallas_kernels import layer_index, moe_slots
 from pallas_kernels.expert_format import (
     F16_SHIFT,
     KernelExperts,
@@ -184,7 +184,7 @@ def experts(
     E = kexp.gu_words.shape[-4]
     tok, w, order, slot_e, slot_start, slot_rows = moe_slots.slots(idx_TK, w_TK, valid_TK, E, block_m)
     if layer is not None:
-        kexp, slot_e = flatten_layers(kexp), slot_e + layer * E
+        kexp, slot_e = flatten_layers(kexp), slot_e + layer_index.value(layer) * E
     _, _, I, _ = kexp.gu_words.shape
     D = kexp.dn_words.shape[1]
     assert D % 32 == 0 and I % 32 == 0 and block_k % 32 == 0

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels import moe_gemv
+from pallas_kernels import layer_index, moe_gemv
 from pallas_kernels.expert_format import KernelExperts, flatten_layers
 from pallas_kernels.norm import rms_norm
 
@@ -46,6 +46,7 @@ from pallas_kernels.norm import rms_norm
 def reference(x_TD, gain_LD, router_w_LED, router_b_LE, layer, *, eps: float, dtype):
     """What the kernel computes, with the model's own functions: the router logits `[T, E]` f32 (bias
     included) and `moe_gemv.half_pairs` of the normed rows (words `[T, 4, D/32, 4]` u32, factors `[T]` f32)."""
+    layer = layer_index.value(layer)
     t = rms_norm(x_TD, gain_LD[layer], eps, dtype)
     logits = jnp.einsum("td,ed->te", t, router_w_LED[layer], preferred_element_type=jnp.float32)
     return (logits + router_b_LE[layer].astype(jnp.float32), *moe_gemv.half_pairs(t))
@@ -55,10 +56,12 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _kernel(layer_ref, x_ref, g_ref, rw_ref, rb_ref, logits_ref, words_ref, xs_ref, *, D, E, eb, mb, eps, dtype):
+def _kernel(
+    layer_ref, map_ref, x_ref, g_ref, rw_ref, rb_ref, logits_ref, words_ref, xs_ref, *, D, E, eb, mb, eps, dtype
+):
     f32 = jnp.float32
     t, s = pl.program_id(0), pl.program_id(1)
-    layer = layer_ref[0]
+    layer = layer_index.read(layer_ref, map_ref)
     cols = jnp.arange(_pow2(D))
     ok = cols < D
     # every load below depends on no loaded value: one memory round trip for the whole program
@@ -134,17 +137,17 @@ def front(
         ),
         compiler_params=plt.CompilerParams(num_warps=8, num_stages=1),
         interpret=interpret,
-    )(jnp.asarray(layer, jnp.int32).reshape(1), x_TD.astype(jnp.float32), gain_LD, router_w_LED, router_b_LE)
+    )(*layer_index.operands(layer), x_TD.astype(jnp.float32), gain_LD, router_w_LED, router_b_LE)
     return logits, words.reshape(T, 4, D // 32, 4), xs
 
 
-def _back_kernel(layer_ref, y_ref, x_ref, an_ref, fn_ref, xo_ref, to_ref, *, k: int, eps: float):
+def _back_kernel(layer_ref, map_ref, y_ref, x_ref, an_ref, fn_ref, xo_ref, to_ref, *, k: int, eps: float):
     f32 = jnp.float32
     t = pl.program_id(0)
     D, L = x_ref.shape[1], an_ref.shape[0]
     cols = pl.ds(0, _pow2(D))
     ok = jnp.arange(_pow2(D)) < D
-    nxt = layer_ref[0] + 1
+    nxt = layer_index.read(layer_ref, map_ref) + 1
     # every load below depends on no loaded value: one memory round trip for the whole program
     ys = [plt.load(y_ref.at[t * k + j, cols], mask=ok, other=0.0) for j in range(k)]
     x = plt.load(x_ref.at[t, cols], mask=ok, other=0.0)
@@ -177,7 +180,7 @@ def back(y_PD, x_TD, next_gains, layer, *, top_k: int, eps: float, dtype, num_wa
         out_shape=(jax.ShapeDtypeStruct((T, D), jnp.float32), jax.ShapeDtypeStruct((T, D), dtype)),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-    )(jnp.asarray(layer, jnp.int32).reshape(1), y_PD, x_TD.astype(jnp.float32), *next_gains)
+    )(*layer_index.operands(layer), y_PD, x_TD.astype(jnp.float32), *next_gains)
 
 
 def moe(

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels import attention_reference, kv_quant, rope
+from pallas_kernels import attention_reference, kv_quant, layer_index, rope
 
 NEG = -1e30
 
@@ -155,7 +155,8 @@ def _new_token_kernel(
     pos_ref,
     wpage_ref,
     wslot_ref,
-    at_ref,
+    layer_ref,
+    map_ref,
     qp_ref,
     kp_ref,
     vp_ref,
@@ -176,10 +177,10 @@ def _new_token_kernel(
     interpret,
     **config,
 ):
-    """`_kernel` for a new token, from its q/k/v projections' split-K partial sums: sums them with the bias (row
-    `at_ref[1]` of the stacked biases), rotates q and k (RoPE), writes k and v into the cache (split 0), and attends
-    to the cached keys plus the new one, which split 0 takes from registers (its slot is being written, so no split
-    reads it); the last split of the (token, KV head) to finish merges them all (`_merge_splits`).
+    """`_kernel` for a new token, from its q/k/v projections' split-K partial sums: sums them with the bias (the
+    layer's row of the stacked biases, `layer_index.read`), rotates q and k (RoPE), writes k and v into the cache
+    (split 0), and attends to the cached keys plus the new one, which split 0 takes from registers (its slot is being
+    written, so no split reads it); the last split of the (token, KV head) to finish merges them all (`_merge_splits`).
     A token whose write goes to the null page (padding, a prefix-cached position) reads its key from the cache.
     Tokens come `T` to a table row (a speculative verify step's k + 1): token t of a row also attends to the row's
     earlier new tokens, which split 0 computes from their partial sums too, since the programs writing them may not
@@ -199,7 +200,7 @@ def _new_token_kernel(
     gp, H = o_ref.shape[3], o_ref.shape[4]
     dtype, half, S = cos_ref.dtype, H // 2, config["page_size"]
     p, page = pos_ref[r], wpage_ref[r]
-    page_offset, layer = at_ref[0], at_ref[1]
+    page_offset, layer = layer_index.read_page_offset(layer_ref, map_ref), layer_index.read(layer_ref, map_ref)
     fresh = (page != null_page) & (p >= 0)
     here = fresh & (sp == 0)
     hi = jnp.where(p >= 0, p + 1, 0)
@@ -352,6 +353,9 @@ def new_token_reference(
     (out `[R, 1, N, H]`, k pages, v pages, k scales, v scales)."""
     R, H, dtype = q_pos_B.shape[0], k_pages_PSKH.shape[-1], cos_BF.dtype
     B, T = R // tokens_per_row, tokens_per_row
+    if page_offset is None:
+        page_offset = layer_index.of(layer).page_offset()
+    layer = layer_index.value(layer)
     q, k, v = (
         (jnp.sum(y, 0) + b[layer].astype(jnp.float32)).astype(dtype).reshape(R, 1, -1, H)
         for y, b in zip(qkv_parts, qkv_bias_LO)
@@ -452,10 +456,10 @@ def attention_new_token(
     their attention output `[R, 1, N, H]`, writing their rotated k and v into the pools: the projections' epilogue
     (sum, bias, cast, RoPE with `cos_BF`/`sin_BF` `[R, H/2]`), the cache write, the attention and the merge of its
     sequence splits in one launch, where XLA spends a dozen small kernels a layer on them. The pools (`[P, S, K, H]`,
-    updated in place when donated) may hold several layers: the table's pages are offset by `page_offset`, as is
-    `write_page_B` (`null_page` = no write); `write_slot_B` is the slot in the page. Several tokens of a row (a
-    speculative verify step's) sit at consecutive positions, null-page ones before the others and padding last; each
-    attends causally (`_new_token_kernel`).
+    updated in place when donated) may hold several layers: the table's pages are offset by `page_offset` (None:
+    `layer`'s, a `layer_index.LayerIndex` of the layer scan), as is `write_page_B` (`null_page` = no write);
+    `write_slot_B` is the slot in the page. Several tokens of a row (a speculative verify step's) sit at consecutive
+    positions, null-page ones before the others and padding last; each attends causally (`_new_token_kernel`).
     `done_BK` (int32 `[R, K]`, all 0; updated in place when donated) counts finished splits, and every launch
     leaves it at 0: a decode step threads one through all its layers, where a fresh one each layer would cost a
     memset kernel on the critical path. None: a fresh one. FP8 pools come with their scales `[P, K, S]`
@@ -502,7 +506,7 @@ def attention_new_token(
             *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in flat),
             jax.ShapeDtypeStruct((R, K), jnp.int32),
         ),
-        input_output_aliases={14 + i: 4 + i for i in range(len(flat) + 1)},
+        input_output_aliases={15 + i: 4 + i for i in range(len(flat) + 1)},
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_decode_attention_new_token",
@@ -511,7 +515,7 @@ def attention_new_token(
         i32(q_pos_B),
         i32(write_page_B),
         i32(write_slot_B),
-        i32(jnp.stack([page_offset, layer])),
+        *layer_index.operands(layer, page_offset),
         q_parts,
         k_parts,
         v_parts,

@@ -11,7 +11,7 @@ import pytest
 import pallas_kernels
 from gptoss_jax import config, model
 from gptoss_jax.random_weights import random_params
-from pallas_kernels import KernelConfig, attention_reference, flash_attention, kv_quant, paged_attention
+from pallas_kernels import KernelConfig, attention_reference, flash_attention, kv_quant, layer_index, paged_attention
 from pallas_kernels.choice import CPU
 
 FULL = 2**31 - 1
@@ -110,12 +110,20 @@ def test_a_few_tokens_per_row_take_the_decode_kernel_and_match_reference(window)
 
 
 @pytest.mark.parametrize(
-    "window,S,splits,sink_scale",
-    [(FULL, 8, 1, 1.0), (FULL, 8, 3, 1.0), (16, 4, 2, 30.0), (FULL, 4, 11, 5.0), (16, 4, None, 30.0)],
+    "window,S,splits,sink_scale,counter",
+    [
+        (FULL, 8, 1, 1.0, False),
+        (FULL, 8, 3, 1.0, True),
+        (16, 4, 2, 30.0, False),
+        (FULL, 4, 11, 5.0, False),
+        (16, 4, None, 30.0, True),
+    ],
 )  # 11: two merge chunks, idle splits; None: the default (4 here, as many as the window can cover)
-def test_new_token_attention_matches_reference(window, S, splits, sink_scale):
+def test_new_token_attention_matches_reference(window, S, splits, sink_scale, counter):
     """Rows: fresh tokens at position 0, inside and past the window, a long context; a padding row; a row
-    whose position is prefix-cached (null-page write: its key comes from the cache). Layer 1 of a 2-layer pool."""
+    whose position is prefix-cached (null-page write: its key comes from the cache). Layer 1 of a 2-layer pool,
+    layer 2 of the stacked biases and sinks: given as numbers, or (`counter`) as the layer scan gives them, counter
+    1 of a `LayerIndex` (layer 2i, page offset P i) with no page offset."""
     rng = np.random.default_rng(S * 10 + (splits or 0))
     N, K, H, parts_n = 8, 2, 16, 3
     pos = np.array([0, 5, 17, 61, -1, 40], np.int32)
@@ -132,10 +140,11 @@ def test_new_token_attention_matches_reference(window, S, splits, sink_scale):
     angle = rng.uniform(0, 6.3, size=(B, H // 2))
     cos, sin = (jnp.asarray(f(angle) * 1.3, jnp.bfloat16) for f in (np.cos, np.sin))
     sinks = jnp.asarray(rng.normal(size=(3, N)) * sink_scale, jnp.float32)  # 3 layers, like the biases
-    args = (jnp.asarray(bt), P, jnp.asarray(pos), jnp.asarray(wpage), jnp.asarray(wslot), sinks, window)
-    ref, ref_k, ref_v, *_ = paged_attention.new_token_reference(parts, biases, 2, cos, sin, kp, vp, *args)
+    rest = (jnp.asarray(pos), jnp.asarray(wpage), jnp.asarray(wslot), sinks, window)
+    ref, ref_k, ref_v, *_ = paged_attention.new_token_reference(parts, biases, 2, cos, sin, kp, vp, bt, P, *rest)
+    layer, offset = (layer_index.LayerIndex(jnp.int32(1), 2, 0, P), None) if counter else (2, P)
     out, got_k, got_v, done, *_ = paged_attention.attention_new_token(
-        parts, biases, 2, cos, sin, kp, vp, *args, block_kv=8, num_splits=splits, interpret=True
+        parts, biases, layer, cos, sin, kp, vp, bt, offset, *rest, block_kv=8, num_splits=splits, interpret=True
     )
     assert not np.asarray(done).any()  # the last split of each (row, KV head) reset its count for the next launch
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)

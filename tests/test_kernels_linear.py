@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import linear_decode, linear_mosaic
+from pallas_kernels import layer_index, linear_decode, linear_mosaic
 from pallas_kernels.choice import H200, Device, KernelConfig
 
 # Triton's fp32 dot runs in TF32 on GPUs (10-bit mantissa); the CPU interpreter computes in full fp32.
@@ -51,8 +51,9 @@ def test_linear_decode_matches_reference(T, K, O, L, dtype, programs):
 )
 def test_linear_many_matches_reference_per_weight(T, dtype, programs):
     """q, k, v-like weights in one launch: outputs not multiples of block_n (72 = 2.25 tiles, 40), K not a
-    multiple of block_k, a traced layer > 0. k and v have the same shape, and every weight and layer has
-    its own values, so reading the neighbour's weight or another layer fails the comparison."""
+    multiple of block_k, a traced layer > 0 (layer 2 given as the layer scan gives it: counter 1 of `layer_index`'s
+    2i). k and v have the same shape, and every weight and layer has its own values, so reading the neighbour's
+    weight or another layer fails the comparison."""
     rng = np.random.default_rng(T)
     L, K, Os = 3, 300, (72, 40, 40)
     x_TI = jnp.asarray(rng.normal(size=(T, K)), dtype)
@@ -62,8 +63,8 @@ def test_linear_many_matches_reference_per_weight(T, dtype, programs):
     jaxpr = jax.make_jaxpr(run)(x_TI, ws_LOI, bs_O, jnp.int32(0))
     assert str(jaxpr).count("pallas_call[") == 1  # one launch for all three
     tol = F32_TOL if dtype == jnp.float32 else 1e-2
-    for layer in (2, 1):
-        got = run(x_TI, ws_LOI, bs_O, jnp.int32(layer))
+    for layer, given in ((2, layer_index.LayerIndex(jnp.int32(1), 2, 0)), (1, jnp.int32(1))):
+        got = run(x_TI, ws_LOI, bs_O, given)
         assert len(got) == len(Os)
         for i, (y, O) in enumerate(zip(got, Os)):
             assert y.shape == (T, O) and y.dtype == jnp.float32

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from pallas_kernels import expert_format, moe_gemv, moe_route, moe_slots
+from pallas_kernels import expert_format, layer_index, moe_gemv, moe_route, moe_slots
 from pallas_kernels.choice import CPU, H200, KernelConfig, choose
 from pallas_kernels.params import Experts
 
@@ -63,7 +63,8 @@ def _experts(rng, L, E, D, I):
 def test_moe_block_takes_the_fused_kernels_and_matches_reference(monkeypatch, T):
     """`pallas_kernels.moe_block` at decode sizes of a bf16 model: the fused front and back ends run (spied), and
     the residual stream and its norm with the next gain (the next layer's, or the final one after the last layer)
-    match the reference's norm + route + experts + residual + norm on the same stacked weights."""
+    match the reference's norm + route + experts + residual + norm on the same stacked weights. The kernels take
+    the layer as the layer scan gives it (`layer_index`: counter 0, layer 2i or 2i + 1), the reference its number."""
     rng = np.random.default_rng(7 + T)
     E, k, D, I, L = 8, 2, 96, 64, 2
     x, gain, router, bias = _inputs(rng, T, E, D, L)
@@ -82,7 +83,7 @@ def test_moe_block_takes_the_fused_kernels_and_matches_reference(monkeypatch, T)
             router,
             bias,
             expert_format.prepare_experts(ex),
-            jnp.int32(layer),
+            layer_index.LayerIndex(jnp.int32(layer // 2), 2, layer % 2),
             gains,
             kernels=KernelConfig(impl="pallas"),
             **kw,

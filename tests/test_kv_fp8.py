@@ -71,7 +71,7 @@ def test_fp8_values_are_stored_transposed_within_a_page():
     rng = np.random.default_rng(3)
     v_BTKH, _ = kv_quant.quantize(jnp.asarray(rng.normal(size=(2, 3, K, H)), jnp.float32))
     page, slot = np.array([[1, 1, 2], [4, 6, 6]]), np.array([[0, 3, 1], [2, 0, 3]])
-    pools = model._write(cache.pools(False).flat(0)[0], (jnp.asarray(page), jnp.asarray(slot)), v_BTKH, v_BTKH)
+    pools = model._write(cache.pools(False).flat(), (jnp.asarray(page), jnp.asarray(slot)), v_BTKH, v_BTKH)
     got, want = np.asarray(pools.v, np.float32), np.asarray(v_BTKH, np.float32)
     for b, t in np.ndindex(page.shape):
         np.testing.assert_array_equal(got[page[b, t], :, :, slot[b, t]], want[b, t])  # [K, H] of (page, slot)

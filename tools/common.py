@@ -262,9 +262,13 @@ class Step:
         out, self.cache, self.state = self.fn(self.params, self.cache, self.state, self.batch, st=self.st)
         return out.tokens.block_until_ready() if block else out.tokens
 
+    def trace(self):
+        """The step traced, not run (`jax.stages.Traced`: its `jaxpr`, `lower`)."""
+        return self.fn.trace(self.params, self.cache, self.state, self.batch, st=self.st)
+
     def lower(self, **kw):
         """The step traced and lowered, not run (keywords of `Traced.lower`, e.g. `lowering_platforms`)."""
-        return self.fn.trace(self.params, self.cache, self.state, self.batch, st=self.st).lower(**kw)
+        return self.trace().lower(**kw)
 
     def free(self) -> None:
         """Free the cache's device memory now (the next step's cache may need it)."""
