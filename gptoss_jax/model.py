@@ -484,12 +484,11 @@ def forward(
         record = (*routing, out.sink_BTN, x if inspect.hidden_states else None) if on else None
         return x, t, (pools, out.done_BK, aux), record
 
-    def pair(carry, inputs):
-        x, t, caches = carry
-        lp_pair, i = inputs
+    def pair(carry, lp_pair):  # the counter rides in the carry, where XLA may merge it with the scan's own
+        x, t, caches, i = carry
         x, t, caches, r0 = layer(x, t, caches, jax.tree.map(lambda a: a[0], lp_pair), i, sliding=True)
         x, t, caches, r1 = layer(x, t, caches, jax.tree.map(lambda a: a[1], lp_pair), i, sliding=False)
-        return (x, t, caches), ((r0, r1) if on else None)
+        return (x, t, caches, i + 1), ((r0, r1) if on else None)
 
     pairs, (B, T) = cfg.num_layers // 2, tokens_BT.shape
     # The pools by layer type, and the new-token attention kernel's split counts (a row per token where it may run):
@@ -512,7 +511,7 @@ def forward(
     with jax.named_scope("layers"):
         if pairs:
             stacked = jax.tree.map(lambda a: a[: 2 * pairs].reshape(pairs, 2, *a.shape[1:]), scanned)
-            (x, t, caches), ys = jax.lax.scan(pair, (x, t, caches), (stacked, jnp.arange(pairs)))
+            (x, t, caches, _), ys = jax.lax.scan(pair, (x, t, caches, jnp.int32(0)), stacked)
             if on:  # [pairs] of (sliding, full) -> [2 * pairs] in layer order
                 records.append(jax.tree.map(lambda a, b: jnp.stack([a, b], 1).reshape(2 * pairs, *a.shape[1:]), *ys))
         if cfg.num_layers % 2:  # an odd layer count ends on a sliding layer

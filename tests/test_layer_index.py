@@ -40,8 +40,8 @@ def _outside_kernels(jaxpr):
 
 def test_the_verify_step_computes_no_layer_index_outside_its_kernels():
     """The 20b verify step for the H200 (traced, not run): its layer scan's body, kernels aside, does no int32
-    scalar arithmetic. XLA ran each such scalar (2i + 1, the attention kernel's [page offset, layer]) as a
-    one-thread kernel on the step's critical path, four a layer pair (BENCHMARKS §26.6)."""
+    scalar arithmetic but its counter's increment. XLA ran each such scalar (2i + 1, the attention kernel's [page
+    offset, layer]) as a one-thread kernel on the step's critical path, four a layer pair (BENCHMARKS §26.6)."""
     from gptoss_jax import speculative
     from tools import common, inspect_kernels
 
@@ -67,4 +67,6 @@ def test_the_verify_step_computes_no_layer_index_outside_its_kernels():
         for v in e.outvars
         if v.aval.dtype == jnp.int32 and v.aval.size <= 2
     ]
-    assert scalar_ints == []
+    assert scalar_ints == [
+        ("add", "int32[]")
+    ]  # the counter's own increment, carried (XLA may merge it with the scan's)
