@@ -484,7 +484,7 @@ def forward(
         record = (*routing, out.sink_BTN, x if inspect.hidden_states else None) if on else None
         return x, t, (pools, out.done_BK, aux), record
 
-    def pair(carry, lp_pair):  # the counter rides in the carry, where XLA may merge it with the scan's own
+    def pair(carry, lp_pair):  # the counter rides in the carry: sliced from an arange, it cost a copy kernel a pair
         x, t, caches, i = carry
         x, t, caches, r0 = layer(x, t, caches, jax.tree.map(lambda a: a[0], lp_pair), i, sliding=True)
         x, t, caches, r1 = layer(x, t, caches, jax.tree.map(lambda a: a[1], lp_pair), i, sliding=False)

@@ -4,9 +4,9 @@ offset` and, in a pool of all layers of its type, first page `pages * i`.
 Why: the decode kernels read their layer's weights, biases and cache pages in place, so each takes its layer as a
 scalar operand. Computed by XLA from the scan's counter (`2i + 1`; the attention kernel's stacked `[page offset,
 layer]`), those scalars were four one-thread kernels a layer pair on the decode step's critical path, ~1.1 us each
-plus the gaps around them (docs/BENCHMARKS.md §26.6, §27). Given the counter and the map, a constant of the program,
-each kernel computes them in its own scalar code; the map is an operand, not part of the kernel's code, so the
-sliding and the full layers share one compiled kernel. An int or a traced scalar is a layer of its own (stride 1,
+plus the gaps around them (docs/BENCHMARKS.md §26.6; gone in §28). Given the counter and the map, a constant of the
+program, each kernel computes them in its own scalar code; the map is an operand, not part of the kernel's code, so
+the sliding and the full layers share one compiled kernel. An int or a traced scalar is a layer of its own (stride 1,
 offset 0), so callers outside the scan pass plain layer numbers.
 """
 
