@@ -507,6 +507,7 @@ class Engine:
         sp = seq.params
         new, lps, reason, stop_reason = [], [], None, None
         rollback = None
+        picks = picks[: seq.max_len - len(seq.token_ids)]  # past the length limit: padding steps' tokens (`useful`)
         if seq.constraint is not None:
             keep, forced = seq.constraint.accept([p[0] for p in picks], gate)
             # A rejected token, forced tokens, or a mask needed from here on (the answer nears the length limit):

@@ -305,8 +305,9 @@ class ModelRunner:
         self, seqs: list[Sequence], rows: int, row_of: list[int], width: int, slots: jax.Array, gates: list = ()
     ):
         K = self.config.decode_steps_per_call
-        positions = np.full((rows,), -1, np.int32)
+        positions, last = np.full((rows,), -1, np.int32), np.zeros((rows,), np.int32)
         positions[row_of] = [s.decode_span(1)[0] for s in seqs]
+        last[row_of] = [s.max_len - 1 for s in seqs]
         host = np.zeros((rows,), np.int32)  # -1: the input token is still on the device
         fed = np.full((rows, K), -1, np.int32)  # later steps' inputs from the host (-1: the step before's sample)
         for i, s in zip(row_of, seqs):
@@ -322,7 +323,7 @@ class ModelRunner:
         else:
             fed_BS = self._put(fed)
         sb = self._sampling(seqs, rows, row_of, gates)
-        batch = steps.DecodeBatch(tokens, self._put(positions), tables, sb, fed_BS)
+        batch = steps.DecodeBatch(tokens, self._put(positions), tables, sb, fed_BS, self._put(last))
         if self.drafter is None:
             return batch
         drafting, resume = np.zeros((rows,), bool), np.zeros((rows,), bool)

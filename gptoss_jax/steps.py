@@ -87,6 +87,11 @@ class DecodeBatch:
     # i32 [B, steps]: step k's input from the host where >= 0 (tokens forced onto a structured output, fed one per
     # step instead of a prefill call), else step k - 1's sample; column 0 unused (`tokens_B`)
     fed_BS: jax.Array
+    # i32 [B]: the position of each row's last token (its length limit, `Sequence.max_len - 1`). An input there or
+    # after makes no token the row keeps: the forward takes it as padding (`useful`), and a step with none but such
+    # inputs skips the kernels' weight reads (`pallas_kernels.layer_index`), where a request ended by length spent
+    # 0-7 full steps of its last call.
+    last_B: jax.Array
 
 
 def _sampler(st: StepConfig, branchless: bool = False):
@@ -178,6 +183,12 @@ def _draft_keys(keys_B2: jax.Array, pos_B: jax.Array) -> jax.Array:
     return fold(fold(keys_B2, pos_B), jnp.full_like(pos_B, speculative.DRAFT_SALT))
 
 
+def useful(positions_BT: jax.Array, batch: DecodeBatch) -> jax.Array:
+    """The positions whose tokens a row may keep, the others -1 (padding): an input at the row's last position
+    (`DecodeBatch.last_B`) or after it makes a token past the length limit, which the host drops."""
+    return jnp.where(positions_BT < batch.last_B[:, None], positions_BT, -1)
+
+
 @functools.partial(jax.jit, static_argnames=("st",), donate_argnames=("cache", "state"))
 def decode(
     params: Params, cache: model.PagedKVCache, state: SamplerState, batch: DecodeBatch, *, st: StepConfig
@@ -190,8 +201,9 @@ def decode(
         cache, state, tok_B, pos_B = carry
         fed_B = batch.fed_BS[:, k]
         tok_B = jnp.where(fed_B >= 0, fed_B, tok_B)
+        fwd_pos = useful(pos_B[:, None], batch)
         x, cache, _ = model.forward(
-            params, cache, tok_B[:, None], pos_B[:, None], batch.tables, st.cfg, st.kernels, layout=st.layout
+            params, cache, tok_B[:, None], fwd_pos, batch.tables, st.cfg, st.kernels, layout=st.layout
         )
         with jax.named_scope("sample"):
             state = sampling.record_input(state, batch.sampling, tok_B, pos_B)
@@ -255,7 +267,15 @@ def decode_speculative(
                 draft = speculative.Draft(jnp.zeros((tok_B.shape[0], 0), jnp.int32))
             tokens_BT, positions_BT = speculative.drafts(tok_B, draft, pos_B, drafting_B)
         x_BTD, cache, _, *aux = model.forward(
-            target, cache, tokens_BT, positions_BT, d.tables, st.cfg, st.kernels, layout=st.layout, aux_layers=aux_ids
+            target,
+            cache,
+            tokens_BT,
+            useful(positions_BT, d),
+            d.tables,
+            st.cfg,
+            st.kernels,
+            layout=st.layout,
+            aux_layers=aux_ids,
         )
         with jax.named_scope("verify"):
             logits_BTV = model.unembed(target, x_BTD)

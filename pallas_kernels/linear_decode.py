@@ -50,11 +50,12 @@ def reference(x_TI, w_LOI, b_O, layer):
 
 def _kernel(layer_ref, map_ref, x_ref, *refs, rows, bn, bk, per, K, Os):
     """One `[rows, bn]` output tile over one K split. `refs` are the weights then their outputs; the
-    tile index picks the weight (a `switch` on static boundaries: one branch runs, none for 1 weight)."""
+    tile index picks the weight (a `switch` on static boundaries: one branch runs, none for 1 weight). A step that is
+    not live (`layer_index.live`) stores zeros."""
     w_refs, y_refs = refs[: len(Os)], refs[len(Os) :]
     first = [sum(pl.cdiv(O, bn) for O in Os[:i]) for i in range(len(Os))]  # each weight's first tile
     tile, split = pl.program_id(0), pl.program_id(1)
-    layer = layer_index.read(layer_ref, map_ref)
+    layer, live = layer_index.read(layer_ref, map_ref), layer_index.live(layer_ref)
     row_ok = jnp.arange(rows) < x_ref.shape[0]  # rows beyond T load as zeros: no padded copy of x
 
     def project(i):
@@ -70,8 +71,12 @@ def _kernel(layer_ref, map_ref, x_ref, *refs, rows, bn, bk, per, K, Os):
             )
             return acc + jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
-        acc = jax.lax.fori_loop(0, per, body, jnp.zeros((rows, bn), jnp.float32))
-        plt.store(y_refs[i].at[split, pl.ds(0, rows), pl.ds(n0, bn)], acc, mask=row_ok[:, None] & col_ok[None, :])
+        def store(acc):
+            plt.store(y_refs[i].at[split, pl.ds(0, rows), pl.ds(n0, bn)], acc, mask=row_ok[:, None] & col_ok[None, :])
+
+        zeros = jnp.zeros((rows, bn), jnp.float32)
+        pl.when(live)(lambda: store(jax.lax.fori_loop(0, per, body, zeros)))
+        pl.when(jnp.logical_not(live))(lambda: store(zeros))  # a step that is not live reads no weight
 
     which = sum((tile >= f).astype(jnp.int32) for f in first[1:])
     jax.lax.switch(which, [functools.partial(project, i) for i in range(len(Os))])

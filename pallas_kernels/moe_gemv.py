@@ -185,26 +185,29 @@ def _routed_pair(logits_ref, layer_ref, map_ref, s, k: int, E: int):
     return layer_index.read(layer_ref, map_ref) * E + chosen, jnp.exp(value - top) / total
 
 
-def _slot_program(slot_refs, route, bm: int, body, routed_out=()):
+def _slot_program(slot_refs, route, bm: int, body, routed_out=(), idle=None):
     """Run `body(e, r0, rows, tok, weight)` for this program's slot (`tok(r)`, `weight(r)`: row r's token and
     routing weight). From `dispatch`'s slot arrays, `slot_refs` = (expert, start, rows, per-pair operand: the
     token for gate/up, the weight for down, so both callables read it); with `route` = (k, E) and `slot_refs` =
     (logits, the layer's `layer_index.operands`), one pair per program (bm = 1), routed in-kernel, the program of
     feature tile 0 storing the pair's expert and weight in `routed_out`; with `route` = "pairs", `slot_refs` = those
-    two arrays."""
+    two arrays. A step that is not live (`layer_index.live`) routes no pair: its programs store expert -1, and a
+    pair of expert -1 runs `idle(r0)` instead of `body` (the down kernel's zeros)."""
     s = pl.program_id(0)
     if route == "pairs":
-        w = slot_refs[1][s]
-        return body(slot_refs[0][s], s, 1, lambda r: s, lambda r: w)
+        e, w = slot_refs[0][s], slot_refs[1][s]
+        pl.when(e >= 0)(lambda: body(e, s, 1, lambda r: s, lambda r: w))
+        return pl.when(e < 0)(lambda: idle(s))
     if route is not None:
         e, w = _routed_pair(*slot_refs, s, *route)
+        live = layer_index.live(slot_refs[1])
 
         @pl.when(pl.program_id(1) == 0)
         def _():
-            routed_out[0][s] = e
+            routed_out[0][s] = jnp.where(live, e, -1)
             routed_out[1][s] = w
 
-        return body(e, s, 1, lambda r: s // route[0], lambda r: w)
+        return pl.when(live)(lambda: body(e, s, 1, lambda r: s // route[0], lambda r: w))
     slot_e_ref, slot_start_ref, slot_rows_ref, pair_ref = slot_refs
     rows = slot_rows_ref[s]
 
@@ -301,7 +304,10 @@ def _down_gemv_kernel(*refs, route, bm, bn, nb, G, f16, out_scale, prefetch, int
             y = (jnp.sum(acc[r], axis=1) * out_scale + b) * weight(r)
             plt.store(y_ref.at[r0 + r, pl.ds(n0, bn)], y, mask=jnp.full((bn,), r < rows))
 
-    _slot_program(slot_refs, route, bm, program)
+    def idle(r0):  # a pair that is not routed (a step that is not live): zeros for the MoE's back end
+        y_ref[r0, pl.ds(n0, bn)] = jnp.zeros((bn,), jnp.float32)
+
+    _slot_program(slot_refs, route, bm, program, idle=idle)
 
 
 def _run_gemv(

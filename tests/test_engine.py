@@ -239,6 +239,24 @@ def test_multi_step_decode_matches_single_step(small_checkpoint, engine):
     assert run(multi, reqs) == run(engine, reqs)
 
 
+def test_a_request_ending_inside_a_multi_step_call_with_the_kernels(small_checkpoint):
+    """With the Pallas kernels (interpret mode here) in bf16, where the decode MoE routes in-kernel: the steps a
+    request ends by length before run as padding (`steps.useful`), a call's last ones not live at all (the kernels
+    skip their weight reads, `pallas_kernels.layer_index`); its tokens are those of single-step calls."""
+    kw = dict(dtype="bfloat16", impl="pallas", progress=False, **SMALL)
+    reqs = {f"k{i}": (p, greedy(2 + i)) for i, p in enumerate(prompts(2, 3, 12, seed=9))}
+    multi = run(Engine(small_checkpoint, **{**kw, "decode_steps_per_call": 4}), reqs)
+    assert multi == run(Engine(small_checkpoint, **kw), reqs)
+    assert [len(multi[r][0]) for r in reqs] == [2, 3]  # 1 and 2 decode steps of a 4-step call: 2 not live
+
+
+def test_steps_past_the_length_limit_are_padding():
+    """`steps.useful`: an input at a row's last position or after makes a token the host drops (-1: padding)."""
+    batch = steps.DecodeBatch(None, None, None, None, None, jnp.asarray([5, 9], jnp.int32))
+    pos = jnp.asarray([[3, 4, 5, 6], [7, 8, 9, -1]], jnp.int32)
+    assert steps.useful(pos, batch).tolist() == [[3, 4, -1, -1], [7, 8, -1, -1]]
+
+
 class ByteTokenizer:
     """Token t is the text '<t>'."""
 

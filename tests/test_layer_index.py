@@ -9,14 +9,15 @@ from pallas_kernels import layer_index
 
 
 def test_a_layer_index_maps_the_counter_to_its_layer_and_first_page():
-    full = layer_index.LayerIndex(jnp.int32(3), 2, 1, pages=11)
+    full = layer_index.LayerIndex(layer_index.counter(3), 2, 1, pages=11)
     assert int(full.value()) == 7 and int(full.page_offset()) == 33
     assert int(layer_index.value(5)) == 5 and int(layer_index.of(5).page_offset()) == 0
-    i, m = layer_index.operands(full)
-    assert i.tolist() == [3] and m.tolist() == [2, 1, 11, 0]  # what the kernels read: 3 * 2 + 1, 3 * 11 + 0
+    c, m = layer_index.operands(full)
+    assert c.tolist() == [3, 1] and m.tolist() == [2, 1, 11, 0]  # what the kernels read: 3 * 2 + 1, 3 * 11 + 0, live
     assert layer_index.operands(5, page_offset=40)[1].tolist() == [1, 0, 0, 40]
+    assert layer_index.operands(5)[0].tolist() == [5, 1] and layer_index.counter(2, False).tolist() == [2, 0]
     leaves, tree = jax.tree.flatten(full)  # through jit: the counter traced, the map static
-    assert len(leaves) == 1 and jax.tree.unflatten(tree, [jnp.int32(4)]).value() == 9
+    assert len(leaves) == 1 and jax.tree.unflatten(tree, [layer_index.counter(4)]).value() == 9
 
 
 def _subjaxprs(eqn):
@@ -67,4 +68,4 @@ def test_the_verify_step_computes_no_layer_index_outside_its_kernels():
         for v in e.outvars
         if v.aval.dtype == jnp.int32 and v.aval.size <= 2
     ]
-    assert scalar_ints == [("add", "int32[]")]  # the counter's own increment, carried
+    assert scalar_ints == [("add", "int32[2]")]  # the counter's own increment ([1, 0]: the live flag rides along)

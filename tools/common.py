@@ -309,6 +309,7 @@ def decode_step(
         tables,
         _sampling(put, B, cfg.vocab_size, temperature, top_p),
         put(np.full((B, num_steps), -1, np.int32)),
+        put(np.full(B, 2**31 - 1, np.int32)),  # no length limit: every step runs
     )
     st = steps.StepConfig(cfg, resolved(kernels), layout, num_top=num_top, num_steps=num_steps, plain=plain)
     return Step(steps.decode, params, cache, inputs, st, pages, _sampler_state(put, cfg, B))
@@ -341,6 +342,7 @@ def speculative_step(
         tables,
         _sampling(put, batch, cfg.vocab_size),
         put(np.full((batch, num_steps), -1, np.int32)),
+        put(np.full(batch, 2**31 - 1, np.int32)),  # no length limit: every step runs
     )
     proc = np.zeros((batch, 4), np.int32)
     proc[:, 3] = np.arange(batch)  # each row its own slot of the drafter's history
