@@ -205,112 +205,92 @@ def _new_token_kernel(
     here = fresh & (sp == 0)
     hi = jnp.where(p >= 0, p + 1, 0)
     lo = jnp.maximum(hi - window, 0)
+    h = jnp.arange(H)
+    first_half = h < half
+    partner = jnp.where(first_half, h + half, h - half)
 
-    def token():  # a token's program: its projections, its cache write, its split of the keys, the merge
-        h = jnp.arange(H)
-        first_half = h < half
-        partner = jnp.where(first_half, h + half, h - half)
+    def project(parts_ref, bias_ref, row, cols, mask):  # the consumer half of `linear_decode.linear_many`
+        y = plt.load(parts_ref.at[0, row, cols], mask=mask, other=0)
+        for i in range(1, parts_ref.shape[0]):
+            y = y + plt.load(parts_ref.at[i, row, cols], mask=mask, other=0)
+        return (y + plt.load(bias_ref.at[layer, cols], mask=mask, other=0).astype(jnp.float32)).astype(dtype)
 
-        def project(parts_ref, bias_ref, row, cols, mask):  # the consumer half of `linear_decode.linear_many`
-            y = plt.load(parts_ref.at[0, row, cols], mask=mask, other=0)
-            for i in range(1, parts_ref.shape[0]):
-                y = y + plt.load(parts_ref.at[i, row, cols], mask=mask, other=0)
-            return (y + plt.load(bias_ref.at[layer, cols], mask=mask, other=0).astype(jnp.float32)).astype(dtype)
+    def rotated(parts_ref, bias_ref, row, cols, mask):  # `rope.apply`: first half pairs with second half
+        c, sn = (plt.load(ref.at[row, h % half]) for ref in (cos_ref, sin_ref))
+        x, x_partner = (project(parts_ref, bias_ref, row, cc, mask) for cc in (cols(h), cols(partner)))
+        return jnp.where(first_half, x * c - x_partner * sn, x * c + x_partner * sn)
 
-        def rotated(parts_ref, bias_ref, row, cols, mask):  # `rope.apply`: first half pairs with second half
-            c, sn = (plt.load(ref.at[row, h % half]) for ref in (cos_ref, sin_ref))
-            x, x_partner = (project(parts_ref, bias_ref, row, cc, mask) for cc in (cols(h), cols(partner)))
-            return jnp.where(first_half, x * c - x_partner * sn, x * c + x_partner * sn)
-
-        def key_value(row):  # a new token's k and v as split 0 attends to them, and as stored (FP8: with the scales)
-            all_h = jnp.full((H,), True)
-            k = rotated(kp_ref, kb_ref, row, lambda cols: kh * H + cols, all_h)
-            v = project(vp_ref, vb_ref, row, kh * H + h, all_h)
-            if not quantized:
-                return k, v, (k, v)
-            k_scale, v_scale = (kv_quant.scale_of(jnp.max(jnp.abs(x.astype(jnp.float32)))) for x in (k, v))
-            k_store, v_store = (
-                (x.astype(jnp.float32) / sc).astype(k_ref.dtype) for x, sc in ((k, k_scale), (v, v_scale))
-            )
-            return (
-                k_store.astype(jnp.float32) * k_scale,
-                v_store.astype(jnp.float32) * v_scale,
-                (k_store, v_store, k_scale, v_scale),
-            )
-
-        g = jnp.arange(gp)[:, None]
-        g_ok = jnp.broadcast_to(g < G, (gp, H))
-        q = rotated(qp_ref, qb_ref, r, lambda cols: (kh * G + g) * H + cols[None, :], g_ok)
-        k_new, v_new, stored = key_value(r)
-
-        @pl.when(here)
-        def _():
-            row = (page_offset + page) * S + wslot_ref[r]
-            k_out[row, kh, :] = stored[0]
-            if not quantized:
-                v_out[row, kh, :] = stored[1]
-            else:
-                head = (page_offset + page) * k_ref.shape[1] + kh  # the (page, KV head) written
-                v_out[(head * H + h) * S + wslot_ref[r]] = stored[1]  # the slot's column of its [H, S]
-                ks_out[head * S + wslot_ref[r]] = stored[2]
-                vs_out[head * S + wslot_ref[r]] = stored[3]
-
-        # Split 0 starts the online softmax from the new keys, one at a time (one key's k and v live at once): this
-        # token's and its row's earlier fresh ones.
-        def admit(carry, on, k, v):
-            m, l, acc = carry
-            s_k = jnp.sum(q.astype(jnp.float32) * k.astype(jnp.float32)[None, :], axis=1) * config["scale"]
-            m_new = jnp.where(on, jnp.maximum(m, s_k), m)
-            w, alpha = jnp.where(on, jnp.exp(s_k - m_new), 0.0), jnp.exp(m - m_new)
-            return m_new, l * alpha + w, acc * alpha[:, None] + w[:, None] * v.astype(jnp.float32)[None, :]
-
-        carry = (jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32), jnp.zeros((gp, H), jnp.float32))
-        carry = admit(carry, here, k_new, v_new)
-        n_new = fresh.astype(jnp.int32)  # the new keys the cache is not read for
-        for i in range(T - 1):  # token i < t of the row
-            ri = b * T + i
-            p_i = pos_ref[ri]
-            fresh_i = (i < t) & (wpage_ref[ri] != null_page) & (p_i >= 0) & (p >= 0)  # (padding attends to nothing)
-            carry = admit(carry, fresh_i & (sp == 0) & (p_i >= lo), *key_value(ri)[:2])
-            n_new += fresh_i.astype(jnp.int32)
-        m, l, acc = carry
-        m, l, acc = _attend(
-            q,
-            m,
-            l,
-            acc,
-            lo,
-            hi - n_new,
-            b,
-            kh,
-            sp,
-            bt_ref,
-            k_ref,
-            v_ref,
-            scale_refs,
-            page_offset=page_offset,
-            **config,
-        )
-        o_ref[r, kh, sp, :, :] = acc
-        m_ref[r, kh, sp, :] = m
-        l_ref[r, kh, sp, :] = l
-        _merge_splits(
-            o_ref, m_ref, l_ref, sinks_ref, layer, out_ref, done_ref, r, kh, G, config["num_splits"], interpret
+    def key_value(row):  # a new token's k and v as split 0 attends to them, and as stored (FP8: with the scales)
+        all_h = jnp.full((H,), True)
+        k = rotated(kp_ref, kb_ref, row, lambda cols: kh * H + cols, all_h)
+        v = project(vp_ref, vb_ref, row, kh * H + h, all_h)
+        if not quantized:
+            return k, v, (k, v)
+        k_scale, v_scale = (kv_quant.scale_of(jnp.max(jnp.abs(x.astype(jnp.float32)))) for x in (k, v))
+        k_store, v_store = ((x.astype(jnp.float32) / sc).astype(k_ref.dtype) for x, sc in ((k, k_scale), (v, v_scale)))
+        return (
+            k_store.astype(jnp.float32) * k_scale,
+            v_store.astype(jnp.float32) * v_scale,
+            (k_store, v_store, k_scale, v_scale),
         )
 
-    # A padding token (position -1: bucket padding, a verify step's unused slots, every token of a step past its
-    # rows' length limits) attends to nothing and writes nothing: its programs skip all of it but its zero output.
-    pl.when(p >= 0)(token)
+    g = jnp.arange(gp)[:, None]
+    g_ok = jnp.broadcast_to(g < G, (gp, H))
+    q = rotated(qp_ref, qb_ref, r, lambda cols: (kh * G + g) * H + cols[None, :], g_ok)
+    k_new, v_new, stored = key_value(r)
 
-    @pl.when((p < 0) & (sp == 0))
+    @pl.when(here)
     def _():
-        gq = 1 << (G - 1).bit_length()
-        zeros = jnp.zeros((gq, out_ref.shape[-1]), out_ref.dtype)
-        plt.store(
-            out_ref.at[r, pl.ds(kh * G, gq), :],
-            zeros,
-            mask=jnp.broadcast_to((jnp.arange(gq) < G)[:, None], zeros.shape),
-        )
+        row = (page_offset + page) * S + wslot_ref[r]
+        k_out[row, kh, :] = stored[0]
+        if not quantized:
+            v_out[row, kh, :] = stored[1]
+        else:
+            head = (page_offset + page) * k_ref.shape[1] + kh  # the (page, KV head) written
+            v_out[(head * H + h) * S + wslot_ref[r]] = stored[1]  # the slot's column of its [H, S]
+            ks_out[head * S + wslot_ref[r]] = stored[2]
+            vs_out[head * S + wslot_ref[r]] = stored[3]
+
+    # Split 0 starts the online softmax from the new keys, one at a time (one key's k and v live at once): this
+    # token's and its row's earlier fresh ones.
+    def admit(carry, on, k, v):
+        m, l, acc = carry
+        s_k = jnp.sum(q.astype(jnp.float32) * k.astype(jnp.float32)[None, :], axis=1) * config["scale"]
+        m_new = jnp.where(on, jnp.maximum(m, s_k), m)
+        w, alpha = jnp.where(on, jnp.exp(s_k - m_new), 0.0), jnp.exp(m - m_new)
+        return m_new, l * alpha + w, acc * alpha[:, None] + w[:, None] * v.astype(jnp.float32)[None, :]
+
+    carry = (jnp.full((gp,), NEG, jnp.float32), jnp.zeros((gp,), jnp.float32), jnp.zeros((gp, H), jnp.float32))
+    carry = admit(carry, here, k_new, v_new)
+    n_new = fresh.astype(jnp.int32)  # the new keys the cache is not read for
+    for i in range(T - 1):  # token i < t of the row
+        ri = b * T + i
+        p_i = pos_ref[ri]
+        fresh_i = (i < t) & (wpage_ref[ri] != null_page) & (p_i >= 0) & (p >= 0)  # (padding attends to nothing)
+        carry = admit(carry, fresh_i & (sp == 0) & (p_i >= lo), *key_value(ri)[:2])
+        n_new += fresh_i.astype(jnp.int32)
+    m, l, acc = carry
+    m, l, acc = _attend(
+        q,
+        m,
+        l,
+        acc,
+        lo,
+        hi - n_new,
+        b,
+        kh,
+        sp,
+        bt_ref,
+        k_ref,
+        v_ref,
+        scale_refs,
+        page_offset=page_offset,
+        **config,
+    )
+    o_ref[r, kh, sp, :, :] = acc
+    m_ref[r, kh, sp, :] = m
+    l_ref[r, kh, sp, :] = l
+    _merge_splits(o_ref, m_ref, l_ref, sinks_ref, layer, out_ref, done_ref, r, kh, G, config["num_splits"], interpret)
 
 
 def _merge_splits(o_ref, m_ref, l_ref, sinks_ref, layer, out_ref, done_ref, b, kh, G: int, ns: int, interpret: bool):
