@@ -51,7 +51,7 @@ def reference(x_TI, w_LOI, b_O, layer):
 def _kernel(layer_ref, map_ref, x_ref, *refs, rows, bn, bk, per, K, Os):
     """One `[rows, bn]` output tile over one K split. `refs` are the weights then their outputs; the
     tile index picks the weight (a `switch` on static boundaries: one branch runs, none for 1 weight). A step that is
-    not live (`layer_index.live`) stores zeros."""
+    not live (`layer_index.live`) loads no weight and stores zeros."""
     w_refs, y_refs = refs[: len(Os)], refs[len(Os) :]
     first = [sum(pl.cdiv(O, bn) for O in Os[:i]) for i in range(len(Os))]  # each weight's first tile
     tile, split = pl.program_id(0), pl.program_id(1)
@@ -66,17 +66,14 @@ def _kernel(layer_ref, map_ref, x_ref, *refs, rows, bn, bk, per, K, Os):
             k0 = pl.multiple_of((split * per + s) * bk, bk)
             k_ok = k0 + jnp.arange(bk) < K
             x = plt.load(x_ref.at[pl.ds(0, rows), pl.ds(k0, bk)], mask=row_ok[:, None] & k_ok[None, :], other=0)
-            w = plt.load(
-                w_refs[i].at[layer, pl.ds(n0, bn), pl.ds(k0, bk)], mask=col_ok[:, None] & k_ok[None, :], other=0
-            )
+            # a step that is not live reads no weight: its loads are masked off (zeros), not branched around, so
+            # the loop and its software pipeline stay as they are
+            w_ok = (col_ok[:, None] & k_ok[None, :]) & live
+            w = plt.load(w_refs[i].at[layer, pl.ds(n0, bn), pl.ds(k0, bk)], mask=w_ok, other=0)
             return acc + jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
-        def store(acc):
-            plt.store(y_refs[i].at[split, pl.ds(0, rows), pl.ds(n0, bn)], acc, mask=row_ok[:, None] & col_ok[None, :])
-
-        zeros = jnp.zeros((rows, bn), jnp.float32)
-        pl.when(live)(lambda: store(jax.lax.fori_loop(0, per, body, zeros)))
-        pl.when(jnp.logical_not(live))(lambda: store(zeros))  # a step that is not live reads no weight
+        acc = jax.lax.fori_loop(0, per, body, jnp.zeros((rows, bn), jnp.float32))
+        plt.store(y_refs[i].at[split, pl.ds(0, rows), pl.ds(n0, bn)], acc, mask=row_ok[:, None] & col_ok[None, :])
 
     which = sum((tile >= f).astype(jnp.int32) for f in first[1:])
     jax.lax.switch(which, [functools.partial(project, i) for i in range(len(Os))])
