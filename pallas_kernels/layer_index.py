@@ -12,7 +12,7 @@ offset 0), so callers outside the scan pass plain layer numbers.
 The counter also says whether the step is live: a multi-step decode call runs its steps whatever its rows' length
 limits, so a request ended by length wasted 0-7 steps of its last call, 3.5 on average (~3% of a 256-token batch-1
 request, docs/BENCHMARKS.md §25). Such steps now have only padding positions (`steps`), and their weight-streaming
-kernels (the projections and the routed experts) return at once.
+kernels (the projections and the routed experts) read no weight.
 """
 
 from __future__ import annotations
