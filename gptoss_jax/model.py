@@ -450,11 +450,13 @@ def forward(
     }
     windows = {True: cfg.sliding_window, False: FULL_WINDOW}
 
-    def layer(x, t, caches, lp, c, sliding: bool):  # t: x normed for this layer's attention; c: the scan's counter
+    # A step with no token (all positions padding) is not live: its kernels skip their weight reads (`layer_index`)
+    live = jnp.any(positions_BT >= 0).astype(jnp.int32).reshape(1)
+
+    def layer(x, t, caches, lp, idx, sliding: bool):  # t: x normed for this layer's attention
         pools, done, aux = caches
-        # the layer's index in model order, 2 i (+ 1), which the kernels compute from the counter (`layer_index`)
-        n = layer_index.LayerIndex(c, 2, 0 if sliding else 1, pools[sliding].k.shape[1])
-        idx = n.i
+        # the layer's index in model order, 2 idx (+ 1), which the kernels compute from the counter (`layer_index`)
+        n = layer_index.LayerIndex(jnp.asarray(idx, jnp.int32), 2, 0 if sliding else 1, pools[sliding].k.shape[1], live)
         if aux_layers:  # the stream entering layer n into its aux slot; other layers write the spare last slot
             hit = ids == n.value()
             slot = jnp.where(jnp.any(hit), jnp.argmax(hit), len(aux_layers))
@@ -486,10 +488,10 @@ def forward(
         return x, t, (pools, out.done_BK, aux), record
 
     def pair(carry, lp_pair):  # the counter rides in the carry: sliced from an arange, it cost a copy kernel a pair
-        x, t, caches, c = carry
-        x, t, caches, r0 = layer(x, t, caches, jax.tree.map(lambda a: a[0], lp_pair), c, sliding=True)
-        x, t, caches, r1 = layer(x, t, caches, jax.tree.map(lambda a: a[1], lp_pair), c, sliding=False)
-        return (x, t, caches, c + jnp.asarray([1, 0], jnp.int32)), ((r0, r1) if on else None)
+        x, t, caches, i = carry
+        x, t, caches, r0 = layer(x, t, caches, jax.tree.map(lambda a: a[0], lp_pair), i, sliding=True)
+        x, t, caches, r1 = layer(x, t, caches, jax.tree.map(lambda a: a[1], lp_pair), i, sliding=False)
+        return (x, t, caches, i + 1), ((r0, r1) if on else None)
 
     pairs, (B, T) = cfg.num_layers // 2, tokens_BT.shape
     # The pools by layer type, and the new-token attention kernel's split counts (a row per token where it may run):
@@ -509,16 +511,14 @@ def forward(
     t = pin(rms_norm(x, dense_all.attn_norm[0], cfg.rms_norm_eps, dtype))
     scanned = params.layers.replace(experts=None, q_w=None, k_w=None, v_w=None, o_w=None)
     records = []  # with `inspect`: per-layer records, stacked on a leading layer axis
-    # A step with no token (all positions padding) is not live: its kernels skip their weight reads (`layer_index`)
-    c = layer_index.counter(0, jnp.any(positions_BT >= 0))
     with jax.named_scope("layers"):
         if pairs:
             stacked = jax.tree.map(lambda a: a[: 2 * pairs].reshape(pairs, 2, *a.shape[1:]), scanned)
-            (x, t, caches, c), ys = jax.lax.scan(pair, (x, t, caches, c), stacked)
+            (x, t, caches, _), ys = jax.lax.scan(pair, (x, t, caches, jnp.int32(0)), stacked)
             if on:  # [pairs] of (sliding, full) -> [2 * pairs] in layer order
                 records.append(jax.tree.map(lambda a, b: jnp.stack([a, b], 1).reshape(2 * pairs, *a.shape[1:]), *ys))
         if cfg.num_layers % 2:  # an odd layer count ends on a sliding layer
-            x, t, caches, r = layer(x, t, caches, jax.tree.map(lambda a: a[-1], scanned), c, sliding=True)
+            x, t, caches, r = layer(x, t, caches, jax.tree.map(lambda a: a[-1], scanned), pairs, sliding=True)
             if on:
                 records.append(jax.tree.map(lambda a: a[None], r))
     cache = PagedKVCache.of(caches[0][True], caches[0][False])

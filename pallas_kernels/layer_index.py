@@ -9,10 +9,11 @@ program, each kernel computes them in its own scalar code; the map is an operand
 the sliding and the full layers share one compiled kernel. An int or a traced scalar is a layer of its own (stride 1,
 offset 0), so callers outside the scan pass plain layer numbers.
 
-The counter also says whether the step is live: a multi-step decode call runs its steps whatever its rows' length
-limits, so a request ended by length wasted 0-7 steps of its last call, 3.5 on average (~3% of a 256-token batch-1
-request, docs/BENCHMARKS.md §25). Such steps now have only padding positions (`steps`), and their weight-streaming
-kernels (the projections and the routed experts) read no weight.
+It also says whether the step is live. A multi-step decode call runs all its steps whatever its rows' length limits,
+so a request ended by length spent 0-7 steps of its last call, 3.5 on average (~3% of a 256-token batch-1 request,
+docs/BENCHMARKS.md §25). Such steps have only padding positions (`gptoss_jax.steps.useful`), and the kernels that stream
+weights (the projections and the routed experts) read none there. The flag is a third operand, computed once a step
+outside the scan: carried inside the counter, its `[1, 0]` increment cost a kernel a layer pair (§29).
 """
 
 from __future__ import annotations
@@ -26,14 +27,11 @@ import jax.numpy as jnp
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerIndex:
-    counter: jax.Array  # int32 [2], traced: the layer scan's counter i, and whether the step is live (`counter`)
+    i: jax.Array  # int32 scalar, traced: the layer scan's counter
     stride: int = dataclasses.field(default=1, metadata=dict(static=True))
     offset: int = dataclasses.field(default=0, metadata=dict(static=True))
     pages: int = dataclasses.field(default=0, metadata=dict(static=True))  # per layer in its type's pool
-
-    @property
-    def i(self) -> jax.Array:
-        return self.counter[0]
+    live: jax.Array | None = None  # int32 [1], traced: 0 where the step has no token (`live_operand`); None: live
 
     def value(self) -> jax.Array:
         """The layer number (jnp: XLA fuses it into its consumers)."""
@@ -44,16 +42,9 @@ class LayerIndex:
         return self.pages * self.i
 
 
-def counter(i, live=True) -> jax.Array:
-    """The counter a layer scan carries, int32 `[2]`: `i`, and 1 where the step is live, 0 where it has no token
-    (every position is padding: a multi-step call's steps past its rows' length limits), whose kernels then skip
-    their weight reads (`live`). The scan adds `[1, 0]` a layer pair: one increment, as for a scalar counter."""
-    return jnp.stack([jnp.asarray(i, jnp.int32), jnp.asarray(live, jnp.int32)])
-
-
 def of(layer) -> LayerIndex:
-    """`layer` as a `LayerIndex`: an int or a scalar array is its own counter, live."""
-    return layer if isinstance(layer, LayerIndex) else LayerIndex(counter(layer))
+    """`layer` as a `LayerIndex`: an int or a scalar array is its own counter."""
+    return layer if isinstance(layer, LayerIndex) else LayerIndex(jnp.asarray(layer, jnp.int32))
 
 
 def value(layer) -> jax.Array:
@@ -62,27 +53,34 @@ def value(layer) -> jax.Array:
 
 
 def operands(layer, page_offset=None) -> tuple[jax.Array, jax.Array]:
-    """A kernel's two int32 operands for `layer`: the counter `[2]` and the map `[4]` (stride, offset, pages, first
-    page), read back by `read`, `read_page_offset` and `live`. The map is a constant unless `page_offset` is given
-    (then it replaces the layer's `pages * i`)."""
+    """A kernel's two int32 operands for `layer`: the counter `[1]` and the map `[4]` (stride, offset, pages, first
+    page), read back by `read` and `read_page_offset`. The map is a constant unless `page_offset` is given (then it
+    replaces the layer's `pages * i`)."""
     layer = of(layer)
+    i = jnp.asarray(layer.i, jnp.int32).reshape(1)
     if page_offset is None:
-        return layer.counter, jnp.asarray([layer.stride, layer.offset, layer.pages, 0], jnp.int32)
+        return i, jnp.asarray([layer.stride, layer.offset, layer.pages, 0], jnp.int32)
     fixed = jnp.asarray([layer.stride, layer.offset, 0], jnp.int32)
-    return layer.counter, jnp.concatenate([fixed, jnp.asarray(page_offset, jnp.int32).reshape(1)])
+    return i, jnp.concatenate([fixed, jnp.asarray(page_offset, jnp.int32).reshape(1)])
 
 
-def read(c_ref, map_ref):
+def live_operand(layer) -> jax.Array:
+    """The int32 `[1]` operand of the kernels that skip a step with no token: 1 where live, read by `live`."""
+    live = of(layer).live
+    return jnp.ones((1,), jnp.int32) if live is None else jnp.asarray(live, jnp.int32).reshape(1)
+
+
+def read(i_ref, map_ref):
     """Inside a kernel: the layer number from `operands`' refs."""
-    return c_ref[0] * map_ref[0] + map_ref[1]
+    return i_ref[0] * map_ref[0] + map_ref[1]
 
 
-def read_page_offset(c_ref, map_ref):
+def read_page_offset(i_ref, map_ref):
     """Inside a kernel: the layer's first page from `operands`' refs."""
-    return c_ref[0] * map_ref[2] + map_ref[3]
+    return i_ref[0] * map_ref[2] + map_ref[3]
 
 
-def live(c_ref):
-    """Inside a kernel: whether the step has a token (`counter`); where not, the kernel skips its weight reads and
+def live(live_ref):
+    """Inside a kernel: whether the step has a token (`live_operand`). Where not, the kernel reads no weight and
     writes zeros, so that the step's later kernels read finite values."""
-    return c_ref[1] != 0
+    return live_ref[0] != 0

@@ -48,14 +48,14 @@ def reference(x_TI, w_LOI, b_O, layer):
     return y + b_O.astype(jnp.float32)
 
 
-def _kernel(layer_ref, map_ref, x_ref, *refs, rows, bn, bk, per, K, Os):
+def _kernel(layer_ref, map_ref, live_ref, x_ref, *refs, rows, bn, bk, per, K, Os):
     """One `[rows, bn]` output tile over one K split. `refs` are the weights then their outputs; the
     tile index picks the weight (a `switch` on static boundaries: one branch runs, none for 1 weight). A step that is
     not live (`layer_index.live`) loads no weight and stores zeros."""
     w_refs, y_refs = refs[: len(Os)], refs[len(Os) :]
     first = [sum(pl.cdiv(O, bn) for O in Os[:i]) for i in range(len(Os))]  # each weight's first tile
     tile, split = pl.program_id(0), pl.program_id(1)
-    layer, live = layer_index.read(layer_ref, map_ref), layer_index.live(layer_ref)
+    layer, live = layer_index.read(layer_ref, map_ref), layer_index.live(live_ref)
     row_ok = jnp.arange(rows) < x_ref.shape[0]  # rows beyond T load as zeros: no padded copy of x
 
     def project(i):
@@ -115,7 +115,7 @@ def partial_sums(
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="decode_linear" if len(Os) == 1 else f"decode_linear_x{len(Os)}",
-    )(*layer_index.operands(layer), x_TI.astype(ws_LOI[0].dtype), *ws_LOI)
+    )(*layer_index.operands(layer), layer_index.live_operand(layer), x_TI.astype(ws_LOI[0].dtype), *ws_LOI)
 
 
 def linear_many(x_TI, ws_LOI, bs_O, layer, **config):

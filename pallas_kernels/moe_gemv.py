@@ -189,18 +189,18 @@ def _slot_program(slot_refs, route, bm: int, body, routed_out=(), idle=None):
     """Run `body(e, r0, rows, tok, weight)` for this program's slot (`tok(r)`, `weight(r)`: row r's token and
     routing weight). From `dispatch`'s slot arrays, `slot_refs` = (expert, start, rows, per-pair operand: the
     token for gate/up, the weight for down, so both callables read it); with `route` = (k, E) and `slot_refs` =
-    (logits, the layer's `layer_index.operands`), one pair per program (bm = 1), routed in-kernel, the program of
-    feature tile 0 storing the pair's expert and weight in `routed_out`; with `route` = "pairs", `slot_refs` = those
-    two arrays. A step that is not live (`layer_index.live`) routes no pair: its programs store expert -1, and a
-    pair of expert -1 runs `idle(r0)` instead of `body` (the down kernel's zeros)."""
+    (logits, the layer's `layer_index.operands` and `live_operand`), one pair per program (bm = 1), routed
+    in-kernel, the program of feature tile 0 storing the pair's expert and weight in `routed_out`; with `route` =
+    "pairs", `slot_refs` = those two arrays. A step that is not live (`layer_index.live`) routes no pair: its
+    programs store expert -1, and a pair of expert -1 runs `idle(r0)` instead of `body` (the down kernel's zeros)."""
     s = pl.program_id(0)
     if route == "pairs":
         e, w = slot_refs[0][s], slot_refs[1][s]
         pl.when(e >= 0)(lambda: body(e, s, 1, lambda r: s, lambda r: w))
         return pl.when(e < 0)(lambda: idle(s))
     if route is not None:
-        e, w = _routed_pair(*slot_refs, s, *route)
-        live = layer_index.live(slot_refs[1])
+        e, w = _routed_pair(*slot_refs[:3], s, *route)
+        live = layer_index.live(slot_refs[3])
 
         @pl.when(pl.program_id(1) == 0)
         def _():
@@ -416,7 +416,7 @@ def run_routed(
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
     )
-    slots = (logits_TE, *layer_index.operands(layer))
+    slots = (logits_TE, *layer_index.operands(layer), layer_index.live_operand(layer))
     return _run_gemv(
         call,
         words,

@@ -142,7 +142,7 @@ def test_new_token_attention_matches_reference(window, S, splits, sink_scale, co
     sinks = jnp.asarray(rng.normal(size=(3, N)) * sink_scale, jnp.float32)  # 3 layers, like the biases
     rest = (jnp.asarray(pos), jnp.asarray(wpage), jnp.asarray(wslot), sinks, window)
     ref, ref_k, ref_v, *_ = paged_attention.new_token_reference(parts, biases, 2, cos, sin, kp, vp, bt, P, *rest)
-    layer, offset = (layer_index.LayerIndex(layer_index.counter(1), 2, 0, P), None) if counter else (2, P)
+    layer, offset = (layer_index.LayerIndex(jnp.int32(1), 2, 0, P), None) if counter else (2, P)
     out, got_k, got_v, done, *_ = paged_attention.attention_new_token(
         parts, biases, layer, cos, sin, kp, vp, bt, offset, *rest, block_kv=8, num_splits=splits, interpret=True
     )

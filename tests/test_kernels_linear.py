@@ -63,7 +63,7 @@ def test_linear_many_matches_reference_per_weight(T, dtype, programs):
     jaxpr = jax.make_jaxpr(run)(x_TI, ws_LOI, bs_O, jnp.int32(0))
     assert str(jaxpr).count("pallas_call[") == 1  # one launch for all three
     tol = F32_TOL if dtype == jnp.float32 else 1e-2
-    for layer, given in ((2, layer_index.LayerIndex(layer_index.counter(1), 2, 0)), (1, jnp.int32(1))):
+    for layer, given in ((2, layer_index.LayerIndex(jnp.int32(1), 2, 0)), (1, jnp.int32(1))):
         got = run(x_TI, ws_LOI, bs_O, given)
         assert len(got) == len(Os)
         for i, (y, O) in enumerate(zip(got, Os)):
@@ -78,12 +78,12 @@ def test_linear_many_matches_reference_per_weight(T, dtype, programs):
 
 
 def test_a_step_that_is_not_live_reads_no_weight():
-    """A step without tokens (`layer_index.counter(i, live=False)`): every output tile is zeros, whatever the weights
+    """A step without tokens (`LayerIndex.live` 0): every output tile is zeros, whatever the weights
     (NaN here: a tile that read them would show), so the step's later kernels read finite values."""
     rng = np.random.default_rng(3)
     x_TI = jnp.asarray(rng.normal(size=(4, 300)), jnp.bfloat16)
     ws_LOI = (jnp.full((2, 72, 300), jnp.nan, jnp.bfloat16), jnp.full((2, 40, 300), jnp.nan, jnp.bfloat16))
-    dead, live = (layer_index.LayerIndex(layer_index.counter(0, on), 2, 1) for on in (False, True))
+    dead, live = (layer_index.LayerIndex(jnp.int32(0), 2, 1, live=jnp.asarray([on], jnp.int32)) for on in (0, 1))
     for y in linear_decode.partial_sums(x_TI, ws_LOI, dead, block_k=128, programs=64):
         assert not np.asarray(y).any()
     assert all(np.isnan(np.asarray(y)).all() for y in linear_decode.partial_sums(x_TI, ws_LOI, live, block_k=128))

@@ -83,7 +83,7 @@ def test_moe_block_takes_the_fused_kernels_and_matches_reference(monkeypatch, T)
             router,
             bias,
             expert_format.prepare_experts(ex),
-            layer_index.LayerIndex(layer_index.counter(layer // 2), 2, layer % 2),
+            layer_index.LayerIndex(jnp.int32(layer // 2), 2, layer % 2),
             gains,
             kernels=KernelConfig(impl="pallas"),
             **kw,
@@ -135,7 +135,7 @@ def test_fused_front_end_regime(device):
 
 
 def test_routed_gemvs_of_a_step_that_is_not_live_read_no_expert():
-    """A step without tokens (`layer_index.counter(i, live=False)`): the gate/up programs route no pair (expert -1)
+    """A step without tokens (`LayerIndex.live` 0): the gate/up programs route no pair (expert -1)
     and the down programs write zeros, whatever the experts hold (NaN biases here: a pair that ran would show)."""
     rng = np.random.default_rng(4)
     T, E, k, D, I, L = 3, 8, 2, 64, 64, 2
@@ -149,7 +149,7 @@ def test_routed_gemvs_of_a_step_that_is_not_live_read_no_expert():
     cfg = choose("moe", T, (D, I, E, k), jnp.bfloat16, CPU, KernelConfig(impl="pallas")).kw["gemv"]
     kw = dict(top_k=k, swiglu_limit=7.0, swiglu_alpha=1.702, **cfg)
     for live in (False, True):
-        layer = layer_index.LayerIndex(layer_index.counter(0, live), 2, 1)
+        layer = layer_index.LayerIndex(jnp.int32(0), 2, 1, live=jnp.asarray([live], jnp.int32))
         y = np.asarray(moe_gemv.run_routed(words, xs, logits, layer, flat, **kw))
         assert y.shape == (T * k, D)
         assert np.isnan(y).all() if live else not y.any()

@@ -9,15 +9,17 @@ from pallas_kernels import layer_index
 
 
 def test_a_layer_index_maps_the_counter_to_its_layer_and_first_page():
-    full = layer_index.LayerIndex(layer_index.counter(3), 2, 1, pages=11)
+    full = layer_index.LayerIndex(jnp.int32(3), 2, 1, pages=11)
     assert int(full.value()) == 7 and int(full.page_offset()) == 33
     assert int(layer_index.value(5)) == 5 and int(layer_index.of(5).page_offset()) == 0
-    c, m = layer_index.operands(full)
-    assert c.tolist() == [3, 1] and m.tolist() == [2, 1, 11, 0]  # what the kernels read: 3 * 2 + 1, 3 * 11 + 0, live
+    i, m = layer_index.operands(full)
+    assert i.tolist() == [3] and m.tolist() == [2, 1, 11, 0]  # what the kernels read: 3 * 2 + 1, 3 * 11 + 0
     assert layer_index.operands(5, page_offset=40)[1].tolist() == [1, 0, 0, 40]
-    assert layer_index.operands(5)[0].tolist() == [5, 1] and layer_index.counter(2, False).tolist() == [2, 0]
     leaves, tree = jax.tree.flatten(full)  # through jit: the counter traced, the map static
-    assert len(leaves) == 1 and jax.tree.unflatten(tree, [layer_index.counter(4)]).value() == 9
+    assert len(leaves) == 1 and jax.tree.unflatten(tree, [jnp.int32(4)]).value() == 9
+    assert layer_index.live_operand(full).tolist() == [1]  # no flag: live
+    dead = layer_index.LayerIndex(jnp.int32(3), 2, 1, live=jnp.asarray([0], jnp.int32))
+    assert layer_index.live_operand(dead).tolist() == [0] and len(jax.tree.leaves(dead)) == 2
 
 
 def _subjaxprs(eqn):
@@ -41,8 +43,9 @@ def _outside_kernels(jaxpr):
 
 def test_the_verify_step_computes_no_layer_index_outside_its_kernels():
     """The 20b verify step for the H200 (traced, not run): its layer scan's body, kernels aside, does no int32
-    scalar arithmetic but its counter's increment. XLA ran each such scalar (2i + 1, the attention kernel's [page
-    offset, layer]) as a one-thread kernel on the step's critical path, four a layer pair (BENCHMARKS §26.6)."""
+    scalar arithmetic but its counter's increment (the live flag is computed once, outside the scan). XLA ran each
+    such scalar (2i + 1, the attention kernel's [page offset, layer]) as a one-thread kernel on the step's critical
+    path, four a layer pair (BENCHMARKS §26.6)."""
     from gptoss_jax import speculative
     from tools import common, inspect_kernels
 
@@ -68,4 +71,4 @@ def test_the_verify_step_computes_no_layer_index_outside_its_kernels():
         for v in e.outvars
         if v.aval.dtype == jnp.int32 and v.aval.size <= 2
     ]
-    assert scalar_ints == [("add", "int32[2]")]  # the counter's own increment ([1, 0]: the live flag rides along)
+    assert scalar_ints == [("add", "int32[]")]  # the counter's own increment, carried
