@@ -106,12 +106,13 @@ class KernelConfig:
     linear_gemv_rows: int = 64
     linear_fuse_rows: int = 16
     # The GEMV's launch (BENCHMARKS §7d, 20b and 120b batch-1 step): ~1,056 programs of 128-wide K steps beat 528 of
-    # 256 by 2.5%; 2,112 programs, K steps of 512, 16-row tiles or 8 warps were slower.
+    # 256 by 2.5%; 2,112 programs, K steps of 512, 16-row tiles or 8 warps were slower. 2 warps and 2 stages rather
+    # than 4 and 3: at 4 rows (a verify step's) the 20b and 120b steps 0.6% and 0.8% faster, at 1 row the same (§29).
     linear_block_n: int = 32
     linear_block_k: int = 128
     linear_programs: int = 1056
-    linear_warps: int = 4
-    linear_stages: int = 3
+    linear_warps: int = 2
+    linear_stages: int = 2
 
     # MoE. Up to `moe_route_max_tokens` tokens of a bf16 model (while experts average <= 2 routed rows) the block
     # is one front-end kernel (norm, router, GEMV operand), the routed half-precision GEMVs and one back-end kernel
