@@ -201,9 +201,9 @@ def decode(
         cache, state, tok_B, pos_B = carry
         fed_B = batch.fed_BS[:, k]
         tok_B = jnp.where(fed_B >= 0, fed_B, tok_B)
-        fwd_pos = useful(pos_B[:, None], batch)
+        pos_B1 = useful(pos_B[:, None], batch)  # an input past the row's length limit as padding
         x, cache, _ = model.forward(
-            params, cache, tok_B[:, None], fwd_pos, batch.tables, st.cfg, st.kernels, layout=st.layout
+            params, cache, tok_B[:, None], pos_B1, batch.tables, st.cfg, st.kernels, layout=st.layout
         )
         with jax.named_scope("sample"):
             state = sampling.record_input(state, batch.sampling, tok_B, pos_B)
