@@ -1,6 +1,6 @@
 """(token, expert) pairs sorted by expert and cut into slots of at most `block_m` pairs, the unit of work of
 every grouped MoE kernel (`moe_gemv`, `moe_mma`, `moe_dense`, `moe_mosaic`), and the way back to tokens.
-Every step is a single fusion or sort (no while loops)."""
+Every step is a single fusion (no sorts, no while loops)."""
 
 from __future__ import annotations
 
@@ -18,17 +18,39 @@ def pick_block(n: int, want: int, least: int = 8) -> int:
     return b
 
 
+def stable_order(e_P: jax.Array, num_ids: int, block: int = 256) -> jax.Array:
+    """`argsort(e_P, stable=True)` for ids in `[0, num_ids)` without a sort: each pair's rank is its id's start,
+    plus the pairs of that id in earlier blocks of `block`, plus those earlier in its own block (three fusions
+    of O(P * (block + num_ids)) compares). XLA's GPU sort of a few thousand keys runs in one CTA: 33 us at 4,096
+    pairs, every prefill layer (docs/BENCHMARKS.md §30)."""
+    P = e_P.shape[0]
+    B = min(block, P)
+    nb = -(-P // B)
+    e = jnp.pad(e_P.astype(jnp.int32), (0, nb * B - P), constant_values=num_ids).reshape(nb, B)  # padding last
+    ids = jnp.arange(num_ids + 1, dtype=jnp.int32)
+    hits = (e[:, :, None] == ids).astype(jnp.int32)  # [nb, B, ids]
+    per_block = jnp.sum(hits, axis=1)  # [nb, ids]
+    before = jnp.cumsum(per_block, axis=0) - per_block  # the id's pairs in earlier blocks
+    totals = jnp.sum(per_block, axis=0)
+    starts = jnp.cumsum(totals) - totals
+    i = jnp.arange(B, dtype=jnp.int32)
+    inside = jnp.sum((e[:, None, :] == e[:, :, None]) & (i[None, :] < i[:, None])[None], axis=2, dtype=jnp.int32)
+    rank = starts[e] + jnp.take_along_axis(before, e, axis=1) + inside  # [nb, B]: a permutation of nb * B
+    order = jnp.zeros((nb * B,), jnp.int32).at[rank.reshape(-1)].set(jnp.arange(nb * B, dtype=jnp.int32))
+    return order[:P]
+
+
 def dispatch(idx_TK: jax.Array, w_TK: jax.Array, num_experts: int, block_m: int):
     """Sort (token, expert) pairs by expert and cut them into slots of <= block_m pairs.
 
     Returns (tok_sorted [P], w_sorted [P] f32, order [P], slot_expert [S], slot_start [S],
     slot_rows [S]) with S = P // block_m + min(E, P) a static bound on the slot count.  Every step
-    is a single fusion or sort (no while loops: `searchsorted` by comparison, not bisection).
+    is a single fusion (no sort, no while loops: `searchsorted` by comparison, not bisection).
     """
     T, k = idx_TK.shape
     P, E = T * k, num_experts
     e_flat = idx_TK.reshape(P).astype(jnp.int32)
-    order = jnp.argsort(e_flat, stable=True).astype(jnp.int32)
+    order = stable_order(e_flat, E + 1)  # ids E: pairs routed nowhere (`slots`)
     tok_sorted = order // k
     w_sorted = w_TK.reshape(P).astype(jnp.float32)[order]
     counts = jnp.zeros((E,), jnp.int32).at[e_flat].add(1)

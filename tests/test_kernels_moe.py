@@ -468,6 +468,15 @@ def test_dispatch_slots_cover_every_pair_once():
     assert (seen == 1).all()
 
 
+@pytest.mark.parametrize("P, ids, block", [(1, 3, 256), (37, 5, 8), (600, 33, 256), (1030, 129, 64)])
+def test_stable_order_is_a_stable_argsort(P, ids, block):
+    """Ranks by counting (the dispatch takes no sort) give argsort's stable order, every id present or not,
+    P a multiple of the block or not."""
+    e = jnp.asarray(np.random.default_rng(P).integers(0, ids, P), jnp.int32)
+    want = np.argsort(np.asarray(e), kind="stable")
+    np.testing.assert_array_equal(np.asarray(moe_slots.stable_order(e, ids, block)), want)
+
+
 def test_half_pairs_scaling_is_exact_and_in_range():
     """The f16 activation pairs: each token scaled by a power of two below 2^14, pairs (j, j + 4) in
     phase order, and the returned factor undoing scaling and decode exactly."""
