@@ -412,7 +412,7 @@ def experts_grouped(
     one = lambda a: a if layer is None else a[layer]  # noqa: E731  (this layer's small per-expert tables)
     routed = idx_TK if valid_TK is None else jnp.where(valid_TK, idx_TK, E)
     e_P = routed.reshape(P).astype(jnp.int32)
-    order = jnp.argsort(e_P, stable=True).astype(jnp.int32)
+    order = moe_slots.stable_order(e_P, E + 1)
     e_sorted = jnp.minimum(e_P[order], E - 1)  # skipped pairs (sorted last) ride with the last expert;
     sizes = jnp.zeros((E,), jnp.int32).at[e_sorted].add(1)  # `combine` zeroes them
 

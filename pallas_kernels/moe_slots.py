@@ -18,12 +18,15 @@ def pick_block(n: int, want: int, least: int = 8) -> int:
     return b
 
 
-def stable_order(e_P: jax.Array, num_ids: int, block: int = 256) -> jax.Array:
-    """`argsort(e_P, stable=True)` for ids in `[0, num_ids)` without a sort: each pair's rank is its id's start,
-    plus the pairs of that id in earlier blocks of `block`, plus those earlier in its own block (three fusions
-    of O(P * (block + num_ids)) compares). XLA's GPU sort of a few thousand keys runs in one CTA: 33 us at 4,096
-    pairs, every prefill layer (docs/BENCHMARKS.md §30)."""
+def stable_order(e_P: jax.Array, num_ids: int, block: int = 256, sort_max: int = 1024) -> jax.Array:
+    """`argsort(e_P, stable=True)` for ids in `[0, num_ids)`. Past `sort_max` pairs without a sort: each pair's
+    rank is its id's start, plus the pairs of that id in earlier blocks of `block`, plus those earlier in its own
+    block (a few fusions of O(P * (block + num_ids)) compares). On an H200 XLA's sort takes 33 us at 4,096 pairs
+    (one CTA) and 86 us at 32,768, the counting 11-17 us; at 128-512 pairs the sort is the faster, 6-7 us against
+    7-10 (docs/BENCHMARKS.md §30)."""
     P = e_P.shape[0]
+    if P <= sort_max:
+        return jnp.argsort(e_P, stable=True).astype(jnp.int32)
     B = min(block, P)
     nb = -(-P // B)
     e = jnp.pad(e_P.astype(jnp.int32), (0, nb * B - P), constant_values=num_ids).reshape(nb, B)  # padding last

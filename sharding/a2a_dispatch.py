@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import moe_slots
 from sharding import ragged
 
 
@@ -46,7 +47,7 @@ def moe(x_TD, idx_TK, w_TK, apply, *, num_local: int, emulate: bool, axis: str =
     n, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     P = T * k
     dest_P = idx_TK.reshape(P) // num_local
-    order = jnp.argsort(dest_P, stable=True)
+    order = moe_slots.stable_order(dest_P, n)
     send_n = jnp.zeros((n,), jnp.int32).at[dest_P].add(1)
     sizes_nn = jax.lax.all_gather(send_n, axis)  # [source, destination] pair counts of the group
     send_off = _exclusive_cumsum(send_n)
