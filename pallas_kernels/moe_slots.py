@@ -18,14 +18,16 @@ def pick_block(n: int, want: int, least: int = 8) -> int:
     return b
 
 
-def stable_order(e_P: jax.Array, num_ids: int, block: int = 256, sort_max: int = 1024) -> jax.Array:
-    """`argsort(e_P, stable=True)` for ids in `[0, num_ids)`. Past `sort_max` pairs without a sort: each pair's
-    rank is its id's start, plus the pairs of that id in earlier blocks of `block`, plus those earlier in its own
-    block (a few fusions of O(P * (block + num_ids)) compares). On an H200 XLA's sort takes 33 us at 4,096 pairs
-    (one CTA) and 86 us at 32,768, the counting 11-17 us; at 128-512 pairs the sort is the faster, 6-7 us against
-    7-10 (docs/BENCHMARKS.md §30)."""
+def stable_order(e_P: jax.Array, num_ids: int, *, counting: bool | None = None, block: int = 256) -> jax.Array:
+    """`argsort(e_P, stable=True)` for ids in `[0, num_ids)`. With `counting` (default: on the GPU past 1,024 pairs)
+    without a sort: each pair's rank is its id's start, plus the pairs of that id in earlier blocks of `block`, plus
+    those earlier in its own block (a few fusions of O(P * (block + num_ids)) compares). On an H200 XLA's sort takes
+    33 us at 4,096 pairs (one CTA) and 61-86 us at 32,768, the counting 11-17 us; at 32-512 pairs the sort is as
+    fast or up to 3.4 us faster (docs/BENCHMARKS.md §30). On the CPU the sort is the faster."""
     P = e_P.shape[0]
-    if P <= sort_max:
+    if counting is None:
+        counting = P > 1024 and jax.default_backend() == "gpu"
+    if not counting:
         return jnp.argsort(e_P, stable=True).astype(jnp.int32)
     B = min(block, P)
     nb = -(-P // B)

@@ -34,6 +34,7 @@ from pallas_kernels import (
     linear_mosaic,
     moe_dense,
     moe_reference,
+    moe_slots,
     paged_attention,
     ragged_dot,
 )
@@ -241,6 +242,24 @@ def bench_ragged_stack(mm, bw, Ts):
                 f"ours in place {t_o * 1e3:.3f} ms ({flops / t_o / mm * 100:.0f}% of matmul)"
             )
         del w
+
+
+def bench_dispatch_order(cases=((32, 32), (128, 32), (512, 128), (4096, 32), (4096, 128), (16384, 32), (32768, 128))):
+    """The MoE dispatch's stable order of P (token, expert) pairs by expert id (E + 1 ids: routed nowhere last):
+    XLA's sort against `moe_slots.stable_order`'s counting (which the dispatch takes on the GPU past 1,024). Ten
+    orders of rolled ids in one jit, so a call's launch is not what is timed."""
+    for P, E in cases:
+        e = jax.random.randint(jax.random.PRNGKey(P), (P,), 0, E + 1, jnp.int32)
+        want = jnp.argsort(e, stable=True)
+        row = []
+        for name, order in (
+            ("sort", lambda x: jnp.argsort(x, stable=True).astype(jnp.int32)),
+            ("counting", lambda x, E=E: moe_slots.stable_order(x, E + 1, counting=True)),
+        ):
+            assert (jax.jit(order)(e) == want).all(), name
+            ten = jax.jit(lambda x, order=order: jnp.stack([order(jnp.roll(x, i)) for i in range(10)]))
+            row.append(f"{name} {timeit(ten, e, n=20) / 10 * 1e6:.1f} us")
+        log(f"ROW dispatch_order pairs={P} ids={E + 1}: " + ", ".join(row))
 
 
 def bench_moe_prefill(model, T, mm, configs, bw, ragged=True):
@@ -668,7 +687,17 @@ def main():
     only = (
         set(args.only.split(","))
         if args.only
-        else {"linear", "linear_mosaic", "moe_decode", "paged", "flash", "moe_prefill", "moe_epilogue", "ragged"}
+        else {
+            "linear",
+            "linear_mosaic",
+            "moe_decode",
+            "paged",
+            "flash",
+            "moe_prefill",
+            "moe_epilogue",
+            "ragged",
+            "dispatch_order",
+        }
     )
 
     auto, triton = (KernelConfig(impl="pallas", mosaic=m).for_device() for m in (None, False))
@@ -716,6 +745,8 @@ def main():
         ]
 
     t0 = time.time()
+    if "dispatch_order" in only:
+        bench_dispatch_order()
     if "linear" in only:
         lcfgs = [
             dict(block_n=32, block_k=256, programs=528, num_warps=4, num_stages=3),
