@@ -39,6 +39,7 @@ from gptoss_jax import runtime, speculative
 from gptoss_jax.engine_config import EngineConfig
 from pallas_kernels import KernelConfig, kv_quant
 from tools.common import (
+    copy_bandwidth,
     decode_step,
     model_config,
     parse_variants,
@@ -146,6 +147,8 @@ def main() -> None:
     if args.variant:
         [(args.label, kernels)] = parse_variants(ap, [args.variant], kernels)
     kernels = resolved(kernels)
+    copy = copy_bandwidth(2 << 30, warmup=1, reps=5, calls=10)  # the ceiling, measured in the same run
+    print(f"copy bandwidth {copy / 1e12:.2f} TB/s", flush=True)
     cfg = model_config(args.preset)
     params = random_params(cfg, kernels)
     kv_dtype = kv_quant.DTYPES[args.kv_cache_dtype]
@@ -216,7 +219,7 @@ def main() -> None:
                 for row in t["top"]:
                     row["source"] = sources.get(row["name"], "")
                     print(f"  {row['name'][:40]:40s} {row['us'] / r.get('steps', 1):7.1f} us  {row['source']}")
-    Path(args.out).write_text(json.dumps(results, indent=1))
+    Path(args.out).write_text(json.dumps([dict(r, copy_tb_s=copy / 1e12) for r in results], indent=1))
 
 
 def profile(step, per: int, what: str, unit: str, meta: dict, args) -> dict:
