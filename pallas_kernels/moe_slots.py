@@ -1,6 +1,6 @@
 """(token, expert) pairs sorted by expert and cut into slots of at most `block_m` pairs, the unit of work of
 every grouped MoE kernel (`moe_gemv`, `moe_mma`, `moe_dense`, `moe_mosaic`), and the way back to tokens.
-Every step is a single fusion (no sorts, no while loops)."""
+Every step is a single fusion or XLA's sort (`stable_order` decides; no while loops)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def dispatch(idx_TK: jax.Array, w_TK: jax.Array, num_experts: int, block_m: int)
 
     Returns (tok_sorted [P], w_sorted [P] f32, order [P], slot_expert [S], slot_start [S],
     slot_rows [S]) with S = P // block_m + min(E, P) a static bound on the slot count.  Every step
-    is a single fusion (no sort, no while loops: `searchsorted` by comparison, not bisection).
+    is a single fusion or sort (`stable_order`; no while loops: `searchsorted` by comparison, not bisection).
     """
     T, k = idx_TK.shape
     P, E = T * k, num_experts
