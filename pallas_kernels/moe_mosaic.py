@@ -11,8 +11,8 @@ not run register-operand wgmma, so off-GPU each kernel's jnp reference (`*_refer
 stands in and CI tests the glue; on the GPU the same tests and tools/check_kernels.py run the kernels.
 
 The matmul reads the same re-encoded words as the other kernels (`KernelExperts`: 8 weights of a row per
-u32, in phase order).  Thread `c` (lane % 4) of a K step of 512 weights decodes words `16c .. 16c + 15` of
-its rows (four 16-byte loads); pair `j`, half `e` of word `16c + b` lands in MMA column `32b + 8j + 2c + e`.
+u32, in phase order).  Thread `c` (lane % 4) of a K step of 512 weights decodes 16-byte chunks `c, c + 4, c + 8,
+c + 12` of its rows; pair `j`, half `e` of its b-th word (`_thread_word`) lands in MMA column `32b + 8j + 2c + e`.
 So the tokens enter in that K order (`mma_perm`), as f16 scaled per token to |x| < 2^14.  Scales enter as f16
 exponent fields relative to their row's largest scale (`scale_exponents`, stored at load by
 `pallas_kernels.prepare_params`: a block 2^30 or more below its row's largest reads as 0); the row factor
@@ -67,17 +67,27 @@ def mma_perm() -> np.ndarray:
     """The natural K index (within a K step) that each MMA column of the step holds."""
     m = np.arange(TILE_K)
     b, j, c, e = m // 32, (m % 32) // 8, (m % 8) // 2, m % 2
-    return 8 * (16 * c + b) + j + 4 * e
+    return 8 * _thread_word(c, b) + j + 4 * e
+
+
+def _thread_word(c, b):
+    """The word (of a K step's 64) that thread c decodes b-th (b < 16): word b % 4 of its chunk b // 4. A quarter
+    warp (rows r, r + 1, threads c < 4; rows 256 bytes apart) then reads 4 distinct 16-byte bank groups a load,
+    8 with `_decode_fragment`'s swap (4 words a thread each, `16c + b`, put 16 lanes on one group: Nsight Compute's
+    12.8-way conflicts, docs/BENCHMARKS.md §30.5)."""
+    return 16 * (b // 4) + 4 * c + b % 4
 
 
 def scale_exponents(scales_ENG: jax.Array) -> tuple[jax.Array, jax.Array]:
     """E8M0 scales `[E, N, G]` -> (u32 `[E, N, Gp / 4]`: bytes s - rowmax + SCALE_BIAS clamped at 0, padded to
-    whole K steps; f32 `[E, N]`: 2^(rowmax - 128), the factor that restores each row's scale)."""
+    whole K steps, each step's 16 transposed 4 x 4 so that u32 c holds the scales of thread c's chunks; f32
+    `[E, N]`: 2^(rowmax - 128), the factor that restores each row's scale)."""
     E, N, G = scales_ENG.shape
     rowmax = jnp.max(scales_ENG, axis=-1).astype(jnp.int32)
     sexp = jnp.maximum(scales_ENG.astype(jnp.int32) - rowmax[..., None] + SCALE_BIAS, 0).astype(jnp.uint8)
     Gp = -(-G // (TILE_K // 32)) * (TILE_K // 32)
     sexp = jnp.pad(sexp, ((0, 0), (0, 0), (0, Gp - G)))
+    sexp = jnp.swapaxes(sexp.reshape(E, N, Gp // 16, 4, 4), -1, -2).reshape(E, N, Gp)  # u32 c: blocks 4i + c
     return (
         jax.lax.bitcast_convert_type(sexp.reshape(E, N, Gp // 4, 4), jnp.uint32),
         jnp.ldexp(jnp.ones((E, N), jnp.float32), rowmax - 128),
@@ -139,7 +149,8 @@ def _decode_fragment(ctx, w_ref, s_ref):
     """Words u32 `[64, 64]` and scale bytes u32 `[64, 4]` of one K step -> f16 `[64, 512]` in the wgmma A
     layout (thread (warp w, lane l) holds rows 16w + l/4 (+8) and the columns of `mma_perm`). A tile of two
     32-row halves (`[2, 32, 64]`, `[2, 32, 4]`: gate and up rows) is read so that MMA row 16w + 8h + l/4 holds
-    half h's row 8w + l/4: each thread holds a feature's gate and up rows."""
+    half h's row 8w + l/4: each thread holds a feature's gate and up rows. Odd rows load their chunks in the order
+    4 + c, c, 12 + c, 8 + c (then swap them back): a quarter warp's two rows read opposite halves of 128 bytes."""
     del ctx
     i32, f16, idx = ir.IntegerType.get_signless(32), ir.F16Type.get(), ir.IndexType.get()
     c = lambda v: mu.c(v, i32)
@@ -147,6 +158,8 @@ def _decode_fragment(ctx, w_ref, s_ref):
     lane, warp = arith.remui(tid, c(32)), arith.remui(arith.divui(tid, c(32)), c(4))
     row0 = arith.addi(arith.muli(warp, c(16)), arith.divui(lane, c(4)))
     col = arith.remui(lane, c(4))
+    odd = arith.andi(arith.divui(lane, c(4)), c(1))
+    swap = arith.cmpi(arith.CmpIPredicate.ne, odd, c(0))
     regs = np.empty(mfa.WGMMA_LAYOUT.registers_shape((TILE_N, TILE_K)), dtype=object)
     v4, pair_ty = ir.VectorType.get((4,), i32), ir.VectorType.get((2,), f16)
     for h in range(2):
@@ -156,9 +169,16 @@ def _decode_fragment(ctx, w_ref, s_ref):
         else:
             lead = [c(h), arith.addi(arith.muli(warp, c(8)), arith.divui(lane, c(4)))]
         at = lambda i, lead=lead: [arith.index_cast(idx, v) for v in lead] + [i]  # noqa: E731
-        base = arith.muli(col, c(16))
-        quads = [vector.load(v4, w_ref, at(arith.index_cast(idx, arith.addi(base, c(4 * i))))) for i in range(4)]
-        sword = memref.load(s_ref, at(arith.index_cast(idx, col)))  # the scales of words 16c .. 16c + 15
+        base = arith.muli(col, c(4))
+        # load i reads chunk 4 (i ^ odd) + c
+        got = [
+            vector.load(
+                v4, w_ref, at(arith.index_cast(idx, arith.addi(base, arith.muli(arith.xori(odd, c(i)), c(16)))))
+            )
+            for i in range(4)
+        ]
+        quads = [arith.select(swap, got[i ^ 1], got[i]) for i in range(4)]  # quads[i]: chunk 4i + c
+        sword = memref.load(s_ref, at(arith.index_cast(idx, col)))  # byte i: the scale of chunk 4i + c
         for b in range(TILE_K // 32):
             word = vector.extract(quads[b // 4], [], [b % 4])
             byte = arith.andi(arith.shrui(sword, c(8 * (b // 4))), c(0xFF))
@@ -187,8 +207,8 @@ def _gate_up_epilogue(limit: float, alpha: float, scale: float):
     """In-register epilogue of gate/up tile (e, h) = divmod(`tile`, 2) (`_decode_fragment`'s two-half reading:
     each thread holds a feature's gate and up values for its columns): row and token factors (`rowfac`, `bias`
     `[gate/up, e, 64]`, `tok_fac` `[bm]`), biases, the clamped SwiGLU, times `scale`, f16 into
-    `stage[token, f % 16, 4h + 2 (f // 16) + e]` for the tile's feature f < 32. Smem refs go whole (a strided view
-    would stop Mosaic's layout inference); the tile index comes as a scalar."""
+    `stage[token, b, 2c + e]` for the tile's feature f < 32, its word 32h + f = `_thread_word(c, b)`. Smem refs go
+    whole (a strided view would stop Mosaic's layout inference); the tile index comes as a scalar."""
     ref = plgpu.RefType()
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA, ref, ref, ref, ref))
@@ -204,8 +224,9 @@ def _gate_up_epilogue(limit: float, alpha: float, scale: float):
             ui = gi[:4] + (1,) + gi[5:]
             row, col0 = where[gi]
             f = arith.addi(arith.muli(arith.divui(row, ci(16)), ci(8)), arith.remui(row, ci(8)))  # 8w + l/4
-            fw = arith.addi(arith.muli(hw, ci(32)), f)  # its word within the CTA's 64
-            pos = arith.addi(arith.muli(hw, ci(4)), arith.muli(arith.divui(f, ci(16)), ci(2)))  # 4h + 2c
+            fw = arith.addi(arith.muli(hw, ci(32)), f)  # its word within the CTA's 64: _thread_word(c, b)
+            b = arith.addi(arith.muli(arith.divui(fw, ci(16)), ci(4)), arith.remui(fw, ci(4)))
+            pos = arith.muli(arith.divui(arith.remui(fw, ci(16)), ci(4)), ci(2))  # 2c
             for i in range(2):
                 col = arith.addi(col0, ci(i))
                 at = ir.DenseI64ArrayAttr.get([i])
@@ -228,7 +249,7 @@ def _gate_up_epilogue(limit: float, alpha: float, scale: float):
                 memref.store(
                     arith.truncf(f16, arith.mulf(act, c(scale))),
                     stage,
-                    [col, arith.remui(f, ci(16)), arith.addi(pos, e)],
+                    [col, b, arith.addi(pos, e)],
                 )
 
     return epilogue
@@ -330,11 +351,11 @@ def gate_up_act(
     of expert `slot_es[s]`), the row and token factors, biases (`bias` `[E, 2I]` f32, by `slot_ew[s] % E`) and
     the clamped SwiGLU, times `act_scale`; the K padding holds zeros. Rows of empty slots are left unwritten.
 
-    CTA (s, j, t) makes the operand's columns `512t + 32b + 8j + [0, 8)` for b < 16: features 512t + 128c + 8b +
-    4e + j (c < 4, e < 2), i.e. stored rows (p = 4e + j, word 64t + 16c + b): four tiles (e, 32-word half) of a
-    feature's gate and up rows, one TMA box each of the `[2, 8, I/8, W]` view (words past I/8 read as 0, so the
-    padding comes out 0). Each 16-byte run of the output is whole within one CTA: staged in shared memory, one
-    TMA store."""
+    CTA (s, j, t) makes the operand's columns `512t + 32b + 8j + [0, 8)` for b < 16: features 512t + 8u + 4e + j
+    (c < 4, e < 2, u = `_thread_word(c, b)`), i.e. stored rows (p = 4e + j, word 64t + u): four tiles (e, 32-word
+    half) of a feature's gate and up rows, one TMA box each of the `[2, 8, I/8, W]` view (words past I/8 read as 0,
+    so the padding comes out 0). Each 16-byte run of the output is whole within one CTA: staged in shared memory,
+    one TMA store."""
     I = words_ENW.shape[1] // 2
     E = bias_EN.shape[0]
     S, Kp, Kp_out = slot_rows_S.shape[0], x16_RK.shape[1], _padded(I)
@@ -561,7 +582,8 @@ def grouped_matmul_reference(
     W = words_ENW.shape[2]
     words = jnp.pad(words_ENW[slot_ew_S], ((0, 0), (0, 0), (0, Kp // 8 - W)))  # [S, N, Kp/8]
     vals = jnp.stack(decode_words(words), axis=-1)  # [S, N, Kp/8, 8]
-    sbytes = jax.lax.bitcast_convert_type(sexp_ENQ[slot_es_S], jnp.uint8).reshape(*words.shape[:2], -1)
+    sbytes = jax.lax.bitcast_convert_type(sexp_ENQ[slot_es_S], jnp.uint8).reshape(*words.shape[:2], -1, 4, 4)
+    sbytes = jnp.swapaxes(sbytes, -1, -2).reshape(*words.shape[:2], -1)  # natural block order
     mult = jnp.where(sbytes > 0, jnp.exp2(sbytes.astype(jnp.float32) - 15), 0.0)  # [S, N, Kp/32]
     a = (vals * jnp.repeat(mult, 4, axis=-1)[..., None]).astype(jnp.float16).astype(jnp.float32)
     a = a.reshape(*words.shape[:2], Kp // TILE_K, TILE_K)[..., mma_perm()].reshape(*words.shape[:2], Kp)

@@ -19,6 +19,9 @@ def test_mma_perm_is_a_permutation_pairing_each_threads_words():
     # MMA columns 2c, 2c + 1 of every 8 are weights j and j + 4 of one word: that word's f16x2 pair
     assert np.all(p[1::2] - p[0::2] == 4)
     assert np.all(p[0::2] // 8 == p[1::2] // 8)
+    # thread c (MMA columns 2c, 2c + 1 of every 8) reads whole 16-byte chunks c, c + 4, c + 8, c + 12 of each row
+    chunks = (p // 32).reshape(16, 4, 4, 2).transpose(2, 0, 1, 3).reshape(4, -1)
+    assert all(sorted(set(ch)) == [c, c + 4, c + 8, c + 12] for c, ch in enumerate(chunks))
 
 
 def test_scale_exponents_restore_every_block_scale():
@@ -26,8 +29,9 @@ def test_scale_exponents_restore_every_block_scale():
     for every block; blocks 2^30 below their row's largest flush to 0."""
     s = jnp.asarray([[[120, 127, 100, 90]]], jnp.uint8)
     sexp, fac = moe_mosaic.scale_exponents(s)
-    b = np.asarray(jax.lax.bitcast_convert_type(sexp, jnp.uint8)).reshape(-1)
+    b = np.asarray(jax.lax.bitcast_convert_type(sexp, jnp.uint8)).reshape(4, 4)
     assert sexp.shape == (1, 1, moe_mosaic.TILE_K // 128)
+    b = b.T.reshape(-1)  # u32 c holds blocks c, 4 + c, 8 + c, 12 + c: thread c's chunks
     np.testing.assert_array_equal(b[:4], [23, 30, 3, 0])
     assert np.all(b[4:] == 0)
     got = np.exp2(b[:3].astype(np.float64) - 15 - 14) * float(fac[0, 0])
