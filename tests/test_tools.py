@@ -275,3 +275,51 @@ def test_simulate_scheduler_counts_calls_padding_and_recomputation(tmp_path, cap
     assert tight["preemptions"] > 0 and tight["recomputed"] > 0
     assert tight["prefill_tokens_computed"] == 24 * 8192 + tight["recomputed"]
     assert '"job": "throughput 8192/64 max_num_seqs=8' in capsys.readouterr().out
+
+
+def test_trace_request_splits_the_first_token_time():
+    """Kernels of one module in a row are one program run (busy: the union of their intervals); the first token's
+    time splits into host time before the first kernel, the programs before it, and the rest."""
+    from tools.trace_request import program_runs, request_timeline
+
+    host = [
+        {"name": "add_request", "start": 1000.0, "end": 1100.0},
+        {"name": "step 1", "start": 1100.0, "end": 2500.0},
+        {"name": "step 2", "start": 2500.0, "end": 30000.0},
+        {"name": "step 3", "start": 30000.0, "end": 32000.0},
+    ]
+    kern = [
+        {"name": "a", "start": 500.0, "end": 900.0, "module": "jit_decode"},  # before the request: not its own
+        {"name": "b", "start": 2000.0, "end": 12000.0, "module": "jit_prefill"},
+        {"name": "c", "start": 11000.0, "end": 26000.0, "module": "jit_prefill"},  # overlaps b
+        {"name": "d", "start": 26050.0, "end": 28000.0, "module": "jit_decode"},  # launched before the token came
+        {"name": "e", "start": 28100.0, "end": 30900.0, "module": "jit_decode"},  # the same call
+        {"name": "f", "start": 31200.0, "end": 31750.0, "module": "jit_decode"},  # the next call, after a gap
+    ]
+    runs = program_runs(kern[1:3])
+    assert [(r["module"], r["kernels"], r["busy"]) for r in runs] == [("jit_prefill", 2, 24000.0)]
+    other = [
+        {"name": "schedule", "start": 1150.0, "end": 1400.0},
+        {"name": "device_put", "start": 1400.0, "end": 1500.0},
+        {"name": "device_put", "start": 1500.0, "end": 1700.0},
+        {"name": "dispatch", "start": 1900.0, "end": 2100.0},  # counted up to the first kernel
+        {"name": "collect", "start": 29000.0, "end": 29500.0},  # after it: not counted
+    ]
+    t = request_timeline(host, kern, {"step 2": 1}, "step 2", other)
+    assert t["host_before_first_kernel"] == [
+        {"name": "device_put", "ms": 0.3, "count": 2},
+        {"name": "schedule", "ms": 0.25, "count": 1},
+        {"name": "dispatch", "ms": 0.1, "count": 1},
+    ]
+    assert [(p["module"], p["kernels"], p["busy_ms"]) for p in t["programs"]] == [
+        ("jit_prefill", 2, 24.0),
+        ("jit_decode", 2, 4.75),
+        ("jit_decode", 1, 0.55),
+    ]
+    assert t["first_token_ms"] == 29.0
+    assert t["first_token_split_ms"] == {  # the decode call still ran when the token came: not waited for
+        "host_before_first_kernel": 1.0,
+        "programs_busy": 24.0,
+        "programs_span": 24.0,
+        "after_last_kernel": 4.0,
+    }
