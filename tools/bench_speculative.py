@@ -37,7 +37,7 @@ from gptoss_jax import config, eagle3, random_weights, runtime, speculative
 from gptoss_jax.engine import Engine
 from gptoss_jax.sampling import SamplingParams
 from pallas_kernels import KernelConfig
-from tools.bench_throughput import SMOKE, parse_setting
+from tools.bench_throughput import SMOKE, SMOKE_ENGINE, parse_setting
 from tools.common import commit_id, copy_bandwidth, decode_step, random_params, resolved, speculative_step, timeit
 
 
@@ -293,8 +293,7 @@ def main() -> None:
         cfg = config.from_hf_dict(SMOKE)
         args.ks, args.verify_batches, args.acceptance_lengths, args.concurrency = "2", "1", "2.5", "1"
         args.k, args.input_len, args.output_len = 2, 24, 12
-        overrides = dict(max_num_seqs=2, prefill_chunk_size=16, max_num_batched_tokens=64, page_size=4)
-        overrides.update(kv_cache_tokens=1024, decode_steps_per_call=2)
+        overrides = dict(SMOKE_ENGINE, max_num_seqs=2)
     else:
         cfg = config.preset(args.preset)
     overrides.update(parse_setting(item) for item in args.set)

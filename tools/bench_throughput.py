@@ -59,6 +59,10 @@ SMOKE = dict(
     eos_token_id=1,
     pad_token_id=0,
 )
+# Engine settings of the tools' `--smoke` runs on that model (a tool adds its own max_num_seqs).
+SMOKE_ENGINE = dict(
+    prefill_chunk_size=16, max_num_batched_tokens=64, page_size=4, kv_cache_tokens=1024, decode_steps_per_call=2
+)
 
 
 @contextlib.contextmanager
@@ -287,14 +291,7 @@ def main() -> None:
     if args.smoke:
         cfg = config.from_hf_dict(SMOKE)
         args.jobs, args.latency_input_len, args.latency_output_len = "24/16x8", 24, 16
-        overrides = dict(
-            max_num_seqs=4,
-            prefill_chunk_size=16,
-            max_num_batched_tokens=64,
-            page_size=4,
-            kv_cache_tokens=1024,
-            decode_steps_per_call=2,
-        )
+        overrides = dict(SMOKE_ENGINE, max_num_seqs=4)
     else:
         cfg = config.preset(args.preset)
     try:

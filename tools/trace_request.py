@@ -31,7 +31,7 @@ from gptoss_jax import config, runtime
 from gptoss_jax.engine import Engine
 from gptoss_jax.sampling import SamplingParams
 from pallas_kernels import KernelConfig
-from tools.bench_throughput import SMOKE
+from tools.bench_throughput import SMOKE, SMOKE_ENGINE
 from tools.common import commit_id, copy_bandwidth, random_params, resolved
 
 
@@ -157,14 +157,7 @@ def main() -> None:
     if args.smoke:
         cfg = config.from_hf_dict(SMOKE)
         args.input_len, args.output_len, args.requests = 24, 6, 1
-        overrides = dict(
-            max_num_seqs=2,
-            prefill_chunk_size=32,
-            max_num_batched_tokens=64,
-            page_size=4,
-            kv_cache_tokens=1024,
-            decode_steps_per_call=2,
-        )
+        overrides = dict(SMOKE_ENGINE, max_num_seqs=2)
     else:
         cfg = config.preset(args.preset)
     max_len = args.input_len + args.output_len
