@@ -71,10 +71,10 @@ def mma_perm() -> np.ndarray:
 
 
 def _thread_word(c, b):
-    """The word (of a K step's 64) that thread c decodes b-th (b < 16): word b % 4 of its chunk b // 4. A quarter
-    warp (rows r, r + 1, threads c < 4; rows 256 bytes apart) then reads 4 distinct 16-byte bank groups a load,
-    8 with `_decode_fragment`'s swap (4 words a thread each, `16c + b`, put 16 lanes on one group: Nsight Compute's
-    12.8-way conflicts, docs/BENCHMARKS.md §30.5)."""
+    """The word (of a K step's 64) that thread c decodes b-th (b < 16): word b % 4 of the 16-byte chunk
+    4 (b // 4) + c. A quarter warp (2 rows 256 bytes apart, threads c < 4) so reads 4 bank groups a load, and 8 with
+    `_decode_fragment`'s swap of odd rows: no conflict. Adjacent words `16c + b` a thread put 16 lanes on one group
+    (Nsight Compute's 12.8-way conflicts, docs/BENCHMARKS.md §30.5)."""
     return 16 * (b // 4) + 4 * c + b % 4
 
 
