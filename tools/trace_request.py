@@ -6,8 +6,9 @@ clock.
 
 The engine is built as tools.bench_speculative builds it: random weights, the `low_latency` profile, warmed up, and
 with `--speculative K` the oracle drafter (forced acceptance, L = 3). One request runs untraced, so that every
-program is loaded; then `--requests` run traced, one after another. Each `engine.step` runs inside a
-`jax.profiler.TraceAnnotation`, so the trace holds the host's steps and the device's kernels on one clock. For each
+program is loaded; then `--requests` run traced, one after another, without jax's Python tracer (whose spans of
+every Python call slowed the host's steps ~1.7x). Each `engine.step` runs inside a `jax.profiler.TraceAnnotation`,
+so the trace holds the host's steps and the device's kernels on one clock. For each
 traced request, in ms from its `add_request`: every step's host span and the tokens it returned, then each device
 program's run (its kernels from first start to last end, by XLA module), and when the first token arrived. The
 summary splits the first token's time into host time before the first kernel, the programs, and what is left.
@@ -190,7 +191,9 @@ def main() -> None:
     result["requests"] = []
     for i, prompt in enumerate(prompts[1:]):
         folder = tempfile.mkdtemp()
-        jax.profiler.start_trace(folder, create_perfetto_trace=True)
+        options = jax.profiler.ProfileOptions()
+        options.python_tracer_level = 0  # its per-function spans slow the host several-fold: C++ spans only
+        jax.profiler.start_trace(folder, create_perfetto_trace=True, profiler_options=options)
         t0 = time.perf_counter()
         returned, first = run_request(engine, prompt, args.output_len, f"traced-{i}")
         wall = time.perf_counter() - t0
