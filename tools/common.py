@@ -479,15 +479,21 @@ def _sampler_state(put: _Placer, cfg, B: int) -> SamplerState:
 # ---- profiler traces ---------------------------------------------------------------------------------------------
 
 
+def perfetto_events(trace_dir: str) -> tuple[list[dict], dict]:
+    """The newest perfetto trace `jax.profiler` wrote under `trace_dir`: (its events, process id -> name)."""
+    path = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))[-1]
+    events = json.load(gzip.open(path))["traceEvents"]
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    return events, procs
+
+
 def summarize_trace(trace_dir: str, top: int = 60, timeline: int = 0) -> dict:
     """GPU kernel time from the perfetto trace `jax.profiler` wrote under `trace_dir`, per stream: events, span,
     busy time (the union of the kernels' intervals), the `top` kernels by total time, and the idle time between
     kernels by the pair of kernels around each gap (the largest ten: where the stream waits); with `timeline`, also
     that many consecutive kernels from the middle of the busiest stream: start (from the first), duration and the
     gap since the previous kernel ended (negative: they overlapped), which show where the step waits."""
-    path = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))[-1]
-    events = json.load(gzip.open(path))["traceEvents"]
-    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    events, procs = perfetto_events(trace_dir)
     threads = {
         (e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
     }

@@ -8,18 +8,16 @@ The engine is built as tools.bench_speculative builds it: random weights, the `l
 with `--speculative K` the oracle drafter (forced acceptance, L = 3). One request runs untraced, so that every
 program is loaded; then `--requests` run traced, one after another, without jax's Python tracer (whose spans of
 every Python call slowed the host's steps ~1.7x). Each `engine.step` runs inside a `jax.profiler.TraceAnnotation`,
-so the trace holds the host's steps and the device's kernels on one clock. For each
-traced request, in ms from its `add_request`: every step's host span and the tokens it returned, then each device
-program's run (its kernels from first start to last end, by XLA module), and when the first token arrived. The
-summary splits the first token's time into host time before the first kernel, the programs, and what is left.
+so the trace holds the host's steps and the device's kernels on one clock. For each traced request, in ms from its
+`add_request`: every step's host span and the tokens it returned, then each device program's run (its kernels from
+first start to last end, by XLA module), and when the first token arrived. The summary splits the first token's
+time into host time before the first kernel, the programs, and what is left.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
 import json
 import tempfile
 import time
@@ -33,16 +31,14 @@ from gptoss_jax.engine import Engine
 from gptoss_jax.sampling import SamplingParams
 from pallas_kernels import KernelConfig
 from tools.bench_throughput import SMOKE, SMOKE_ENGINE
-from tools.common import commit_id, copy_bandwidth, random_params, resolved
+from tools.common import commit_id, copy_bandwidth, perfetto_events, random_params, resolved
 
 
 def trace_events(trace_dir: str) -> tuple[list[dict], list[dict], list[dict]]:
     """The perfetto trace under `trace_dir` -> (host spans of the annotations named `add_request` or `step N`,
     device kernels, every other host span: jax's and XLA's own), each `{"name", "start", "end"}` in us on the
     trace's clock; kernels also carry `module` (the XLA module that launched them)."""
-    path = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))[-1]
-    events = json.load(gzip.open(path))["traceEvents"]
-    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    events, procs = perfetto_events(trace_dir)
     host, kernels, other = [], [], []
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:
