@@ -6,12 +6,15 @@ experts every call. Slicing a layer out of that stack inside the layer scan woul
 traffic than the dequantization it replaces), and jax's example ragged dot (`ragged_dot_mgpu`) takes its weights as
 one whole array. Here the stack and `first` are operands and each tile's TMA reads group `first + g` where it lies.
 
-Work: `lhs` rows come in contiguous groups (`sizes_G`); row block `b` of `block_m` rows overlaps one or more groups,
-and each (group, block) overlap is a tile: at most `cdiv(M, block_m) + G - 1` of them. XLA numbers them beforehand
+Work: `lhs` rows come in contiguous groups (`sizes_G`), and each group is cut into tiles of `block_m` rows from its
+own first row (rounded down to a multiple of 8: TMA's shared-memory tiles need the window's offset in 8s), about
+`sum(cdiv(sizes_G, block_m))` tiles: a group takes the tiles its own rows need. With tiles of fixed `block_m`-row
+blocks, every group boundary inside a block made a tile of each group, each reading its group's weights (20b at
+1,024 tokens: ~60 tiles a GEMM against ~50; docs/BENCHMARKS.md §32). XLA numbers the tiles beforehand
 (`tile_starts`: a group's first tile and first row), so a tile finds its group with G scalar compares. A persistent
 grid of one CTA per SM walks (tile, N block) pairs in bands of `band` N blocks (neighbouring CTAs share lhs rows in
 L2). A tile runs a TMA -> wgmma pipeline over K with `stages` steps in flight into an f32 accumulator, then stores
-only its group's rows of the block: TMA boxes are static, so the rows go out as a sum of power-of-two boxes, one
+only its group's rows of the window: TMA boxes are static, so the rows go out as a sum of power-of-two boxes, one
 per set bit of the row count. Rows outside every group are left unwritten.
 
 `ragged_dot_reference` is the same function in `lax.ragged_dot`, and stands in off the GPU: Pallas's Mosaic GPU
@@ -42,13 +45,13 @@ def ragged_dot_reference(lhs_MK, w_all, first, sizes_G):
 
 
 def tile_starts(sizes_G, block_m: int):
-    """`[2, G]` int32: each group's first tile (tiles numbered group by group, one per row block the group
-    touches; an empty group has none and shares its successor's number) and its first row."""
-    ends = jnp.cumsum(sizes_G.astype(jnp.int32))
-    starts = ends - sizes_G
-    tiles = jnp.where(sizes_G > 0, (ends - 1) // block_m - starts // block_m + 1, 0)
-    first_tile = jnp.cumsum(tiles) - tiles
-    return jnp.stack([first_tile, starts]).astype(jnp.int32)
+    """`[2, G]` int32: each group's first tile (tiles numbered group by group; a group's tiles cut its rows into
+    `block_m`-row windows from its first row rounded down to a multiple of 8, `_locate`'s; an empty group has none
+    and shares its successor's number) and its first row."""
+    sizes = sizes_G.astype(jnp.int32)
+    starts = jnp.cumsum(sizes) - sizes
+    tiles = jnp.where(sizes > 0, (starts % 8 + sizes + block_m - 1) // block_m, 0)
+    return jnp.stack([jnp.cumsum(tiles) - tiles, starts]).astype(jnp.int32)
 
 
 def ragged_dot(
@@ -65,16 +68,16 @@ def ragged_dot(
 ):
     """`ragged_dot_reference` as one Mosaic GPU kernel. `w_all` `[groups, N, K]` (K-major rows, as `x @ w.T`);
     `first` a traced scalar; `sizes_G` sums to at most M. N must divide by `block_n` into a multiple of `band`
-    blocks, K by `block_k`; lhs rows are tiled by TMA in 8s, so M should be a multiple of 8."""
+    blocks, K by `block_k`, and M by 8 (windows start at multiples of 8)."""
     M, K = lhs_MK.shape
     _, N, K2 = w_all.shape
     G = sizes_G.shape[0]
-    if K != K2 or K % block_k or N % block_n or (N // block_n) % band or lhs_MK.dtype != w_all.dtype:
+    if K != K2 or K % block_k or N % block_n or (N // block_n) % band or M % 8 or lhs_MK.dtype != w_all.dtype:
         raise ValueError(
             f"ragged_dot: lhs {lhs_MK.shape} {lhs_MK.dtype} and weights {w_all.shape} {w_all.dtype} do not tile "
             f"by block_n={block_n}, block_k={block_k}, band={band}"
         )
-    grid_m, grid_n = pl.cdiv(M, block_m) + G - 1, N // block_n
+    grid_m, grid_n = pl.cdiv(M + 7 * G, block_m) + G - 1, N // block_n  # bounds `tile_starts`' count
     table = tile_starts(sizes_G, block_m)
     first_G = (jnp.asarray(first, jnp.int32) + jnp.arange(G, dtype=jnp.int32))[None]
     operands = jnp.concatenate([table, first_G, sizes_G.astype(jnp.int32)[None]]).reshape(4 * G)  # 4 rows of G
@@ -92,8 +95,10 @@ def ragged_dot(
     return kernel(operands, lhs_MK, w_all)
 
 
-def _locate(table_ref, G: int, tile, bm: int):
-    """Tile `tile`'s weight group (absolute), row block, first row within the block and row count (0: no work)."""
+def _locate(table_ref, G: int, tile, bm: int, M: int):
+    """Tile `tile`'s weight group (absolute), the first row of its `bm`-row lhs window in 8s (TMA's smem tiling
+    needs the offset provably a multiple of 8; within `[0, M - bm]` where M allows), the group's first row within
+    the window, and the group's rows in it (0: no work)."""
     group = jnp.int32(0)
     for g in range(1, G):  # the last group whose first tile is <= tile (empty groups yield to their successor)
         group = jnp.where(table_ref[g] <= tile, jnp.int32(g), group)
@@ -104,17 +109,17 @@ def _locate(table_ref, G: int, tile, bm: int):
         start = jnp.where(mine, table_ref[1 * G + g], start)
         w_index = jnp.where(mine, table_ref[2 * G + g], w_index)
         size = jnp.where(mine, table_ref[3 * G + g], size)
-    block = start // bm + (tile - first_tile)
-    lo = jnp.maximum(start, block * bm)
-    hi = jnp.minimum(start + size, block * bm + bm)
-    return w_index, block, lo - block * bm, jnp.maximum(hi - lo, 0)
+    lo = start // 8 * 8 + (tile - first_tile) * bm  # this tile's rows: [lo, lo + bm) within the group's
+    window8 = jnp.maximum(jnp.minimum(lo // 8, (M - bm) // 8), 0)
+    first, end = jnp.maximum(start, lo), jnp.minimum(start + size, lo + bm)
+    return w_index, window8, first - window8 * 8, jnp.maximum(end - first, 0)
 
 
 def _body(table_ref, lhs_ref, w_ref, out_ref, *, G, M, K, grid, band, bm, bn, bk, stages):
     @plgpu.nd_loop((grid[0] * grid[1],), collective_axes="sm")
     def _tile(loop):
         mi, ni = plgpu.planar_snake(loop.index[0], grid, 1, band)
-        w_index, block, row0, rows = _locate(table_ref, G, mi, bm)
+        w_index, window8, row0, rows = _locate(table_ref, G, mi, bm, M)
 
         @pl.when(rows > 0)
         def _():
@@ -123,7 +128,7 @@ def _body(table_ref, lhs_ref, w_ref, out_ref, *, G, M, K, grid, band, bm, bn, bk
                     lambda _, x_smem, w_smem: plgpu.wgmma(acc_ref, x_smem, w_smem.T),
                     grid=(K // bk,),
                     in_specs=[
-                        plgpu.BlockSpec((bm, bk), lambda k: (block, k), delay_release=1),
+                        plgpu.BlockSpec((pl.Element(bm), bk), lambda k: (window8 * 8, k), delay_release=1),
                         plgpu.BlockSpec((bn, bk), lambda k: (ni, k), delay_release=1),
                     ],
                     max_concurrent_steps=stages,
@@ -142,7 +147,7 @@ def _body(table_ref, lhs_ref, w_ref, out_ref, *, G, M, K, grid, band, bm, bn, bk
                     @pl.when((rows & box) != 0)
                     def _():
                         plgpu.copy_smem_to_gmem(
-                            o_smem.at[pl.ds(done, box)], out_ref.at[pl.ds(block * bm + done, box), pl.ds(ni * bn, bn)]
+                            o_smem.at[pl.ds(done, box)], out_ref.at[pl.ds(window8 * 8 + done, box), pl.ds(ni * bn, bn)]
                         )
 
                     done = done + (rows & box)

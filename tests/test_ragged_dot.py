@@ -16,26 +16,34 @@ SIZES = [
     (0, 0, 0, 0),
     (1,) * 9,
     (1000, 3),
+    (5, 127, 129, 7, 250),  # windows from unaligned starts
 ]
 
 
 @pytest.mark.parametrize("sizes", SIZES)
 @pytest.mark.parametrize("bm", [64, 128])
 def test_tiles_cover_each_grouped_row_once_with_its_group(sizes, bm):
+    """Every grouped row in exactly one tile of its own group, in `cdiv(size, bm)` tiles a group."""
     G, first = len(sizes), 24
     M = -(-(sum(sizes) + 3) // 8) * 8
-    grid_m = -(-M // bm) + G - 1
+    grid_m = -(-(M + 7 * G) // bm) + G - 1
     g = jnp.asarray(sizes, jnp.int32)
     table = jnp.concatenate(
         [ragged_dot.tile_starts(g, bm), (first + jnp.arange(G, dtype=jnp.int32))[None], g[None]]
     ).reshape(4 * G)
-    owner = np.full(M, -1)
+    owner, busy = np.full(M, -1), 0
     for tile in range(grid_m):
-        w_index, block, row0, rows = (int(v) for v in ragged_dot._locate(table, G, jnp.int32(tile), bm))
-        assert 0 <= row0 and row0 + rows <= bm
-        for r in range(block * bm + row0, block * bm + row0 + rows):
+        w_index, window8, row0, rows = (int(v) for v in ragged_dot._locate(table, G, jnp.int32(tile), bm, M))
+        window = 8 * window8
+        if rows == 0:  # past the groups' tiles
+            continue
+        assert 0 <= row0 and row0 + rows <= bm and 0 <= window and (window + bm <= M or window == 0)
+        busy += 1
+        for r in range(window + row0, window + row0 + rows):
             assert owner[r] == -1, f"row {r} written twice"
             owner[r] = w_index
+    starts = np.cumsum(sizes) - sizes  # each group's own tiles, from its first row rounded down to 8s:
+    assert busy == sum(-(-(s % 8 + n) // bm) for s, n in zip(starts, sizes) if n)  # none for a neighbour's rows
     want = np.concatenate([np.full(n, first + i) for i, n in enumerate(sizes)] + [np.full(M - sum(sizes), -1)])
     np.testing.assert_array_equal(owner, want)
 

@@ -206,10 +206,10 @@ def bench_ragged_decode(model, T, bw):
     return t
 
 
-def bench_ragged_stack(mm, bw, Ts):
+def bench_ragged_stack(mm, bw, Ts, blocks=(128,)):
     """The prefill MoE's two grouped GEMMs on 20b shapes: jax's Mosaic ragged dot on one layer's experts against
     `pallas_kernels.ragged_dot` reading layer 1 of a 3-layer stack in place, and `moe_dense.dequantize_experts` (what
-    a call without the stored copy pays first)."""
+    a call without the stored copy pays first), with ours at each row block of `blocks`."""
     s = kc.SHAPES["20b"]
     E, D, I, k = s["E"], s["D"], s["I"], s["k"]
     kx = jax.jit(expert_format.prepare_experts)(kc.experts(jax.random.PRNGKey(6), E, D, I))
@@ -226,21 +226,28 @@ def bench_ragged_stack(mm, bw, Ts):
         band = next(b for b in (5, 3, 2, 1) if (N // bn) % b == 0)
         for T in Ts:
             P = T * k
-            x = jax.random.normal(jax.random.PRNGKey(9), (P, K), jnp.float32).astype(jnp.bfloat16)
-            sizes = jnp.asarray(np.bincount(np.random.default_rng(T).integers(0, E, P), minlength=E), jnp.int32)
+            sizes_np = np.bincount(np.random.default_rng(T).integers(0, E, P), minlength=E)
             flops = 2 * P * N * K
             launch = dict(block_m=128, block_n=bn, block_k=64, max_concurrent_steps=4, grid_block_n=band)
             jaxs = jax.jit(
                 lambda x, w, g: ragged_dot_mgpu.ragged_dot(x, w, group_sizes=g, transpose_rhs=True, **launch)
             )
-            ours = jax.jit(lambda x, w, g: ragged_dot.ragged_dot(x, w, jnp.int32(E), g, block_n=bn, band=band))
-            t_j = timeit(jaxs, x, jnp.asarray(w[E : 2 * E]), sizes, n=5, reps=3)
-            t_o = timeit(ours, x, w, sizes, n=5, reps=3)
-            log(
-                f"ROW ragged_stack 20b {name} pairs={P}: jax's on the layer {t_j * 1e3:.3f} ms "
-                f"({flops / t_j / mm * 100:.0f}% of matmul), "
-                f"ours in place {t_o * 1e3:.3f} ms ({flops / t_o / mm * 100:.0f}% of matmul)"
-            )
+            x = jax.random.normal(jax.random.PRNGKey(9), (P, K), jnp.float32).astype(jnp.bfloat16)
+            t_j = timeit(jaxs, x, jnp.asarray(w[E : 2 * E]), jnp.asarray(sizes_np, jnp.int32), n=5, reps=3)
+            row = [f"jax's on the layer (128 rows) {t_j * 1e3:.3f} ms ({flops / t_j / mm * 100:.0f}% of matmul)"]
+            starts = np.cumsum(sizes_np) - sizes_np
+            for bm in blocks:
+                ours = jax.jit(
+                    lambda x, w, g, bm=bm: ragged_dot.ragged_dot(
+                        x, w, jnp.int32(E), g, block_m=bm, block_n=bn, band=band
+                    )
+                )
+                t_o = timeit(ours, x, w, jnp.asarray(sizes_np, jnp.int32), n=5, reps=3)
+                tiles = sum(-(-(s % 8 + n) // bm) for s, n in zip(starts, sizes_np) if n)
+                row.append(
+                    f"ours {bm} rows {t_o * 1e3:.3f} ms ({flops / t_o / mm * 100:.0f}% of matmul, {tiles} tiles)"
+                )
+            log(f"ROW ragged_stack 20b {name} pairs={P}: " + ", ".join(row))
         del w
 
 
@@ -679,6 +686,11 @@ def main():
         default="",
         help="moe_decode, 2+ tokens: gemv16 launches BN:BK:WARPS:STAGES[:p][,...] (p: register double buffer)",
     )
+    ap.add_argument(
+        "--ragged-blocks",
+        default="128",
+        help="ragged_stack: our kernel's row blocks (block_m), e.g. 128,64",
+    )
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     kv_dtypes = tuple(args.kv_cache_dtypes.split(","))
@@ -806,7 +818,8 @@ def main():
     if "ragged" in only:
         bench_ragged_decode("20b", 1, bw)
     if "ragged_stack" in only and Device.current().hopper:
-        bench_ragged_stack(mm, bw, [int(t) for t in args.prefill_tokens.split(",")])
+        Ts = [int(t) for t in args.prefill_tokens.split(",")]
+        bench_ragged_stack(mm, bw, Ts, tuple(int(b) for b in args.ragged_blocks.split(",")))
     if "moe_prefill" in only:
 
         def mma(bm, bn, bk, swap, warps, stages=3):
