@@ -286,20 +286,20 @@ class ModelRunner:
             last[i] = c.num_tokens - 1
         tables = self._tables(seqs, rows, width, row_of)
         batch = steps.PrefillBatch(
-            self._put(tokens),
-            self._put(positions),
+            tokens,
+            positions,
             tables,
-            self._put(last),
+            last,
             self._sampling(seqs, rows, row_of, [_gate(s, holds=False) for s in seqs]),
             self._lists(seqs, rows, row_of),
         )
         if not self.prefill_drafts:
-            return batch
+            return self._upload(batch)
         nxt = np.full((rows,), -1, np.int32)  # the token after each chunk where the host has it, else the sampled one
         for i, c in zip(row_of, chunks):
             end = c.start + c.num_tokens
             nxt[i] = c.seq.token_ids[end] if end < len(c.seq.token_ids) else -1
-        return steps.DraftingPrefillBatch(batch, self._put(nxt))
+        return self._upload(steps.DraftingPrefillBatch(batch, nxt))
 
     def _decode_batch(
         self, seqs: list[Sequence], rows: int, row_of: list[int], width: int, slots: jax.Array, gates: list = ()
@@ -321,15 +321,15 @@ class ModelRunner:
                 self._no_fed[rows] = self._put(fed)
             fed_BS = self._no_fed[rows]
         else:
-            fed_BS = self._put(fed)
+            fed_BS = fed
         sb = self._sampling(seqs, rows, row_of, gates)
-        batch = steps.DecodeBatch(tokens, self._put(positions), tables, sb, fed_BS, self._put(last))
+        batch = steps.DecodeBatch(tokens, positions, tables, sb, fed_BS, last)
         if self.drafter is None:
-            return batch
+            return self._upload(batch)
         drafting, resume = np.zeros((rows,), bool), np.zeros((rows,), bool)
         drafting[row_of] = [drafts(s) for s in seqs]
         resume[row_of] = [s.spec_in_flight > 0 for s in seqs]
-        return steps.SpeculativeBatch(batch, self._put(drafting), self._put(resume))
+        return self._upload(steps.SpeculativeBatch(batch, drafting, resume))
 
     def _prefill(self, chunks: list[PrefillChunk], rows: int, row_of: list[int], T: int, width: int) -> Sampled:
         seqs = [c.seq for c in chunks]
@@ -623,7 +623,7 @@ class ModelRunner:
         tokens = np.zeros((rows, T), np.int32)
         positions = np.full((rows, T), -1, np.int32)
         tokens[0, :n], positions[0, :n] = seq.token_ids[start : start + n], np.arange(start, start + n)
-        return self._put(tokens), self._put(positions), self._tables([seq], rows, self._width([start + n]))
+        return self._upload((tokens, positions, self._tables([seq], rows, self._width([start + n]))))
 
     # ---- packing -----------------------------------------------------------------------------------------------
     def _rows(self, seqs: list[Sequence], buckets: tuple[int, ...]) -> tuple[int, list[int]]:
@@ -638,6 +638,22 @@ class ModelRunner:
         rows = padded_rows(counts, buckets)
         per = rows // self.num_ranks
         return rows, [r * per + i for r, i in where]
+
+    def _upload(self, batch):
+        """`batch` (a pytree) with every host array in it moved as `_put` moves one, in one `device_put` call: one
+        transfer call for a batch's ~15 arrays instead of one each (~0.8 ms less host time before a call's launch on
+        this CPU; a batch-1 request's first kernel waited ~3 ms on its host step: docs/BENCHMARKS.md §32.5). Device
+        arrays in it (the packing's cached zeros) stay where they are."""
+        leaves, treedef = jax.tree.flatten(batch)
+        where = [i for i, x in enumerate(leaves) if isinstance(x, np.ndarray)]
+        host = [leaves[i] for i in where]
+        if self.layout is None:
+            moved = jax.device_put(host)
+        else:
+            moved = jax.device_put(host, [self.layout.named(self.layout.batch_spec(x.ndim)) for x in host])
+        for i, x in zip(where, moved):
+            leaves[i] = x
+        return treedef.unflatten(leaves)
 
     def _put(self, x: np.ndarray) -> jax.Array:
         """A host batch array onto the device(s): rows split over the attention ranks. A transfer, not `jnp.asarray`,
@@ -659,7 +675,7 @@ class ModelRunner:
         for i, seq in zip(row_of or range(len(seqs)), seqs):
             s, f = seq.pages.sliding[:width], seq.pages.full[:width]
             sliding[i, : len(s)], full[i, : len(f)], cached[i] = s, f, seq.full_cached
-        return model.PageTables(self._put(sliding), self._put(full), self._put(cached))
+        return model.PageTables(sliding, full, cached)  # host arrays: the batch is uploaded whole (`_upload`)
 
     def _sampling(
         self, seqs: list[Sequence], rows: int, row_of: list[int], gates: list[structured.Gate | None] = ()
@@ -680,26 +696,25 @@ class ModelRunner:
                 penalties[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
                 proc[i, :2] = _flags(p), p.min_tokens
         masked, mask, mask_pos, holds = self._masks(rows, [(i, g) for i, g in zip(row_of, gates) if g is not None])
-        put = self._put
-        return SamplingBatch(
-            temperature_B=put(temperature),
-            top_k_B=put(top_k),
-            top_p_B=put(top_p),
-            min_p_B=put(min_p),
-            keys_B2=put(keys),
-            want_logprobs_B=put(want),
+        return SamplingBatch(  # host arrays but the cached masks: the batch is uploaded whole (`_upload`)
+            temperature_B=temperature,
+            top_k_B=top_k,
+            top_p_B=top_p,
+            min_p_B=min_p,
+            keys_B2=keys,
+            want_logprobs_B=want,
             masked_B=masked,
             mask_BW=mask,
             mask_pos_B=mask_pos,
             holds_B=holds,
-            penalties_B3=put(penalties),
-            proc_B4=put(proc),
+            penalties_B3=penalties,
+            proc_B4=proc,
         )
 
-    def _masks(self, rows: int, gates: list[tuple[int, structured.Gate]]) -> tuple[jax.Array, ...]:
-        """`SamplingBatch.masked_B`, `.mask_BW`, `.mask_pos_B` and `.holds_B`: the rows' structured-output masks. A
-        call without any reuses one all-zero set per row count, already on the device (no per-call upload of
-        `[B, V/32]`)."""
+    def _masks(self, rows: int, gates: list[tuple[int, structured.Gate]]) -> tuple:
+        """`SamplingBatch.masked_B`, `.mask_BW`, `.mask_pos_B` and `.holds_B`: the rows' structured-output masks, as
+        host arrays for the batch's upload. A call without any reuses one all-zero set per row count, already on the
+        device (no per-call upload of `[B, V/32]`)."""
         words = structured.mask_words(self.model_config.vocab_size)
         if not gates:
             if rows not in self._no_mask:
@@ -710,11 +725,11 @@ class ModelRunner:
         mask_pos, holds = np.zeros(rows, np.int32), np.zeros(rows, bool)
         for i, g in gates:
             masked[i], mask[i], mask_pos[i], holds[i] = True, g.mask, g.position, g.holds
-        return tuple(map(self._put, (masked, mask, mask_pos, holds)))
+        return masked, mask, mask_pos, holds
 
     def _lists(self, seqs: list[Sequence], rows: int, row_of: list[int]) -> sampling.SamplingLists:
-        """The prefill rows' logits-processor lists (`sampling.SamplingLists`); where no row has any, the empty ones
-        already on the device (nothing to pack or copy)."""
+        """The prefill rows' logits-processor lists (`sampling.SamplingLists`), as host arrays for the batch's upload;
+        where no row has any, the empty ones already on the device (nothing to pack or copy)."""
         V = self.model_config.vocab_size
         if not any(s.params.uses_processors for s in seqs):
             if rows not in self._no_lists:
@@ -732,7 +747,7 @@ class ModelRunner:
                 out.bad_BWL[i, w, -len(word) :] = word
             if p.min_tokens:
                 out.stops_BK[i, : len(p.stop_token_ids)] = p.stop_token_ids
-        return jax.tree.map(self._put, out)
+        return out
 
     def _slots(self, seqs: list[Sequence], rows: int, row_of: list[int]) -> jax.Array:
         slots = np.full((rows,), self._spare_slot, np.int32)
