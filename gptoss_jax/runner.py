@@ -642,7 +642,7 @@ class ModelRunner:
     def _upload(self, batch):
         """`batch` (a pytree) with every host array in it moved as `_put` moves one, in one `device_put` call: one
         transfer call for a batch's ~15 arrays instead of one each (~0.8 ms less host time before a call's launch on
-        this CPU; a batch-1 request's first kernel waited ~3 ms on its host step: docs/BENCHMARKS.md §32.5). Device
+        this CPU; a batch-1 request's first kernel waited ~3 ms on its host step: docs/BENCHMARKS.md §32.5-6). Device
         arrays in it (the packing's cached zeros) stay where they are."""
         leaves, treedef = jax.tree.flatten(batch)
         where = [i for i, x in enumerate(leaves) if isinstance(x, np.ndarray)]

@@ -23,7 +23,7 @@ SIZES = [
 @pytest.mark.parametrize("sizes", SIZES)
 @pytest.mark.parametrize("bm", [64, 128])
 def test_tiles_cover_each_grouped_row_once_with_its_group(sizes, bm):
-    """Every grouped row in exactly one tile of its own group, in `cdiv(size, bm)` tiles a group."""
+    """Every grouped row in exactly one tile of its own group, in `cdiv(start % 8 + size, bm)` tiles a group."""
     G, first = len(sizes), 24
     M = -(-(sum(sizes) + 3) // 8) * 8
     grid_m = -(-(M + 7 * G) // bm) + G - 1
