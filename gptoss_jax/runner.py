@@ -640,10 +640,11 @@ class ModelRunner:
         return rows, [r * per + i for r, i in where]
 
     def _upload(self, batch):
-        """`batch` (a pytree) with every host array in it moved as `_put` moves one, in one `device_put` call: one
-        transfer call for a batch's ~15 arrays instead of one each (~0.8 ms less host time before a call's launch on
-        this CPU; a batch-1 request's first kernel waited ~3 ms on its host step: docs/BENCHMARKS.md §32.5-6). Device
-        arrays in it (the packing's cached zeros) stay where they are."""
+        """`batch` (a pytree) with every host array in it onto the device(s), rows split over the attention ranks, in
+        one `device_put` call: one transfer call for a batch's ~15 arrays instead of one each (~0.8 ms less host time
+        before a call's launch on this CPU; a batch-1 request's first kernel waited ~3 ms on its host step:
+        docs/BENCHMARKS.md §32.5-6). A transfer, not `jnp.asarray`, whose staging computation waited behind the calls
+        in flight (a prefill's length: BENCHMARKS §12c). Device arrays in it (the packing's cached zeros) stay."""
         leaves, treedef = jax.tree.flatten(batch)
         where = [i for i, x in enumerate(leaves) if isinstance(x, np.ndarray)]
         host = [leaves[i] for i in where]
@@ -656,11 +657,8 @@ class ModelRunner:
         return treedef.unflatten(leaves)
 
     def _put(self, x: np.ndarray) -> jax.Array:
-        """A host batch array onto the device(s): rows split over the attention ranks. A transfer, not `jnp.asarray`,
-        whose staging computation waited behind the calls in flight (a prefill's length: BENCHMARKS §12c)."""
-        if self.layout is None:
-            return jax.device_put(x)
-        return jax.device_put(x, self.layout.named(self.layout.batch_spec(x.ndim)))
+        """One host batch array onto the device(s), as `_upload` moves a batch's."""
+        return self._upload(x)
 
     def _width(self, end_positions: list[int], buckets: tuple[int, ...] | None = None) -> int:
         """The block-table width (pages) of a call whose positions end before `end_positions`: its bucket."""
