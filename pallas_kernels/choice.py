@@ -64,7 +64,9 @@ class KernelConfig:
     new_token_rows: int = 256
     attention_block_kv: int = 64  # keys per block of the decode kernels
     attention_stages: int = 3  # their Triton pipeline stages
-    attention_warps: int = 4
+    # 2 warps, not 4: a 20b verify step's attention (batch 1, k = 3, 1k context) took 218 against 314 us, the step
+    # 3,099 against 3,179 us; 64 rows at 8,192 context and concurrency 8 and 32 are no slower (BENCHMARKS §33)
+    attention_warps: int = 2
     # The same over an FP8 KV cache (values `[P, K, H, S]`): its best of four launches in the H200 sweep at 64 rows x
     # 8,192 and 8 x 32,768 context, 243.4 and 131.0 us (128/5/4: 252.9 and 135.0; 64/3/4: 295.5 and 172.1), where
     # bf16 took 302.7 and 162.2 at its own 64/3/4 (BENCHMARKS §17).
