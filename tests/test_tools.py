@@ -38,13 +38,21 @@ def test_make_checkpoint_then_convert_then_restore(tmp_path):
     assert (direct.unembed == restored.unembed).all()
 
 
+# The smoke runs' jobs sample (bench_throughput) or take one token (bench_prefix_cache) and never run the greedy
+# calls' programs, nor prefill calls of more rows than a step's tokens fill: their engines leave those out of warm-up,
+# as a user's `--set` may (the programs each compiles are ~5 s on 2 CPU cores).
+FEWER_PROGRAMS = ("--set", "greedy_program_rows=0", "--set", "max_prefill_seqs=4")
+
+
 @pytest.mark.slow  # a tool run: engines warmed up for two jobs
 def test_bench_throughput_smoke(tmp_path):
-    """The throughput benchmark's whole path (random weights, jobs, latency run, JSON) on a tiny model."""
-    _run("bench_throughput", "--smoke", "--out", tmp_path / "tp.json")
+    """The throughput benchmark's whole path (random weights, jobs, latency run, JSON) on a tiny model; a setting of
+    the latency job's own names it."""
+    latency = ("--latency-set", "max_num_seqs=1", "--latency-set", "greedy_program_rows=0")
+    _run("bench_throughput", "--smoke", *FEWER_PROGRAMS, *latency, "--out", tmp_path / "tp.json")
     result = json.loads((tmp_path / "tp.json").read_text())
     names = [j["job"] for j in result["jobs"]]
-    assert names == ["throughput 24/16", "latency"]
+    assert names == ["throughput 24/16", "latency max_num_seqs=1 greedy_program_rows=0"]
     for job in result["jobs"]:
         assert job["output_tokens"] == job["requests"] * job["output_len"] and job["output_tok_s"] > 0
         assert job["host_s"].get("compiles", 0) == 0, job["host_s"]  # warm-up compiled every program it ran
@@ -55,7 +63,15 @@ def test_bench_prefix_cache_smoke(tmp_path):
     """The prefix-cache benchmark: each shared-prefix job follows a job without hits over the prompts it shares, and
     its hits spare the prompt tokens before the sliding layers' window (the smoke model: 1 sliding layer of window 8,
     16-token pages: 40 shared tokens hit 32, 25 of them not computed)."""
-    _run("bench_prefix_cache", "--smoke", "--out", tmp_path / "pc.json")
+    _run(
+        "bench_prefix_cache",
+        "--smoke",
+        *FEWER_PROGRAMS,
+        "--set",
+        "decode_batch_buckets=[4]",
+        "--out",
+        tmp_path / "pc.json",
+    )
     result = json.loads((tmp_path / "pc.json").read_text())
     got = [(j["job"], j["cached_prompt_tokens"], j["seconds"] > 0) for j in result["jobs"]]
     assert got == [("no hit", 0, True), ("40 shared", 4 * 25, True)]
@@ -64,7 +80,7 @@ def test_bench_prefix_cache_smoke(tmp_path):
 @pytest.mark.slow  # a tool run: three engines warmed up
 def test_bench_speculative_smoke(tmp_path):
     """The speculative benchmark's whole path (verify steps, drafters, end to end with the oracle) on a tiny model."""
-    _run("bench_speculative", "--smoke", "--out", tmp_path / "spec.json")
+    _run("bench_speculative", "--smoke", "--set", "max_num_seqs=1", "--out", tmp_path / "spec.json")  # one request
     result = json.loads((tmp_path / "spec.json").read_text())
     assert [(r["k"], r["ms"] > 0) for r in result["verify"]] == [(0, True), (2, True)]
     assert [r["method"] for r in result["drafter"]] == ["ngram", "oracle"]

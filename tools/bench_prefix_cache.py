@@ -24,7 +24,7 @@ from gptoss_jax import config, runtime
 from gptoss_jax.engine import Engine
 from gptoss_jax.sampling import SamplingParams
 from pallas_kernels import KernelConfig
-from tools.bench_throughput import SMOKE
+from tools.bench_throughput import SMOKE, parse_setting
 from tools.common import commit_id, copy_bandwidth, random_params, resolved, summarize_trace
 
 
@@ -63,6 +63,13 @@ def main() -> None:
     ap.add_argument("--shared", default=None, help="comma-separated shared prefix lengths (default 881,512,128)")
     ap.add_argument("--config", default="max_throughput", help="engine profile")
     ap.add_argument("--trace", action="store_true", help="sum each job's GPU kernels")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an engine setting over the profile's and --smoke's (VALUE as YAML, repeatable), e.g. max_prefill_seqs=4",
+    )
     ap.add_argument("--out", default="prefix_cache.json")
     args = ap.parse_args()
     n = args.num_requests or (4 if args.smoke else 64)
@@ -70,6 +77,10 @@ def main() -> None:
     shared = [int(s) for s in (args.shared or ("40" if args.smoke else "881,512,128")).split(",")]
     if any(not 0 < s < length for s in shared):
         ap.error(f"--shared: each length must be between 0 and --input-len={length}")
+    try:
+        settings = dict(parse_setting(item) for item in args.set)
+    except ValueError as e:
+        ap.error(str(e))
     cfg = config.from_hf_dict(SMOKE) if args.smoke else config.preset(args.preset)
     result = {"preset": "smoke" if args.smoke else args.preset, "device": jax.devices()[0].device_kind}
     result.update(jax=jax.__version__, commit=commit_id(), num_requests=n, input_len=length, jobs=[])
@@ -84,12 +95,15 @@ def main() -> None:
         loaded=(cfg, random_params(cfg, kernels)),
         config=args.config,
         progress=False,
-        max_num_seqs=n,
-        max_model_len=length + 64,
-        min_context_bucket=length + 64,
-        min_prefill_bucket=min(128, length),
-        warmup=True,
-        **smoke,
+        **{
+            "max_num_seqs": n,
+            "max_model_len": length + 64,
+            "min_context_bucket": length + 64,
+            "min_prefill_bucket": min(128, length),
+            "warmup": True,
+            **smoke,
+            **settings,
+        },
     )
     rng = np.random.default_rng(0)
 
