@@ -233,10 +233,9 @@ def _steps(engine, rid, p, sp):
     return outs
 
 
-def test_multi_step_decode_matches_single_step(small_checkpoint, engine):
-    multi = Engine(small_checkpoint, dtype="float32", progress=False, **{**SMALL, "decode_steps_per_call": 4})
+def test_multi_step_decode_matches_single_step(engine, multi_engine):
     reqs = {f"m{i}": (p, greedy(2 + 3 * i)) for i, p in enumerate(prompts(3, 3, 12, seed=8))}
-    assert run(multi, reqs) == run(engine, reqs)
+    assert run(multi_engine, reqs) == run(engine, reqs)
 
 
 def test_a_request_ending_inside_a_multi_step_call_with_the_kernels(small_checkpoint):
