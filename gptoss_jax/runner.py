@@ -314,11 +314,11 @@ class ModelRunner:
             n = s.fed_tokens
             host[i] = -1 if s.num_pending else s.token_ids[s.num_computed]
             fed[i, 1:n] = s.token_ids[s.num_computed + 1 : s.num_computed + min(n, K)]
-        tokens = steps.load_tokens(self._last_tokens, slots, self._put(host))
+        tokens = steps.load_tokens(self._last_tokens, slots, self._upload(host))
         tables = self._tables(seqs, rows, width, row_of)
         if (fed < 0).all():  # the usual call: no forced tokens, nothing more to upload
             if rows not in self._no_fed:
-                self._no_fed[rows] = self._put(fed)
+                self._no_fed[rows] = self._upload(fed)
             fed_BS = self._no_fed[rows]
         else:
             fed_BS = fed
@@ -398,7 +398,7 @@ class ModelRunner:
             start = max(0, len(ids) - N)
             rows[i, np.arange(start, len(ids)) % N] = ids[start:]
             slots[i] = s.slot
-        self._draft_state = steps.write_history(self._draft_state, self._put(slots), self._put(rows))
+        self._draft_state = steps.write_history(self._draft_state, *self._upload((slots, rows)))
 
     def _program(self, key: tuple, step, batch):
         """The compiled `step` for a bucket: from warm-up, else from the program store, else compiled now (and kept,
@@ -476,11 +476,9 @@ class ModelRunner:
             for key, future in compiles.items():
                 self._programs[key] = future.result()
         if self.drafter is not None:
-            self._draft_state = steps.write_history(
-                self._draft_state,
-                self._put(np.full(ec.max_prefill_seqs, self._spare_slot, np.int32)),
-                self._put(np.full((ec.max_prefill_seqs, self.drafter.history_tokens), -1, np.int32)),
-            )
+            slots = np.full(ec.max_prefill_seqs, self._spare_slot, np.int32)
+            rows = np.full((ec.max_prefill_seqs, self.drafter.history_tokens), -1, np.int32)
+            self._draft_state = steps.write_history(self._draft_state, *self._upload((slots, rows)))
         if self.kernels.device.platform != "gpu":
             return self._warm_helpers()  # nothing compiles at a first run here, where each costs real time
         self.check_temporaries(jax.devices()[0].memory_stats() or {})
@@ -586,7 +584,7 @@ class ModelRunner:
             tokens, placed = jax.tree.leaves(program.out_info)[0], jax.tree.leaves(program.output_shardings)[0]
             slots = self._slots([], key[1], [])
             if key[0] == "decode":
-                steps.load_tokens(self._last_tokens, slots, self._put(np.zeros(key[1], np.int32)))
+                steps.load_tokens(self._last_tokens, slots, self._upload(np.zeros(key[1], np.int32)))
             if key[0] == "decode" and self.drafter is not None:
                 continue  # speculative decode calls do not write the last-token table (their `DraftState` has it)
             sampled = jax.device_put(np.zeros(tokens.shape, tokens.dtype), placed)  # `Sampled.tokens`
@@ -656,10 +654,6 @@ class ModelRunner:
             leaves[i] = x
         return treedef.unflatten(leaves)
 
-    def _put(self, x: np.ndarray) -> jax.Array:
-        """One host batch array onto the device(s), as `_upload` moves a batch's."""
-        return self._upload(x)
-
     def _width(self, end_positions: list[int], buckets: tuple[int, ...] | None = None) -> int:
         """The block-table width (pages) of a call whose positions end before `end_positions`: its bucket."""
         buckets = buckets or self._ctx_buckets
@@ -717,7 +711,7 @@ class ModelRunner:
         if not gates:
             if rows not in self._no_mask:
                 zeros = (np.zeros(rows, bool), np.zeros((rows, words), np.int32), np.zeros(rows, np.int32))
-                self._no_mask[rows] = tuple(map(self._put, (*zeros, zeros[0])))
+                self._no_mask[rows] = self._upload((*zeros, zeros[0]))
             return self._no_mask[rows]
         masked, mask = np.zeros(rows, bool), np.zeros((rows, words), np.int32)
         mask_pos, holds = np.zeros(rows, np.int32), np.zeros(rows, bool)
@@ -731,7 +725,7 @@ class ModelRunner:
         V = self.model_config.vocab_size
         if not any(s.params.uses_processors for s in seqs):
             if rows not in self._no_lists:
-                self._no_lists[rows] = jax.tree.map(self._put, sampling.empty_lists(rows, V))
+                self._no_lists[rows] = self._upload(sampling.empty_lists(rows, V))
             return self._no_lists[rows]
         out = sampling.empty_lists(rows, V)
         for i, s in zip(row_of, seqs):
@@ -751,7 +745,7 @@ class ModelRunner:
         slots = np.full((rows,), self._spare_slot, np.int32)
         for i, s in zip(row_of, seqs):
             slots[i] = s.slot
-        return self._put(slots)
+        return self._upload(slots)
 
 
 def _gate(seq: Sequence, holds: bool) -> structured.Gate | None:
