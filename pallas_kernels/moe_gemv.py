@@ -169,45 +169,76 @@ def activation_shift(limit: float) -> int:
     return 14 - math.ceil(math.log2(max(limit, 1.0) * (limit + 1.0)))
 
 
-def _routed_pair(logits_ref, layer_ref, map_ref, s, k: int, E: int):
+def _order_flip(b):
+    """f32 bits <-> an int32 that orders as the float does, -0.0 below 0.0 as in `lax.top_k` (its own inverse): a
+    warp's integer max and min are one instruction each (`redux.sync`), where a float max takes five shuffles."""
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+def _routed_pair(logits_ref, layer_ref, map_ref, s, k: int, E: int, warps: int):
     """Pair `s` = token s // k and its (s % k)-th best expert, routed in-kernel from the token's logits
-    (`moe_route`): the expert's row in the flat `[L * E]` expert axis and its softmax weight over the k best.
-    Repeated argmax takes ties in lower-id order, as `lax.top_k` does."""
-    ids = jnp.arange(1 << (E - 1).bit_length())
-    logits = plt.load(logits_ref.at[s // k, pl.ds(0, ids.shape[0])], mask=ids < E, other=-jnp.inf)
-    top, j = jnp.max(logits), s % k
-    chosen, value, total = jnp.int32(0), top, jnp.float32(0.0)
+    (`moe_route`): the expert's row in the flat `[L * E]` expert axis, and its softmax weight over the k best as
+    `[warps]` equal copies. The largest logit left, then the lowest id holding it: ties go to the lower id, as in
+    `lax.top_k`.
+
+    Every program of the pair computes this before its first weight load, so no reduction crosses warps: each warp
+    holds all the logits as `[warps, 32]` tiles (lane l of tile c: expert `tiles * l + c`, strided so that the
+    loads keep that layout) and reduces integer order keys (`_order_flip`) within itself. Only the expert's id
+    crosses warps, once. Reductions over the whole block took 19 barriers and 61 shuffles at 128 experts (120b),
+    ~5 us of each layer's 51 us gate/up kernel (BENCHMARKS §34)."""
+    row0 = layer_index.read(layer_ref, map_ref) * E  # issued first: its load overlaps the logits'
+    n = 1 << (E - 1).bit_length()
+    lanes = min(n, 32)
+    tiles = n // lanes
+    lane = jnp.broadcast_to(jnp.arange(lanes)[None, :], (warps, lanes))
+    ids = [tiles * lane + c for c in range(tiles)]
+    logits = [plt.load(logits_ref.at[s // k, i], mask=i < E, other=-jnp.inf) for i in ids]
+    keys = [_order_flip(jax.lax.bitcast_convert_type(x, jnp.int32)) for x in logits]
+
+    def reduce(op, parts):  # elementwise across tiles, then within each warp: [warps, 1]
+        out = parts[0]
+        for t in parts[1:]:
+            out = op(out, t)
+        return (jnp.max if op is jnp.maximum else jnp.min)(out, axis=1, keepdims=True)
+
+    j = s % k
     for i in range(k):
-        best, v = jnp.argmax(logits).astype(jnp.int32), jnp.max(logits)
-        chosen, value = jnp.where(i == j, best, chosen), jnp.where(i == j, v, value)
-        total = total + jnp.exp(v - top)
-        logits = jnp.where(ids == best, -jnp.inf, logits)
-    return layer_index.read(layer_ref, map_ref) * E + chosen, jnp.exp(value - top) / total
+        key = reduce(jnp.maximum, keys)
+        best = reduce(jnp.minimum, [jnp.where(x == key, c, n) for x, c in zip(keys, ids)])
+        v = jax.lax.bitcast_convert_type(_order_flip(key), jnp.float32)
+        if i == 0:
+            chosen, value, top, total = best, v, v, jnp.ones_like(v)
+        else:
+            chosen, value = jnp.where(i == j, best, chosen), jnp.where(i == j, v, value)
+            total = total + jnp.exp(v - top)
+        keys = [jnp.where(c == best, jnp.iinfo(jnp.int32).min, x) for x, c in zip(keys, ids)]
+    weight = (jnp.exp(value - top) / total)[:, 0]
+    return row0 + jnp.max(chosen), weight
 
 
 def _slot_program(slot_refs, route, bm: int, body, routed_out=(), idle=None):
     """Run `body(e, r0, rows, tok, weight)` for this program's slot (`tok(r)`, `weight(r)`: row r's token and
     routing weight). From `dispatch`'s slot arrays, `slot_refs` = (expert, start, rows, per-pair operand: the
-    token for gate/up, the weight for down, so both callables read it); with `route` = (k, E) and `slot_refs` =
+    token for gate/up, the weight for down, so both callables read it); with `route` = (k, E, warps) and `slot_refs` =
     (logits, the layer's `layer_index.operands` and `live_operand`), one pair per program (bm = 1), routed
     in-kernel, the program of feature tile 0 storing the pair's expert and weight in `routed_out`; with `route` =
     "pairs", `slot_refs` = those two arrays. A step that is not live (`layer_index.live`) routes no pair: its
     programs store expert -1, and a pair of expert -1 runs `idle(r0)` instead of `body` (the down kernel's zeros)."""
     s = pl.program_id(0)
     if route == "pairs":
-        e, w = slot_refs[0][s], slot_refs[1][s]
+        e, w = slot_refs[0][s], slot_refs[1][s, 0]
         pl.when(e >= 0)(lambda: body(e, s, 1, lambda r: s, lambda r: w))
         return pl.when(e < 0)(lambda: idle(s))
     if route is not None:
-        e, w = _routed_pair(*slot_refs[:3], s, *route)
         live = layer_index.live(slot_refs[3])
+        e, w = _routed_pair(*slot_refs[:3], s, *route)
 
         @pl.when(pl.program_id(1) == 0)
         def _():
             routed_out[0][s] = jnp.where(live, e, -1)
-            routed_out[1][s] = w
+            routed_out[1][s, :] = w
 
-        return pl.when(live)(lambda: body(e, s, 1, lambda r: s // route[0], lambda r: w))
+        return pl.when(live)(lambda: body(e, s, 1, lambda r: s // route[0], None))
     slot_e_ref, slot_start_ref, slot_rows_ref, pair_ref = slot_refs
     rows = slot_rows_ref[s]
 
@@ -344,7 +375,7 @@ def _run_gemv(
     kern = dict(bm=bm, f16=f16, interpret=interpret)
     out_shape = [jax.ShapeDtypeStruct((R, I), a_dtype)]
     if route is not None:
-        out_shape += [jax.ShapeDtypeStruct((S,), jnp.int32), jax.ShapeDtypeStruct((S,), jnp.float32)]
+        out_shape += [jax.ShapeDtypeStruct((S,), jnp.int32), jax.ShapeDtypeStruct((S, route[2]), jnp.float32)]
     a, *pairs = call(
         functools.partial(
             _gate_up_gemv_kernel,
@@ -425,7 +456,7 @@ def run_routed(
         None,
         P,
         kexp_flat,
-        route=(top_k, E),
+        route=(top_k, E, num_warps),
         R=P,
         f16=True,
         swiglu_limit=swiglu_limit,

@@ -155,13 +155,17 @@ def test_routed_gemvs_of_a_step_that_is_not_live_read_no_expert():
         assert np.isnan(y).all() if live else not y.any()
 
 
-def test_in_kernel_routing_matches_dispatched_pairs():
+@pytest.mark.parametrize("E", [8, 32, 128])  # a warp's lanes hold 8 logits of 8, 32 of 32, 4 x 32 of 128
+def test_in_kernel_routing_matches_dispatched_pairs(E):
     """The `gemv16` kernels routing each pair from the logits give what they give on `lax.top_k`'s pairs,
-    ties included (experts 2 and 5 share a logit: the lower id is the better, as in `lax.top_k`)."""
+    ties included (experts 2 and 5 share a logit: the lower id is the better, as in `lax.top_k`; in the last token
+    expert 6's 0.0 beats expert 1's -0.0, as there)."""
     rng = np.random.default_rng(9)
-    T, E, k, D, I, L = 4, 8, 3, 64, 64, 2
+    T, k, D, I, L = 4, 3, 64, 64, 2
     logits = rng.normal(size=(T, E)).astype(np.float32)
     logits[:, 5] = logits[:, 2] = logits.max(axis=1) + 1.0
+    logits[-1] = -np.abs(logits[-1]) - 1.0
+    logits[-1, [2, 5, 1, 6]] = [1.0, 1.0, -0.0, 0.0]
     logits = jnp.asarray(logits)
     kexp = expert_format.prepare_experts(_experts(rng, L, E, D, I))
     flat = expert_format.flatten_layers(kexp)
@@ -169,7 +173,7 @@ def test_in_kernel_routing_matches_dispatched_pairs():
     cfg = choose("moe", T, (D, I, E, k), jnp.bfloat16, CPU, KernelConfig(impl="pallas")).kw["gemv"]
     kw = dict(swiglu_limit=7.0, swiglu_alpha=1.702)
     vals, idx = jax.lax.top_k(logits, k)
-    assert (np.asarray(idx)[:, :2] == [2, 5]).all()
+    assert (np.asarray(idx)[:, :2] == [2, 5]).all() and np.asarray(idx)[-1, 2] == 6
     want = moe_gemv.experts(x, idx, jax.nn.softmax(vals, axis=-1), kexp, jnp.int32(1), **kw, **cfg)
     words, xs = moe_gemv.half_pairs(x)
     y = moe_gemv.run_routed(words, xs, logits, jnp.int32(1), flat, top_k=k, **kw, **cfg)
