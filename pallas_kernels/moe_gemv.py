@@ -221,8 +221,9 @@ def _slot_program(slot_refs, route, bm: int, body, routed_out=(), idle=None):
     routing weight). From `dispatch`'s slot arrays, `slot_refs` = (expert, start, rows, per-pair operand: the
     token for gate/up, the weight for down, so both callables read it); with `route` = (k, E, warps) and `slot_refs` =
     (logits, the layer's `layer_index.operands` and `live_operand`), one pair per program (bm = 1), routed
-    in-kernel, the program of feature tile 0 storing the pair's expert and weight in `routed_out`; with `route` =
-    "pairs", `slot_refs` = those two arrays. A step that is not live (`layer_index.live`) routes no pair: its
+    in-kernel, the program of feature tile 0 storing the pair's expert and weight in `routed_out` (the weight as
+    `[warps]` equal copies, a row each pair); with `route` = "pairs", `slot_refs` = those two arrays (column 0 of the
+    weights read). A step that is not live (`layer_index.live`) routes no pair: its
     programs store expert -1, and a pair of expert -1 runs `idle(r0)` instead of `body` (the down kernel's zeros)."""
     s = pl.program_id(0)
     if route == "pairs":
