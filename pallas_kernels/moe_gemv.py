@@ -195,16 +195,11 @@ def _routed_pair(logits_ref, layer_ref, map_ref, s, k: int, E: int, warps: int):
     logits = [plt.load(logits_ref.at[s // k, i], mask=i < E, other=-jnp.inf) for i in ids]
     keys = [_order_flip(jax.lax.bitcast_convert_type(x, jnp.int32)) for x in logits]
 
-    def reduce(op, parts):  # elementwise across tiles, then within each warp: [warps, 1]
-        out = parts[0]
-        for t in parts[1:]:
-            out = op(out, t)
-        return (jnp.max if op is jnp.maximum else jnp.min)(out, axis=1, keepdims=True)
-
     j = s % k
-    for i in range(k):
-        key = reduce(jnp.maximum, keys)
-        best = reduce(jnp.minimum, [jnp.where(x == key, c, n) for x, c in zip(keys, ids)])
+    for i in range(k):  # each reduction: elementwise across tiles, then within each warp -> [warps, 1]
+        key = jnp.max(functools.reduce(jnp.maximum, keys), axis=1, keepdims=True)
+        where = [jnp.where(x == key, c, n) for x, c in zip(keys, ids)]
+        best = jnp.min(functools.reduce(jnp.minimum, where), axis=1, keepdims=True)
         v = jax.lax.bitcast_convert_type(_order_flip(key), jnp.float32)
         if i == 0:
             chosen, value, top, total = best, v, v, jnp.ones_like(v)
