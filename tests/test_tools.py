@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -80,7 +81,8 @@ def test_bench_prefix_cache_smoke(tmp_path):
 @pytest.mark.slow  # a tool run: three engines warmed up
 def test_bench_speculative_smoke(tmp_path):
     """The speculative benchmark's whole path (verify steps, drafters, end to end with the oracle) on a tiny model."""
-    _run("bench_speculative", "--smoke", "--set", "max_num_seqs=1", "--out", tmp_path / "spec.json")  # one request
+    # one request a job, two jobs an engine (each on its own prompt, the row their median)
+    _run("bench_speculative", "--smoke", "--set", "max_num_seqs=1", "--repeats", "2", "--out", tmp_path / "spec.json")
     result = json.loads((tmp_path / "spec.json").read_text())
     assert [(r["k"], r["ms"] > 0) for r in result["verify"]] == [(0, True), (2, True)]
     assert [r["method"] for r in result["drafter"]] == ["ngram", "oracle"]
@@ -88,6 +90,8 @@ def test_bench_speculative_smoke(tmp_path):
     assert plain["k"] == 0 and spec["k"] == 2 and spec["acceptance_length_target"] == 2.5
     assert spec["identical_to_plain"] and 1.5 < spec["acceptance_length"] <= 2.5
     assert spec["output_tokens"] == plain["output_tokens"] == 12
+    assert [[r["output_tokens"] for r in row["runs"]] for row in (plain, spec)] == [[12, 12], [12, 12]]
+    assert spec["output_tok_s"] == pytest.approx(statistics.median(r["output_tok_s"] for r in spec["runs"]))
 
 
 @pytest.mark.slow  # a tool run on 8 simulated devices
