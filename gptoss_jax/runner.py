@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from gptoss_jax import kv_cache, lowering, model, runtime, sampling, speculative, steps, structured
+from gptoss_jax import kv_cache, lowering, model, runtime, sampling, speculative, steps, structured, upload
 from gptoss_jax.config import ModelConfig
 from gptoss_jax.engine_config import EngineConfig, bucket, padded_rows
 from gptoss_jax.program_store import ProgramStore
@@ -294,12 +294,12 @@ class ModelRunner:
             self._lists(seqs, rows, row_of),
         )
         if not self.prefill_drafts:
-            return self._upload(batch)
+            return self._upload_step(batch)
         nxt = np.full((rows,), -1, np.int32)  # the token after each chunk where the host has it, else the sampled one
         for i, c in zip(row_of, chunks):
             end = c.start + c.num_tokens
             nxt[i] = c.seq.token_ids[end] if end < len(c.seq.token_ids) else -1
-        return self._upload(steps.DraftingPrefillBatch(batch, nxt))
+        return self._upload_step(steps.DraftingPrefillBatch(batch, nxt))
 
     def _decode_batch(
         self, seqs: list[Sequence], rows: int, row_of: list[int], width: int, slots: jax.Array, gates: list = ()
@@ -325,11 +325,11 @@ class ModelRunner:
         sb = self._sampling(seqs, rows, row_of, gates)
         batch = steps.DecodeBatch(tokens, positions, tables, sb, fed_BS, last)
         if self.drafter is None:
-            return self._upload(batch)
+            return self._upload_step(batch)
         drafting, resume = np.zeros((rows,), bool), np.zeros((rows,), bool)
         drafting[row_of] = [drafts(s) for s in seqs]
         resume[row_of] = [s.spec_in_flight > 0 for s in seqs]
-        return self._upload(steps.SpeculativeBatch(batch, drafting, resume))
+        return self._upload_step(steps.SpeculativeBatch(batch, drafting, resume))
 
     def _prefill(self, chunks: list[PrefillChunk], rows: int, row_of: list[int], T: int, width: int) -> Sampled:
         seqs = [c.seq for c in chunks]
@@ -653,6 +653,15 @@ class ModelRunner:
         for i, x in zip(where, moved):
             leaves[i] = x
         return treedef.unflatten(leaves)
+
+    def _upload_step(self, batch):
+        """A step's batch onto the device. On one device its host arrays go as one buffer (`upload.pack`; the step
+        slices them back): one transfer where each array cost its own (BENCHMARKS §35). Under a layout each array is
+        split over the attention ranks by rows (`_upload`)."""
+        if self.layout is not None:
+            return self._upload(batch)
+        packed = upload.pack(batch)
+        return dataclasses.replace(packed, words=jax.device_put(packed.words))
 
     def _width(self, end_positions: list[int], buckets: tuple[int, ...] | None = None) -> int:
         """The block-table width (pages) of a call whose positions end before `end_positions`: its bucket."""

@@ -19,7 +19,7 @@ from flax import struct
 from jax import monitoring
 from jax._src import dispatch  # the name of XLA's compile event
 
-from gptoss_jax import model, sampling, speculative
+from gptoss_jax import model, sampling, speculative, upload
 from gptoss_jax.config import ModelConfig
 from gptoss_jax.sampling import Sampled, SamplerState, SamplingBatch, SamplingLists
 from pallas_kernels import KernelConfig
@@ -110,6 +110,7 @@ def prefill(
     params: Params, cache: model.PagedKVCache, state: SamplerState, batch: PrefillBatch, *, st: StepConfig
 ) -> tuple[Sampled, model.PagedKVCache, SamplerState]:
     TRACES["prefill"] += 1
+    batch = upload.unpack(batch)  # one transfer's words, sliced back (`runner._upload_step`)
     x, cache, _ = model.forward(
         params, cache, batch.tokens_BT, batch.positions_BT, batch.tables, st.cfg, st.kernels, layout=st.layout
     )
@@ -152,6 +153,7 @@ def prefill_drafting(
     """`prefill` that also records the target's hidden states at the drafter's aux layers and runs the drafter
     over the chunk (`after_prefill`: its K/V for every chunk position, and its first drafts for the row's slot)."""
     TRACES["prefill_drafting"] += 1
+    batch = upload.unpack(batch)  # one transfer's words, sliced back (`runner._upload_step`)
     (target, draft_params), (sstate, dstate), b = params, state, batch.prefill
     x, cache, _, aux = model.forward(
         target, cache, b.tokens_BT, b.positions_BT, b.tables, st.cfg, st.kernels, aux_layers=st.drafter.aux_layers
@@ -196,6 +198,7 @@ def decode(
     """`st.num_steps` decode steps on device, each feeding back the token it sampled (outputs `[steps, B]`); the
     logits processors' state takes each step's input token first, so penalties see the tokens of this call."""
     TRACES["decode"] += 1
+    batch = upload.unpack(batch)  # one transfer's words, sliced back (`runner._upload_step`)
 
     def one(carry, k):
         cache, state, tok_B, pos_B = carry
@@ -246,6 +249,7 @@ def decode_speculative(
     and the drafter's (None for drafters without weights). Outputs `[steps * (k + 1), B]`: each step's accepted
     drafts and the target's token after them, -1 where a step produced fewer."""
     TRACES["decode_speculative"] += 1
+    batch = upload.unpack(batch)  # one transfer's words, sliced back (`runner._upload_step`)
     target, draft_params = params
     d = batch.decode
     slots_B = d.sampling.proc_B4[:, 3]

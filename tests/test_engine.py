@@ -2,13 +2,14 @@
 caching, multi-step decode, compile stability, sampling parameters."""
 
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gptoss_jax import checkpoint, steps
+from gptoss_jax import checkpoint, steps, upload
 from gptoss_jax.engine import Engine
 from gptoss_jax.sampling import SamplingParams
 
@@ -123,6 +124,16 @@ def test_compile_count_flat_after_warmup(engine):
     assert sum(steps.TRACES.values()) == before
     assert engine.stats().num_compiles == before
     assert seen == []
+
+
+def test_each_step_takes_its_host_arrays_as_one_buffer(engine):
+    """On one device every compiled step's batch is one packed i32 buffer (`upload.Packed`: one transfer a call) plus
+    the arrays already on the device."""
+    assert engine.runner._programs
+    for key, program in engine.runner._programs.items():
+        batch = program.args_info[0][3]
+        assert isinstance(batch, upload.Packed), key
+        assert batch.words.shape[0] == sum(math.prod(s.shape) for s in batch.layout[1] if s is not None), key
 
 
 def test_a_step_whose_temporaries_do_not_fit_is_refused_before_it_runs(engine):
