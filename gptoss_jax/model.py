@@ -40,9 +40,9 @@ class Pools:
         a layer out would copy its whole pool into the kernel call."""
         return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), self)
 
-    def page_offset(self, idx) -> jax.Array:
-        """Layer `idx`'s first page in `flat`."""
-        return idx * self.k.shape[1]
+    def page_offset(self, layer) -> jax.Array:
+        """The first page in `flat` of model layer `layer` (`layer_index`), one of its type's: the types alternate."""
+        return layer_index.value(layer) // 2 * self.k.shape[1]
 
     def like(self, flat: "Pools") -> "Pools":
         """`flat` (from `flat`) in this pools' `[L, P, ...]` shape."""
@@ -197,7 +197,6 @@ def _attention(
     stacked: dict,
     per_layer: dict,
     layer,
-    idx,
     t_BTD,
     pools: Pools,
     inp: AttentionInputs,
@@ -207,8 +206,8 @@ def _attention(
     inspect: bool,
     heads_axis: str | None,
 ) -> AttentionOutputs:
-    """One attention layer on the normed residual stream `t_BTD`: project, write the new K/V into layer `idx` of
-    the pools, attend through the table. Runs on whatever heads and rows it is given: all of them on one device, a
+    """One attention layer on the normed residual stream `t_BTD`: project, write the new K/V into layer `layer`'s
+    pages, attend through the table. Runs on whatever heads and rows it is given: all of them on one device, a
     device's shard under a layout (`sharding.tensor_parallel`), where `heads_axis` names the mesh axis the heads
     are split over, whose partial output projections are summed here.
 
@@ -217,7 +216,7 @@ def _attention(
     holds this layer's biases and sinks."""
     B, T, _ = t_BTD.shape
     H, dtype = cfg.head_dim, inp.cos_BTF.dtype
-    flat, page_offset = pools.flat(), pools.page_offset(idx)
+    flat, page_offset = pools.flat(), pools.page_offset(layer)
     # q, k and v in one kernel launch for decode rows: k and v alone cost a launch's latency, not their bytes
     bs = [per_layer[f"{n}_b"] for n in "qkv"]
     ws = [stacked[f"{n}_w"] for n in "qkv"]
@@ -267,7 +266,6 @@ def _attention_new_token(
     stacked: dict,
     per_layer: dict,
     layer,
-    idx,
     t_BTD,
     pools: Pools,
     done_BK,
@@ -314,7 +312,6 @@ def _attention_block(
     lp,
     dense_all,
     layer,
-    idx,
     t_BTD,
     pools: Pools,
     done_BK,
@@ -338,17 +335,17 @@ def _attention_block(
     ):
         stacked.update({n: getattr(dense_all, n) for n in ("q_b", "k_b", "v_b", "sinks")})
         return _attention_new_token(
-            cfg, stacked, per_layer, layer, idx, t_BTD, pools, done_BK, inp, window=window, kernels=kernels
+            cfg, stacked, per_layer, layer, t_BTD, pools, done_BK, inp, window=window, kernels=kernels
         )
     heads_axis = tensor_parallel.heads_axis(layout, cfg.num_kv_heads) if layout is not None else None
     block = functools.partial(_attention, cfg, window=window, kernels=kernels, inspect=inspect, heads_axis=heads_axis)
     if layout is not None:
         layer = layer_index.value(layer)
         pool_kinds = Pools("pool", "pool") if pools.k_scale is None else Pools("pool", "values", "scales", "scales")
-        in_kinds = ("same", "same", "rows", pool_kinds, jax.tree.map(lambda _: "rows", inp))
+        in_kinds = ("same", "rows", pool_kinds, jax.tree.map(lambda _: "rows", inp))
         out_kinds = AttentionOutputs("rows", pool_kinds, None, "heads" if inspect else None)
         block = tensor_parallel.attention(layout, block, cfg.num_kv_heads, in_kinds, out_kinds)
-    return block(stacked, per_layer, layer, idx, t_BTD, pools, inp).replace(done_BK=done_BK)
+    return block(stacked, per_layer, layer, t_BTD, pools, inp).replace(done_BK=done_BK)
 
 
 def _moe_block(
@@ -453,10 +450,12 @@ def forward(
     # A step with no token (all positions padding) is not live: its kernels skip their weight reads (`layer_index`)
     live = jnp.any(positions_BT >= 0).astype(jnp.int32).reshape(1)
 
-    def layer(x, t, caches, lp, idx, sliding: bool):  # t: x normed for this layer's attention
+    def layer(x, t, caches, lp, i, p: int, per: int, sliding: bool):  # t: x normed for this layer's attention
+        """Layer `2 (per i + p)` (+ 1 if not `sliding`): pair p of the scan's step i, of `per` pairs a step."""
         pools, done, aux = caches
-        # the layer's index in model order, 2 idx (+ 1), which the kernels compute from the counter (`layer_index`)
-        n = layer_index.LayerIndex(jnp.asarray(idx, jnp.int32), 2, 0 if sliding else 1, pools[sliding].k.shape[1], live)
+        # its index in model order and its first page, which the kernels compute from the counter (`layer_index`)
+        P = pools[sliding].k.shape[1]
+        n = layer_index.LayerIndex(jnp.asarray(i, jnp.int32), 2 * per, 2 * p + (not sliding), per * P, p * P, live)
         if aux_layers:  # the stream entering layer n into its aux slot; other layers write the spare last slot
             hit = ids == n.value()
             slot = jnp.where(jnp.any(hit), jnp.argmax(hit), len(aux_layers))
@@ -467,7 +466,6 @@ def forward(
                 lp,
                 dense_all,
                 n,
-                idx,
                 t,
                 pools[sliding],
                 done,
@@ -487,13 +485,19 @@ def forward(
         record = (*routing, out.sink_BTN, x if inspect.hidden_states else None) if on else None
         return x, t, (pools, out.done_BK, aux), record
 
-    def pair(carry, lp_pair):  # the counter rides in the carry: sliced from an arange, it cost a copy kernel a pair
+    def step(carry, lp_step, per: int):  # `per` layer pairs
         x, t, caches, i = carry
-        x, t, caches, r0 = layer(x, t, caches, jax.tree.map(lambda a: a[0], lp_pair), i, sliding=True)
-        x, t, caches, r1 = layer(x, t, caches, jax.tree.map(lambda a: a[1], lp_pair), i, sliding=False)
-        return (x, t, caches, i + 1), ((r0, r1) if on else None)
+        records = []
+        for j in range(2 * per):
+            lp = jax.tree.map(lambda a: a[j], lp_step)
+            x, t, caches, r = layer(x, t, caches, lp, i, j // 2, per, sliding=j % 2 == 0)
+            records.append(r)
+        return (x, t, caches, i + 1), (tuple(records) if on else None)
 
     pairs, (B, T) = cfg.num_layers // 2, tokens_BT.shape
+    # Calls of a few tokens (`kernels.scan_pairs_tokens`: batch-1 decode and verify steps) scan two layer pairs a step
+    # where the pairs are even. The counter rides in the carry: sliced from an arange, it cost a copy kernel a step.
+    per = 2 if pairs % 2 == 0 and B * T <= kernels.scan_pairs_tokens else 1
     # The pools by layer type, and the new-token attention kernel's split counts (a row per token where it may run):
     # one zeroed buffer for all layers.
     # With `aux_layers`, their buffer (a spare last slot takes the other layers' writes) rides along.
@@ -513,12 +517,14 @@ def forward(
     records = []  # with `inspect`: per-layer records, stacked on a leading layer axis
     with jax.named_scope("layers"):
         if pairs:
-            stacked = jax.tree.map(lambda a: a[: 2 * pairs].reshape(pairs, 2, *a.shape[1:]), scanned)
-            (x, t, caches, _), ys = jax.lax.scan(pair, (x, t, caches, jnp.int32(0)), stacked)
-            if on:  # [pairs] of (sliding, full) -> [2 * pairs] in layer order
-                records.append(jax.tree.map(lambda a, b: jnp.stack([a, b], 1).reshape(2 * pairs, *a.shape[1:]), *ys))
+            steps = pairs // per
+            stacked = jax.tree.map(lambda a: a[: 2 * pairs].reshape(steps, 2 * per, *a.shape[1:]), scanned)
+            body = functools.partial(step, per=per)
+            (x, t, caches, _), ys = jax.lax.scan(body, (x, t, caches, jnp.int32(0)), stacked)
+            if on:  # [steps] of the step's layers -> [2 * pairs] in layer order
+                records.append(jax.tree.map(lambda *a: jnp.stack(a, 1).reshape(2 * pairs, *a[0].shape[1:]), *ys))
         if cfg.num_layers % 2:  # an odd layer count ends on a sliding layer
-            x, t, caches, r = layer(x, t, caches, jax.tree.map(lambda a: a[-1], scanned), pairs, sliding=True)
+            x, t, caches, r = layer(x, t, caches, jax.tree.map(lambda a: a[-1], scanned), pairs, 0, 1, sliding=True)
             if on:
                 records.append(jax.tree.map(lambda a: a[None], r))
     cache = PagedKVCache.of(caches[0][True], caches[0][False])

@@ -152,6 +152,12 @@ class KernelConfig:
     moe_mosaic_rows: int = 32
     moe_mosaic_stages: int = 2
 
+    # The layer scan takes two layer pairs a step (where the pairs are even: the 20b's and the 120b's) in calls of at
+    # most this many tokens (rows x tokens a row): a scan step costs the counter's increment, a one-thread kernel, and
+    # a launch gap, ~2.8 us. At batch 1 (k = 3) the 20b went from 901.3 to 904.9 tok/s end to end; at 8 and 32 rows
+    # 3-4% slower, cause not found (BENCHMARKS §34-35).
+    scan_pairs_tokens: int = 4
+
     # Filled by `for_device`, never by a config file: the device the choice is for.
     device: Device | None = None
 

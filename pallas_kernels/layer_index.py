@@ -1,5 +1,5 @@
 """Which layer of the stacked arrays a kernel reads: the layer scan's counter `i` and a map, layer `stride * i +
-offset` and, in a pool of all layers of its type, first page `pages * i`.
+offset` and, in a pool of all layers of its type, first page `pages * i + first_page`.
 
 Why: the decode kernels read their layer's weights, biases and cache pages in place, so each takes its layer as a
 scalar operand. Computed by XLA from the scan's counter (`2i + 1`; the attention kernel's stacked `[page offset,
@@ -30,7 +30,8 @@ class LayerIndex:
     i: jax.Array  # int32 scalar, traced: the layer scan's counter
     stride: int = dataclasses.field(default=1, metadata=dict(static=True))
     offset: int = dataclasses.field(default=0, metadata=dict(static=True))
-    pages: int = dataclasses.field(default=0, metadata=dict(static=True))  # per layer in its type's pool
+    pages: int = dataclasses.field(default=0, metadata=dict(static=True))  # per counter step in its type's pool
+    first_page: int = dataclasses.field(default=0, metadata=dict(static=True))  # at counter 0
     live: jax.Array | None = None  # int32 [1], traced: 0 where the step has no token (`live_operand`); None: live
 
     def value(self) -> jax.Array:
@@ -39,7 +40,7 @@ class LayerIndex:
 
     def page_offset(self) -> jax.Array:
         """The layer's first page in its type's pool of all layers (jnp)."""
-        return self.pages * self.i
+        return self.pages * self.i + self.first_page
 
 
 def of(layer) -> LayerIndex:
@@ -55,11 +56,11 @@ def value(layer) -> jax.Array:
 def operands(layer, page_offset=None) -> tuple[jax.Array, jax.Array]:
     """A kernel's two int32 operands for `layer`: the counter `[1]` and the map `[4]` (stride, offset, pages, first
     page), read back by `read` and `read_page_offset`. The map is a constant unless `page_offset` is given (then it
-    replaces the layer's `pages * i`)."""
+    replaces the layer's `pages * i + first_page`)."""
     layer = of(layer)
     i = jnp.asarray(layer.i, jnp.int32).reshape(1)
     if page_offset is None:
-        return i, jnp.asarray([layer.stride, layer.offset, layer.pages, 0], jnp.int32)
+        return i, jnp.asarray([layer.stride, layer.offset, layer.pages, layer.first_page], jnp.int32)
     fixed = jnp.asarray([layer.stride, layer.offset, 0], jnp.int32)
     return i, jnp.concatenate([fixed, jnp.asarray(page_offset, jnp.int32).reshape(1)])
 
