@@ -320,8 +320,8 @@ class ModelRunner:
             if rows not in self._no_fed:
                 self._no_fed[rows] = self._upload(fed)
             fed_BS = self._no_fed[rows]
-        else:
-            fed_BS = fed
+        else:  # on the device as the cached one is (`_lists`)
+            fed_BS = self._upload(fed)
         sb = self._sampling(seqs, rows, row_of, gates)
         batch = steps.DecodeBatch(tokens, positions, tables, sb, fed_BS, last)
         if self.drafter is None:
@@ -697,7 +697,7 @@ class ModelRunner:
                 penalties[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
                 proc[i, :2] = _flags(p), p.min_tokens
         masked, mask, mask_pos, holds = self._masks(rows, [(i, g) for i, g in zip(row_of, gates) if g is not None])
-        return SamplingBatch(  # host arrays but the cached masks: the batch is uploaded whole (`_upload`)
+        return SamplingBatch(  # host arrays but the masks: the batch is uploaded whole (`_upload_step`)
             temperature_B=temperature,
             top_k_B=top_k,
             top_p_B=top_p,
@@ -713,9 +713,9 @@ class ModelRunner:
         )
 
     def _masks(self, rows: int, gates: list[tuple[int, structured.Gate]]) -> tuple:
-        """`SamplingBatch.masked_B`, `.mask_BW`, `.mask_pos_B` and `.holds_B`: the rows' structured-output masks, as
-        host arrays for the batch's upload. A call without any reuses one all-zero set per row count, already on the
-        device (no per-call upload of `[B, V/32]`)."""
+        """`SamplingBatch.masked_B`, `.mask_BW`, `.mask_pos_B` and `.holds_B`: the rows' structured-output masks, on
+        the device (as `_lists`). A call without any reuses one all-zero set per row count, already there (no per-call
+        upload of `[B, V/32]`)."""
         words = structured.mask_words(self.model_config.vocab_size)
         if not gates:
             if rows not in self._no_mask:
@@ -726,11 +726,12 @@ class ModelRunner:
         mask_pos, holds = np.zeros(rows, np.int32), np.zeros(rows, bool)
         for i, g in gates:
             masked[i], mask[i], mask_pos[i], holds[i] = True, g.mask, g.position, g.holds
-        return masked, mask, mask_pos, holds
+        return self._upload((masked, mask, mask_pos, holds))
 
     def _lists(self, seqs: list[Sequence], rows: int, row_of: list[int]) -> sampling.SamplingLists:
-        """The prefill rows' logits-processor lists (`sampling.SamplingLists`), as host arrays for the batch's upload;
-        where no row has any, the empty ones already on the device (nothing to pack or copy)."""
+        """The prefill rows' logits-processor lists (`sampling.SamplingLists`), on the device: where no row has any,
+        the empty ones already there (nothing to pack or copy), else uploaded here. Device arrays either way, so that a
+        step's packed batch (`_upload_step`) has one layout whatever its rows ask for."""
         V = self.model_config.vocab_size
         if not any(s.params.uses_processors for s in seqs):
             if rows not in self._no_lists:
@@ -748,7 +749,7 @@ class ModelRunner:
                 out.bad_BWL[i, w, -len(word) :] = word
             if p.min_tokens:
                 out.stops_BK[i, : len(p.stop_token_ids)] = p.stop_token_ids
-        return out
+        return self._upload(out)
 
     def _slots(self, seqs: list[Sequence], rows: int, row_of: list[int]) -> jax.Array:
         slots = np.full((rows,), self._spare_slot, np.int32)
