@@ -229,7 +229,10 @@ def _attention(
     # writes are dropped rather than made. Made, hundreds of them a row on one page serialized the scatter: a prefill
     # after an 881-token cached prefix took twice the time of the whole prompt's (BENCHMARKS §23).
     page = jnp.where(inp.write_page_BT == NULL_PAGE, jnp.iinfo(jnp.int32).max, page_offset + inp.write_page_BT)
-    flat = _write(flat, (page, inp.write_slot_BT), k, v)
+    # The barrier: the attention reads the written pools. Without it XLA (CPU) fused the read through the write (old
+    # pages plus the new token) and then copied each donated pool two to three times a call to keep the old one:
+    # ~0.1 s a decode step of the demo model's 64 MB cache, 11x its step time.
+    flat = jax.lax.optimization_barrier(_write(flat, (page, inp.write_slot_BT), k, v))
     table = inp.table_BM + page_offset
     args = (q, flat.k, flat.v, table, inp.positions_BT, per_layer["sinks"], window)
     o = pallas_kernels.attention(*args, **flat.scales(), kernels=kernels)
