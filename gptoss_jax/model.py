@@ -229,10 +229,12 @@ def _attention(
     # writes are dropped rather than made. Made, hundreds of them a row on one page serialized the scatter: a prefill
     # after an 881-token cached prefix took twice the time of the whole prompt's (BENCHMARKS §23).
     page = jnp.where(inp.write_page_BT == NULL_PAGE, jnp.iinfo(jnp.int32).max, page_offset + inp.write_page_BT)
-    # The barrier: the attention reads the written pools. Without it XLA (CPU) fused the read through the write (old
-    # pages plus the new token) and then copied each donated pool two to three times a call to keep the old one:
-    # ~0.1 s a decode step of the demo model's 64 MB cache, 11x its step time.
-    flat = jax.lax.optimization_barrier(_write(flat, (page, inp.write_slot_BT), k, v))
+    flat = _write(flat, (page, inp.write_slot_BT), k, v)
+    if kernels.impl == "reference":
+        # The pure-JAX attention reads the written pools. Without the barrier XLA (CPU) fused that read through the
+        # write (old pages plus the new token) and copied each donated pool 2-3 times a call to keep the old one:
+        # ~70 ms of the demo model's ~80 ms decode step (64 MB cache). The kernels' path is as measured on the GPU.
+        flat = jax.lax.optimization_barrier(flat)
     table = inp.table_BM + page_offset
     args = (q, flat.k, flat.v, table, inp.positions_BT, per_layer["sinks"], window)
     o = pallas_kernels.attention(*args, **flat.scales(), kernels=kernels)
