@@ -232,8 +232,8 @@ def _attention(
     flat = _write(flat, (page, inp.write_slot_BT), k, v)
     if kernels.impl == "reference":
         # The pure-JAX attention reads the written pools. Without the barrier XLA (CPU) fused that read through the
-        # write (old pages plus the new token) and copied each donated pool 2-3 times a call to keep the old one:
-        # ~70 ms of the demo model's ~80 ms decode step (64 MB cache). The kernels' path is as measured on the GPU.
+        # write (old pages plus the new token) and copied each donated pool 3 times a batch-1 decode call, once with
+        # it: ~70 ms of the demo model's ~80 ms decode step (64 MB cache). The kernels' path is as measured on the GPU.
         flat = jax.lax.optimization_barrier(flat)
     table = inp.table_BM + page_offset
     args = (q, flat.k, flat.v, table, inp.positions_BT, per_layer["sinks"], window)
