@@ -31,32 +31,6 @@ if SHARED_TOKENIZER.exists():
     os.environ.setdefault("TIKTOKEN_ENCODINGS_BASE", str(SHARED_TOKENIZER))
 
 
-# The files that took longest on CI's 2 cores (each 180-475 s of the suite's ~4,100; the stop CI of 2026-11-30),
-# longest first. pytest-xdist's `loadfile` hands out files in collection order, one at a time to whichever worker is
-# free, so a long file collected last kept one worker busy alone at the end.
-LONG_FILES = (
-    "test_runtime.py",
-    "test_sharding.py",
-    "test_engine.py",
-    "test_tools.py",
-    "test_speculative.py",
-    "test_server_real.py",
-    "test_kernels_moe.py",
-    "test_llm.py",
-    "test_kernels_attention.py",
-    "test_parity.py",
-    "test_readme.py",
-    "test_inspect.py",
-)
-
-
-def pytest_collection_modifyitems(items):
-    """The long files first (`LONG_FILES`), the rest after them in their usual order; tests within a file as they
-    are."""
-    rank = {name: i for i, name in enumerate(LONG_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
     """Drop JAX's compiled programs after each test module. Each CPU executable holds ~14 memory maps, and the whole
