@@ -639,10 +639,9 @@ class ModelRunner:
 
     def _upload(self, batch):
         """`batch` (a pytree) with every host array in it onto the device(s), rows split over the attention ranks, in
-        one `device_put` call: one transfer call for a batch's ~15 arrays instead of one each (~0.8 ms less host time
-        before a call's launch on this CPU; a batch-1 request's first kernel waited ~3 ms on its host step:
-        docs/BENCHMARKS.md §32.5-6). A transfer, not `jnp.asarray`, whose staging computation waited behind the calls
-        in flight (a prefill's length: BENCHMARKS §12c). Device arrays in it (the packing's cached zeros) stay."""
+        one `device_put` call (still one transfer per array: a step's batch on one device goes packed, `_upload_step`).
+        A transfer, not `jnp.asarray`, whose staging computation waited behind the calls in flight (a prefill's
+        length: BENCHMARKS §12c). Device arrays in it (the packing's cached zeros) stay."""
         leaves, treedef = jax.tree.flatten(batch)
         where = [i for i, x in enumerate(leaves) if isinstance(x, np.ndarray)]
         host = [leaves[i] for i in where]
