@@ -216,7 +216,7 @@ def _attention(
     holds this layer's biases and sinks."""
     B, T, _ = t_BTD.shape
     H, dtype = cfg.head_dim, inp.cos_BTF.dtype
-    flat, page_offset = pools.flat(), pools.page_offset(layer)
+    page_offset = pools.page_offset(layer)
     # q, k and v in one kernel launch for decode rows: k and v alone cost a launch's latency, not their bytes
     bs = [per_layer[f"{n}_b"] for n in "qkv"]
     ws = [stacked[f"{n}_w"] for n in "qkv"]
@@ -228,8 +228,17 @@ def _attention(
     # Tokens that write nothing (padding; the full layers' prefix-cached positions) aim at the null page: their
     # writes are dropped rather than made. Made, hundreds of them a row on one page serialized the scatter: a prefill
     # after an 881-token cached prefix took twice the time of the whole prompt's (BENCHMARKS §23).
-    page = jnp.where(inp.write_page_BT == NULL_PAGE, jnp.iinfo(jnp.int32).max, page_offset + inp.write_page_BT)
-    flat = _write(flat, (page, inp.write_slot_BT), k, v)
+    drop = inp.write_page_BT == NULL_PAGE
+    if kernels.impl == "reference" and pools.k_scale is None:
+        # into the pools' [L, P, ...] shape: written flat (after a reshape), XLA's CPU copied the whole pool for each
+        # one-token write (~110 of the demo checkpoint's ~130 ms a decode step at LLVM level 0, the tests' setting)
+        at = (page_offset // pools.k.shape[1], jnp.where(drop, jnp.iinfo(jnp.int32).max, inp.write_page_BT))
+        flat = pools.replace(
+            k=_put(pools.k, at, inp.write_slot_BT, k), v=_put(pools.v, at, inp.write_slot_BT, v)
+        ).flat()
+    else:
+        page = jnp.where(drop, jnp.iinfo(jnp.int32).max, page_offset + inp.write_page_BT)
+        flat = _write(pools.flat(), (page, inp.write_slot_BT), k, v)
     if kernels.impl == "reference":
         # The pure-JAX attention reads the written pools. Without the barrier XLA (CPU) fused that read through the
         # write (old pages plus the new token) and copied each donated pool 3 times a batch-1 decode call, once with
@@ -250,6 +259,12 @@ def _attention(
         y = jax.lax.psum(pallas_kernels.linear(o, o_w, jnp.zeros_like(o_b), layer, kernels=kernels), heads_axis)
         y = y + o_b.astype(jnp.float32)
     return AttentionOutputs(y.reshape(B, T, -1), pools.like(flat), None, sink)
+
+
+def _put(pool_LPSKH, at: tuple, slot_BT, x_BTKH):
+    """`x` into (layer, page, slot) of a `[L, P, S, K, H]` pool; pages past its end are not written."""
+    layer, page = at
+    return pool_LPSKH.at[layer, page, slot_BT].set(x_BTKH, mode="drop")
 
 
 def _write(pools: Pools, at: tuple, k_BTKH, v_BTKH) -> Pools:

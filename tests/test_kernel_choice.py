@@ -204,3 +204,30 @@ def test_yaml_and_errors(tmp_path):
         KernelConfig(linear_gemv_rows=65)
     with pytest.raises(ValueError, match="unknown operation"):
         choose("norm", 1, (), jnp.bfloat16, CPU, PALLAS)
+
+
+def test_a_cpu_keeps_the_output_matrix_in_f32_with_the_same_logits():
+    """On a CPU a bf16 model's unembedding is stored in f32 (XLA's CPU dot converted the bf16 matrix every call): the
+    same values, logits bit-identical for one row and within float rounding for several; a GPU keeps bf16, an fp32
+    model is left alone."""
+    import json
+    from pathlib import Path
+
+    import jax
+
+    from gptoss_jax import model, random_weights
+    from pallas_kernels import cpu_unembedding
+
+    cfg = config.from_hf_dict(json.loads((Path(__file__).parent / "tiny_config.json").read_text()))
+    params = random_weights.random_params(cfg, jnp.bfloat16)
+    assert params.embed.dtype == jnp.bfloat16 and params.unembed.dtype == jnp.float32  # prepared for this CPU
+    half = params.replace(unembed=params.unembed.astype(jnp.bfloat16))
+    assert bool(jnp.all(params.unembed == half.unembed))  # the same values
+    x = jax.random.normal(jax.random.PRNGKey(1), (3, cfg.hidden_size)).astype(jnp.bfloat16)
+    assert bool(jnp.all(model.unembed(params, x[:1]) == model.unembed(half, x[:1])))
+    ours, theirs = model.unembed(params, x), model.unembed(half, x)
+    assert float(jnp.max(jnp.abs(ours - theirs))) <= 1e-5 * float(jnp.max(jnp.abs(theirs)))
+    assert cpu_unembedding(half, H200).unembed.dtype == jnp.bfloat16
+    assert cpu_unembedding(half, CPU).unembed.dtype == jnp.float32
+    f32 = random_weights.random_params(cfg, jnp.float32)
+    assert cpu_unembedding(f32, CPU) is f32
