@@ -16,6 +16,14 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 
 
+def optimized_xla_flags(*drop: str) -> str:
+    """The tests' `XLA_FLAGS` without conftest's LLVM level 0 (and without `drop`), for a process whose programs run
+    step after step over the real vocabulary (a server, a notebook's engine): there the unoptimised machine code
+    costs more than its optimisation saves (the README's two examples against its server: 113 -> 18 s)."""
+    off = ("--xla_backend_optimization_level=0", *drop)
+    return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if f not in off)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+from server_utils import optimized_xla_flags
 
 pytestmark = pytest.mark.slow  # each notebook runs top to bottom in a kernel of its own
 
@@ -28,8 +29,8 @@ CASES = {  # notebook -> the figure it saves
 @pytest.fixture(scope="module")
 def kernel_env(tmp_path_factory):
     env = dict(os.environ)
-    # conftest simulates 8 CPU devices for the sharding tests; the notebooks want the plain machine
-    flags = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "").strip()
+    # conftest simulates 8 CPU devices for the sharding tests; the notebooks want the plain machine, optimised
+    flags = optimized_xla_flags("--xla_force_host_platform_device_count=8")
     if flags:
         env["XLA_FLAGS"] = flags
     else:

@@ -20,7 +20,7 @@ import time
 
 import httpx
 import pytest
-from server_utils import REPO
+from server_utils import REPO, optimized_xla_flags
 
 pytestmark = pytest.mark.slow  # a real server process on the demo checkpoint
 README = (REPO / "README.md").read_text()
@@ -51,7 +51,7 @@ def readme_server(tmp_path_factory):
     serve_part = _first_command()[len(VENV_PART) :]
     home = tmp_path_factory.mktemp("home")
     log = home / "server.log"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", GPTOSS_JAX_HOME=str(home))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", GPTOSS_JAX_HOME=str(home), XLA_FLAGS=optimized_xla_flags())
     with open(log, "w") as out:
         proc = subprocess.Popen(
             ["bash", "-c", serve_part], cwd=REPO, env=env, stdout=out, stderr=out, start_new_session=True

@@ -7,7 +7,6 @@ streams, seeds, completions, logprobs, the context limit and KV pages freed on d
 
 import concurrent.futures
 import json
-import os
 import re
 import time
 
@@ -18,7 +17,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("openai_harmony")
 pytest.importorskip("starlette")
 
-from server_utils import Server, collect_chat_stream  # noqa: E402
+from server_utils import Server, collect_chat_stream, optimized_xla_flags  # noqa: E402
 from test_structured import NESTED, PERSON, SCHEMAS, WEATHER, jsonschema  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a real server process over HTTP
@@ -49,7 +48,7 @@ def server(tmp_path_factory):
         # real vocabulary, slower at level 0 by more than the optimisation costs (this file took 163 -> 349 s)
         env={
             "GPTOSS_JAX_HOME": str(d / "home"),
-            "XLA_FLAGS": os.environ.get("XLA_FLAGS", "").replace("--xla_backend_optimization_level=0", "").strip(),
+            "XLA_FLAGS": optimized_xla_flags(),
         },
         log_path=d / "server.log",
         timeout=300,
