@@ -233,9 +233,8 @@ def _attention(
         # into the pools' [L, P, ...] shape: written flat (after a reshape), XLA's CPU copied the whole pool for each
         # one-token write (~110 of the demo checkpoint's ~130 ms a decode step at LLVM level 0, the tests' setting)
         at = (page_offset // pools.k.shape[1], jnp.where(drop, jnp.iinfo(jnp.int32).max, inp.write_page_BT))
-        flat = pools.replace(
-            k=_put(pools.k, at, inp.write_slot_BT, k), v=_put(pools.v, at, inp.write_slot_BT, v)
-        ).flat()
+        at = (*at, inp.write_slot_BT)
+        flat = pools.replace(k=_put(pools.k, at, k), v=_put(pools.v, at, v)).flat()
     else:
         page = jnp.where(drop, jnp.iinfo(jnp.int32).max, page_offset + inp.write_page_BT)
         flat = _write(pools.flat(), (page, inp.write_slot_BT), k, v)
@@ -261,10 +260,9 @@ def _attention(
     return AttentionOutputs(y.reshape(B, T, -1), pools.like(flat), None, sink)
 
 
-def _put(pool_LPSKH, at: tuple, slot_BT, x_BTKH):
-    """`x` into (layer, page, slot) of a `[L, P, S, K, H]` pool; pages past its end are not written."""
-    layer, page = at
-    return pool_LPSKH.at[layer, page, slot_BT].set(x_BTKH, mode="drop")
+def _put(pool_LPSKH, at: tuple, x_BTKH):
+    """`x` into (layer, page, slot) `at` of a `[L, P, S, K, H]` pool; pages past its end are not written."""
+    return pool_LPSKH.at[at].set(x_BTKH, mode="drop")
 
 
 def _write(pools: Pools, at: tuple, k_BTKH, v_BTKH) -> Pools:

@@ -119,7 +119,7 @@ def prepare_params(params, kernels: KernelConfig):
     dropped when the option is off, so the config alone decides whether a call dequantizes). Converts one field of
     one layer at a time into a preallocated buffer, so the peak is the experts plus their converted copy, never a
     whole layer's temporaries on top. Experts split over a mesh (`sharding.rules.Layout`) stay split: each device
-    converts its own experts."""
+    converts its own experts. On a CPU the output matrix goes to f32 (`cpu_unembedding`)."""
     kernels = _resolved(kernels)
     params = cpu_unembedding(params, kernels.device)
     experts = params.layers.experts

@@ -1,13 +1,17 @@
 """`pallas_kernels.choice.choose`: which kernel runs each operation of gpt-oss-20b and -120b at serving row counts, on
-an H100, an H200 and a CPU, and the `KernelConfig` that feeds it (no kernel runs here: the choice alone)."""
+an H100, an H200 and a CPU, and the `KernelConfig` that feeds it (no kernel runs here: the choice alone); and the
+output matrix's dtype that `prepare_params` keeps on a CPU."""
 
 import dataclasses
+import json
+from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import pytest
 
-from gptoss_jax import config, engine_config
-from pallas_kernels import KernelConfig, kv_quant, paged_attention
+from gptoss_jax import config, engine_config, model, random_weights
+from pallas_kernels import KernelConfig, cpu_unembedding, kv_quant, paged_attention
 from pallas_kernels.choice import CPU, H100, H200, Device, bf16_experts_unused, choose
 
 PALLAS = KernelConfig(impl="pallas")
@@ -210,14 +214,6 @@ def test_a_cpu_keeps_the_output_matrix_in_f32_with_the_same_logits():
     """On a CPU a bf16 model's unembedding is stored in f32 (XLA's CPU dot converted the bf16 matrix every call): the
     same values, logits bit-identical for one row and within float rounding for several; a GPU keeps bf16, an fp32
     model is left alone."""
-    import json
-    from pathlib import Path
-
-    import jax
-
-    from gptoss_jax import model, random_weights
-    from pallas_kernels import cpu_unembedding
-
     cfg = config.from_hf_dict(json.loads((Path(__file__).parent / "tiny_config.json").read_text()))
     params = random_weights.random_params(cfg, jnp.bfloat16)
     assert params.embed.dtype == jnp.bfloat16 and params.unembed.dtype == jnp.float32  # prepared for this CPU
