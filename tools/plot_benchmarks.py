@@ -30,13 +30,13 @@ FP8_8K_PROFILE = "throughput 8192/1024 kv_cache_dtype=fp8"  # the profile's 256 
 BF16_8K_120B = "throughput 8192/1024 max_num_seqs=128"  # three waves
 # (model, job in the file, results file): today's figures, BENCHMARKS.md's first table.
 CURRENT = [
-    ("20b", "latency", "throughput_20b_workers_h200.json"),
+    ("20b", "latency", "latency_20b_b1_600716d_h200.json"),
     ("20b", "throughput 1024/1024", "engine_20b_bf16x_1k_h200.json"),
     ("20b", "throughput 8192/1024", "engine_20b_long_bf16kv_h200.json"),
     ("20b", FP8_8K_20B, "engine_20b_sched_h200.json"),
     ("20b", BF16_8K_20B, "engine_20b_8k_h200.json"),
     ("20b", "throughput 32768/1024", "engine_20b_long_bf16kv_h200.json"),
-    ("120b", "latency", "engine_120b_b1_back_h200.json"),
+    ("120b", "latency", "latency_120b_b1_600716d_h200.json"),
     ("120b", "throughput 1024/1024", "engine_120b_1k_h200.json"),
     ("120b", "throughput 8192/1024", "engine_120b_8k_merged_h200.json"),
     ("120b", FP8_8K, "engine_120b_sched_h200.json"),
