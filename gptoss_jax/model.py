@@ -40,9 +40,13 @@ class Pools:
         a layer out would copy its whole pool into the kernel call."""
         return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), self)
 
+    def row(self, layer) -> jax.Array:
+        """This pool's `[L, ...]` row of model layer `layer` (`layer_index`), one of its type's: the types alternate."""
+        return layer_index.value(layer) // 2
+
     def page_offset(self, layer) -> jax.Array:
-        """The first page in `flat` of model layer `layer` (`layer_index`), one of its type's: the types alternate."""
-        return layer_index.value(layer) // 2 * self.k.shape[1]
+        """The first page in `flat` of model layer `layer`."""
+        return self.row(layer) * self.k.shape[1]
 
     def like(self, flat: "Pools") -> "Pools":
         """`flat` (from `flat`) in this pools' `[L, P, ...]` shape."""
@@ -232,8 +236,7 @@ def _attention(
     if kernels.impl == "reference" and pools.k_scale is None:
         # into the pools' [L, P, ...] shape: written flat (after a reshape), XLA's CPU copied the whole pool for each
         # one-token write (~110 of the demo checkpoint's ~130 ms a decode step at LLVM level 0, the tests' setting)
-        at = (page_offset // pools.k.shape[1], jnp.where(drop, jnp.iinfo(jnp.int32).max, inp.write_page_BT))
-        at = (*at, inp.write_slot_BT)
+        at = (pools.row(layer), jnp.where(drop, jnp.iinfo(jnp.int32).max, inp.write_page_BT), inp.write_slot_BT)
         flat = pools.replace(k=_put(pools.k, at, k), v=_put(pools.v, at, v)).flat()
     else:
         page = jnp.where(drop, jnp.iinfo(jnp.int32).max, page_offset + inp.write_page_BT)
